@@ -1,0 +1,61 @@
+"""Developer sessions: tests, lint, typecheck, bench, demo.
+
+Every session installs the CPU build of torch pinned first, so that resolving the
+project never pulls a multi-GB CUDA wheel on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint", "typecheck"]
+
+TORCH = os.environ.get("AFA_TORCH_SPEC", "torch==2.13.0")
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(TORCH)
+    spec = "." if not extras else f".[{','.join(extras)}]"
+    session.install("-e", spec)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (the README's test command)."""
+    _install(session, "dev")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "examples", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "examples", "benchmarks", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    _install(session, "dev")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every benchmark; each prints JSON lines {name, value, unit[, baseline, ratio]}."""
+    _install(session, "dev")
+    names = session.posargs or sorted(
+        f[:-3] for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
+    )
+    for name in names:
+        session.run("python", f"benchmarks/{name}.py")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run the demo (the example trainer once it exists)."""
+    _install(session)
+    session.run("python", "examples/supervision.py", *session.posargs)

@@ -1,0 +1,1 @@
+"""The actor runtime: typed mailboxes, ask/tell, OTP supervision, remote nodes."""
