@@ -1,5 +1,38 @@
-"""asyncflow_actors: asynchronous, streaming RL post-training as an actor-model library on trio."""
+"""asyncflow_actors: asynchronous, streaming RL post-training as an actor-model library on trio.
+
+``import asyncflow_actors as afa``. The layers (``docs/index.md``) import downward only; their
+public names are re-exported here.
+"""
 
 from __future__ import annotations
+
+from .actors import Actor as Actor
+from .actors import ActorContext as ActorContext
+from .actors import ActorCrashed as ActorCrashed
+from .actors import ActorError as ActorError
+from .actors import ActorRef as ActorRef
+from .actors import ActorState as ActorState
+from .actors import ActorStatistics as ActorStatistics
+from .actors import ActorSystem as ActorSystem
+from .actors import Backoff as Backoff
+from .actors import ChildInfo as ChildInfo
+from .actors import ChildSpec as ChildSpec
+from .actors import MessageTypeError as MessageTypeError
+from .actors import NameTakenError as NameTakenError
+from .actors import OneForAll as OneForAll
+from .actors import OneForOne as OneForOne
+from .actors import Reply as Reply
+from .actors import Request as Request
+from .actors import Restart as Restart
+from .actors import RestForOne as RestForOne
+from .actors import StartChild as StartChild
+from .actors import StopChild as StopChild
+from .actors import Strategy as Strategy
+from .actors import Supervisor as Supervisor
+from .actors import SupervisorFailed as SupervisorFailed
+from .actors import SystemStatistics as SystemStatistics
+from .actors import Terminated as Terminated
+from .actors import WhichChildren as WhichChildren
+from .actors import open_actor_system as open_actor_system
 
 __version__ = "0.1.0.dev0"

@@ -1,1 +1,30 @@
-"""The actor runtime: typed mailboxes, ask/tell, OTP supervision, remote nodes."""
+"""The actor runtime: typed mailboxes, ask/tell, OTP supervision (``docs/actors.md``)."""
+
+from ._actor import Actor as Actor
+from ._actor import ActorContext as ActorContext
+from ._cell import ActorState as ActorState
+from ._cell import ActorStatistics as ActorStatistics
+from ._cell import Reply as Reply
+from ._errors import ActorCrashed as ActorCrashed
+from ._errors import ActorError as ActorError
+from ._errors import MessageTypeError as MessageTypeError
+from ._errors import NameTakenError as NameTakenError
+from ._errors import SupervisorFailed as SupervisorFailed
+from ._message import Request as Request
+from ._message import Terminated as Terminated
+from ._ref import ActorRef as ActorRef
+from ._supervisor import Backoff as Backoff
+from ._supervisor import ChildInfo as ChildInfo
+from ._supervisor import ChildSpec as ChildSpec
+from ._supervisor import OneForAll as OneForAll
+from ._supervisor import OneForOne as OneForOne
+from ._supervisor import Restart as Restart
+from ._supervisor import RestForOne as RestForOne
+from ._supervisor import StartChild as StartChild
+from ._supervisor import StopChild as StopChild
+from ._supervisor import Strategy as Strategy
+from ._supervisor import Supervisor as Supervisor
+from ._supervisor import WhichChildren as WhichChildren
+from ._system import ActorSystem as ActorSystem
+from ._system import SystemStatistics as SystemStatistics
+from ._system import open_actor_system as open_actor_system

@@ -1,0 +1,431 @@
+"""The actor cell: one named actor's mailbox, state and incarnation loop.
+
+A cell outlives the actor instances it runs: a supervisor restarts a crashed actor in the same cell,
+so references to it stay valid across restarts. The cell owns:
+
+- the user mailbox, a bounded trio memory channel (its capacity *is* the backpressure);
+- a system queue (stop requests, child exits, ``Terminated`` notices) that bypasses the bounded
+  mailbox, so a full mailbox can never block a shutdown;
+- the set of outstanding replies, so that no asker ever hangs: when an incarnation ends, every
+  pending and queued ask fails with ``ActorCrashed``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import outcome
+import trio
+
+from ._errors import ActorCrashed
+
+if TYPE_CHECKING:
+    from ._actor import Actor, ActorContext
+    from ._system import ActorSystem
+
+log = logging.getLogger("asyncflow_actors.actors")
+
+
+class ActorState(enum.Enum):
+    """Where a cell is in its life. ``RESTARTING`` is the gap between two incarnations."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    RESTARTING = "restarting"
+    TERMINATED = "terminated"
+
+
+@attrs.frozen
+class ActorStatistics:
+    """A snapshot of one actor's counters (``ref.statistics()``)."""
+
+    name: str
+    state: ActorState
+    mailbox_depth: int
+    mailbox_capacity: int | float
+    senders_waiting: int
+    processed: int
+    restarts: int
+    dead_letters: int
+    replies_outstanding: int
+
+
+class Reply:
+    """A one-shot reply slot: the asker waits on it, the actor fulfils it exactly once.
+
+    Actors get one from ``ctx.defer_reply()`` to answer a request later (from another message or
+    a helper task). ``send``/``fail`` return ``False`` if the slot was already resolved.
+    """
+
+    __slots__ = ("_cell", "_event", "_outcome")
+
+    def __init__(self, cell: ActorCell | None = None) -> None:
+        self._event = trio.Event()
+        self._outcome: outcome.Outcome[Any] | None = None
+        self._cell = cell
+
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def send(self, value: object) -> bool:
+        """Answer the request with ``value``."""
+        return self._resolve(outcome.Value(value))
+
+    def fail(self, error: BaseException) -> bool:
+        """Answer the request with an error: the asker's ``ask`` raises ``error``."""
+        return self._resolve(outcome.Error(error))
+
+    def _resolve(self, result: outcome.Outcome[Any]) -> bool:
+        if self._outcome is not None:
+            return False
+        self._outcome = result
+        self._event.set()
+        if self._cell is not None:
+            self._cell.outstanding.discard(self)
+        return True
+
+    async def wait(self) -> Any:
+        await self._event.wait()
+        assert self._outcome is not None
+        return self._outcome.unwrap()
+
+
+@attrs.frozen
+class Ask:
+    """A request travelling through a mailbox together with its reply slot."""
+
+    msg: object
+    reply: Reply
+
+
+@attrs.frozen
+class ChildExited:
+    """System notice to a parent: one incarnation of a child cell ended."""
+
+    cell: ActorCell
+    incarnation: int
+    error: BaseException | None
+    stopped: bool  # ended because someone asked it to stop (not a crash, not a self-exit)
+
+
+@attrs.frozen
+class IncarnationExit:
+    """How one incarnation ended (returned by ``ActorCell.run``)."""
+
+    error: BaseException | None
+    stopped: bool
+    killed: bool
+    start_failed: bool
+
+
+class ActorCell:
+    """Runtime record of one named actor; see the module docstring."""
+
+    def __init__(
+        self,
+        system: ActorSystem,
+        path: str,
+        *,
+        mailbox_size: int | float,
+        parent: ActorCell | None,
+        shutdown: float | None,
+    ) -> None:
+        from ._ref import LocalActorRef
+
+        self.system = system
+        self.path = path
+        self.parent = parent
+        self.shutdown = shutdown
+        self.mailbox_capacity = mailbox_size
+        self.mailbox_send, self.mailbox_recv = trio.open_memory_channel[object](mailbox_size)
+        self.system_queue: deque[object] = deque()
+        self.state = ActorState.STARTING
+        self.accepts: tuple[type, ...] | None = None
+        self.processed = 0
+        self.restarts = 0
+        self.dead_letters = 0
+        self.incarnation = 0
+        self.outstanding: set[Reply] = set()
+        self.watchers: set[ActorCell] = set()
+        self.last_error: BaseException | None = None
+        self.stop_requested = False  # the current incarnation was asked to stop
+        self.self_exit = False  # it called ctx.stop_self()
+        self.terminate_requested = False  # stop for good: no restart (ref.stop())
+        self.terminate_event = trio.Event()
+        self.stopping = trio.Event()  # set by request_stop for the current incarnation
+        self.exited = trio.Event()
+        self.exited.set()  # no incarnation yet
+        self.terminated = trio.Event()
+        self.loop_task: trio.lowlevel.Task | None = None
+        self.ref: LocalActorRef[Any] = LocalActorRef(self)
+        self._wait_scope: trio.CancelScope | None = None
+        self._kill_scope: trio.CancelScope | None = None
+        self._kill_deadline = math.inf
+        self._failure: BaseException | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"<ActorCell {self.path!r} {self.state.value}>"
+
+    # -- delivery -----------------------------------------------------------------------------
+
+    def deliver_system(self, msg: object) -> None:
+        """Queue a system message; it is handled before any user message, whatever the mailbox."""
+        if self.state is ActorState.TERMINATED:
+            return
+        self.system_queue.append(msg)
+        self._wake()
+
+    def request_stop(self, grace: float | None) -> None:
+        """Ask the running incarnation to stop after its current message, within ``grace`` s.
+
+        Past the grace the incarnation is cancelled (its ``on_stop`` included). Idempotent; a later
+        call can only shorten the deadline.
+        """
+        if grace is None:
+            grace = self.default_grace()
+        self.stop_requested = True
+        self.stopping.set()
+        deadline = trio.current_time() + grace
+        self._kill_deadline = min(self._kill_deadline, deadline)
+        if self._kill_scope is not None:
+            self._kill_scope.deadline = self._kill_deadline
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """Crash the running incarnation with ``error`` at its next message boundary."""
+        if self._failure is None:
+            self._failure = error
+        self._wake()
+
+    def default_grace(self) -> float:
+        return self.shutdown if self.shutdown is not None else self.system.shutdown_grace
+
+    def _wake(self) -> None:
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
+
+    # -- the incarnation --------------------------------------------------------------------------
+
+    async def run(
+        self,
+        factory: Callable[[], Actor[Any]],
+        *,
+        task_status: trio.TaskStatus[BaseException | None] = trio.TASK_STATUS_IGNORED,
+    ) -> IncarnationExit:
+        """Run one incarnation: create the actor, ``on_start``, the message loop, ``on_stop``.
+
+        Reports ``task_status.started(None)`` once ``on_start`` returned, or
+        ``started(error)`` if creating or starting the actor failed (then returns at once).
+        Never raises an actor's exception; an outer cancellation propagates after cleanup.
+        """
+        from ._actor import ActorContext, accepted_message_types
+
+        if self.terminate_requested or self.state is ActorState.TERMINATED:
+            task_status.started(_start_interrupted(self))
+            return IncarnationExit(error=None, stopped=True, killed=False, start_failed=True)
+        self.incarnation += 1
+        self.state = ActorState.STARTING
+        self.exited = trio.Event()
+        self.system_queue.clear()
+        self._failure = None
+        self.self_exit = False
+        error: BaseException | None = None
+        started = False
+        reported = False
+        ctx: ActorContext[Any] | None = None
+        try:
+            with trio.CancelScope(deadline=self._kill_deadline) as kill_scope:
+                self._kill_scope = kill_scope
+                try:
+                    actor = factory()
+                    self.accepts = accepted_message_types(type(actor))
+                    if self.shutdown is None:
+                        self.shutdown = actor.default_shutdown()
+                    async with trio.open_nursery() as helpers:
+                        ctx = ActorContext(self, actor, helpers)
+                        try:
+                            await actor.on_start(ctx)
+                            started = True
+                            self.state = ActorState.RUNNING
+                            self.loop_task = trio.lowlevel.current_task()
+                            task_status.started(None)
+                            reported = True
+                            await self._loop(actor, ctx)
+                        except Exception as exc:
+                            error = exc
+                        finally:
+                            self.loop_task = None
+                        self.state = ActorState.STOPPING
+                        await ctx.stop_children()
+                        helpers.cancel_scope.cancel()
+                except Exception as exc:  # the factory, or a helper task (an ExceptionGroup)
+                    if error is None:
+                        error = exc
+                if started and ctx is not None:
+                    try:
+                        await ctx.actor.on_stop(ctx, error)
+                    except Exception as exc:
+                        if error is None:
+                            error = exc
+                        else:
+                            log.warning("%s: on_stop raised after a crash", self.path, exc_info=exc)
+            killed = kill_scope.cancelled_caught
+        except BaseException:
+            # Cancelled from outside (the parent's nursery is going away): nobody will restart
+            # this cell, so it terminates here; pending asks must not hang.
+            self._end_incarnation(error)
+            self.terminate(error)
+            raise
+        finally:
+            self._kill_scope = None
+        self._end_incarnation(error)
+        if error is not None and not (self.stop_requested and killed):
+            log.warning("actor %s crashed: %r", self.path, error, exc_info=error)
+        if not reported:
+            task_status.started(error if error is not None else _start_interrupted(self))
+        return IncarnationExit(
+            error=error,
+            stopped=self.stop_requested,
+            killed=killed,
+            start_failed=not started,
+        )
+
+    async def _loop(self, actor: Actor[Any], ctx: ActorContext[Any]) -> None:
+        recv = self.mailbox_recv
+        while True:
+            while self.system_queue:
+                await self._dispatch(actor, ctx, self.system_queue.popleft())
+            if self._failure is not None:
+                raise self._failure
+            if self.stop_requested or self.self_exit:
+                return
+            try:
+                item = recv.receive_nowait()
+            except trio.WouldBlock:
+                with trio.CancelScope() as scope:
+                    self._wait_scope = scope
+                    try:
+                        item = await recv.receive()
+                    finally:
+                        self._wait_scope = None
+                if scope.cancelled_caught:
+                    continue
+            else:
+                # receive_nowait does not yield: keep the loop a checkpoint per message.
+                await trio.lowlevel.checkpoint()
+            await self._dispatch(actor, ctx, item)
+
+    async def _dispatch(self, actor: Actor[Any], ctx: ActorContext[Any], item: object) -> None:
+        if isinstance(item, Ask):
+            reply = item.reply
+            reply._cell = self
+            self.outstanding.add(reply)
+            ctx._current = reply
+            try:
+                result = await actor.receive(item.msg, ctx)
+            finally:
+                ctx._current = None
+            if reply is not ctx._deferred:
+                reply.send(result)
+            ctx._deferred = None
+        elif isinstance(item, ChildExited):
+            await actor._child_exited(ctx, item)
+        else:
+            await actor.receive(item, ctx)
+        self.processed += 1
+
+    def _end_incarnation(self, error: BaseException | None) -> None:
+        """Fail every outstanding and queued ask; count queued tells as dead letters."""
+        self.last_error = error
+        if self.state is not ActorState.TERMINATED:
+            self.state = ActorState.RESTARTING
+        for reply in list(self.outstanding):
+            reply.fail(ActorCrashed(self.path, error))
+        self.outstanding.clear()
+        self._flush_mailbox(error)
+        self.exited.set()
+
+    def _flush_mailbox(self, error: BaseException | None) -> None:
+        while True:
+            try:
+                item = self.mailbox_recv.receive_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                return
+            if isinstance(item, Ask):
+                item.reply.fail(ActorCrashed(self.path, error, detail="request was queued"))
+            else:
+                self.dead_letters += 1
+
+    def prepare_restart(self) -> None:
+        """Reset the stop state for a new incarnation (a supervisor restarts the cell)."""
+        self.stop_requested = False
+        self.stopping = trio.Event()
+        self._kill_deadline = math.inf
+        self.restarts += 1
+
+    def terminate(self, error: BaseException | None) -> None:
+        """End the cell for good: close the mailbox, notify watchers, free the name."""
+        if self.state is ActorState.TERMINATED:
+            return
+        self.state = ActorState.TERMINATED
+        self.last_error = error
+        self._flush_mailbox(error)
+        self.mailbox_recv.close()
+        self.terminate_event.set()
+        from ._message import Terminated
+
+        for watcher in self.watchers:
+            watcher.deliver_system(Terminated(self.ref, error))
+        self.watchers.clear()
+        self.system.unregister(self)
+        self.terminated.set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop the actor for good and wait until it has terminated."""
+        if self.loop_task is not None and trio.lowlevel.current_task() is self.loop_task:
+            raise RuntimeError(
+                f"actor {self.path!r} awaited its own stop() from receive: that would deadlock; "
+                "use ctx.stop_self()"
+            )
+        if self.state is ActorState.TERMINATED:
+            await trio.lowlevel.checkpoint()
+            return
+        self.request_terminate(grace)
+        await self.exited.wait()
+        self.terminate(self.last_error)
+
+    def request_terminate(self, grace: float | None) -> None:
+        """Ask for a stop for good: no supervisor will restart this cell afterwards."""
+        self.terminate_requested = True
+        self.terminate_event.set()
+        self.request_stop(grace)
+
+    def statistics(self) -> ActorStatistics:
+        stats = self.mailbox_send.statistics()
+        return ActorStatistics(
+            name=self.path,
+            state=self.state,
+            mailbox_depth=stats.current_buffer_used,
+            mailbox_capacity=self.mailbox_capacity,
+            senders_waiting=stats.tasks_waiting_send,
+            processed=self.processed,
+            restarts=self.restarts,
+            dead_letters=self.dead_letters,
+            replies_outstanding=len(self.outstanding),
+        )
+
+
+def _start_interrupted(cell: ActorCell) -> BaseException:
+    return ActorCrashed(cell.path, None, detail="stopped before on_start finished")

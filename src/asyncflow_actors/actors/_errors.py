@@ -1,0 +1,64 @@
+"""Typed errors of the actor runtime.
+
+Every error a caller of the runtime can see is one of these (or the application's own exception,
+delivered to an asker through ``ctx.reply_error``). Messages name the actor and the offending value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ActorError(Exception):
+    """Base class of the runtime's errors."""
+
+
+class ActorCrashed(ActorError):
+    """The actor a message was meant for crashed or stopped before it answered.
+
+    ``error`` is the exception that ended the actor (``None`` when it was stopped, not crashed).
+    Raised by ``ask`` for every pending and queued request of that actor, and by ``send`` to an
+    actor that has terminated for good. It is chained (``__cause__``) to ``error``.
+    """
+
+    def __init__(self, name: str, error: BaseException | None, *, detail: str = "") -> None:
+        self.name = name
+        self.error = error
+        if error is None:
+            what = f"actor {name!r} stopped"
+        else:
+            what = f"actor {name!r} crashed: {type(error).__name__}: {error}"
+        super().__init__(f"{what}{' (' + detail + ')' if detail else ''}")
+        self.__cause__ = error
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep copy/deepcopy working with kw-only args
+        return (type(self), (self.name, self.error))
+
+
+class MessageTypeError(ActorError, TypeError):
+    """A message of a type the actor does not accept, or an ``ask`` of a non-``Request``."""
+
+
+class NameTakenError(ActorError, ValueError):
+    """Two live actors of one system were given the same name."""
+
+
+class SupervisorFailed(ActorError):
+    """A supervisor exceeded its restart intensity (or could not start a child) and gave up.
+
+    ``failures`` holds the children's errors that led to it, oldest first; ``__cause__`` is the
+    last one. The supervisor's own parent decides what happens next.
+    """
+
+    def __init__(self, name: str, reason: str, failures: Sequence[BaseException]) -> None:
+        self.name = name
+        self.reason = reason
+        self.failures = tuple(failures)
+        lines = [f"supervisor {name!r} failed: {reason}"]
+        lines += [f"  - {type(f).__name__}: {f}" for f in self.failures[-8:]]
+        super().__init__("\n".join(lines))
+        if self.failures:
+            self.__cause__ = self.failures[-1]
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.reason, self.failures))

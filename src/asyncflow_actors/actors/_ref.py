@@ -1,0 +1,148 @@
+"""``ActorRef[M]``: the only way to talk to an actor, local or remote.
+
+``send`` is a tell that waits while the mailbox is full (that wait *is* the backpressure),
+``send_nowait`` raises ``trio.WouldBlock`` instead, ``ask`` sends a ``Request[R]`` and returns its
+``R`` reply. There are no ``timeout=`` arguments: bound waits with ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Generic, TypeVar
+
+import trio
+
+from ._cell import ActorCell, ActorState, ActorStatistics, Ask, Reply
+from ._errors import ActorCrashed, MessageTypeError
+from ._message import Request, Terminated
+
+
+M = TypeVar("M")
+R = TypeVar("R")
+
+
+class ActorRef(abc.ABC, Generic[M]):
+    """A reference to an actor; equal refs address the same actor. Cheap to copy and share.
+
+    Refs stay valid across supervised restarts. Every method that waits is a trio checkpoint
+    and cancellation-atomic: a cancelled ``send`` sent nothing.
+    """
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The actor's path in its system, e.g. ``"tq/storage-0"``."""
+
+    @abc.abstractmethod
+    async def send(self, msg: M) -> None:
+        """Deliver ``msg``; waits while the mailbox is full.
+
+        Raises ``MessageTypeError`` for a message the actor does not accept and ``ActorCrashed``
+        if the actor has terminated for good.
+        """
+
+    @abc.abstractmethod
+    def send_nowait(self, msg: M) -> None:
+        """Like ``send`` but raises ``trio.WouldBlock`` when the mailbox is full."""
+
+    @abc.abstractmethod
+    async def ask(self, request: Request[R]) -> R:
+        """Send ``request`` and wait for its reply.
+
+        Raises ``ActorCrashed`` if the actor crashes or stops before replying (the asker never
+        hangs), or the error the actor answered with ``ctx.reply_error``. If the caller is
+        cancelled, the request may still be processed; its reply is discarded.
+        """
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop the actor for good (current message finishes, ``on_stop`` runs); wait for it."""
+
+    @abc.abstractmethod
+    def statistics(self) -> ActorStatistics:
+        """Mailbox depth, processed count, restarts and more, as a frozen snapshot."""
+
+    @abc.abstractmethod
+    def _watch(self, watcher: ActorCell) -> None: ...
+
+    @abc.abstractmethod
+    def _unwatch(self, watcher: ActorCell) -> None: ...
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class LocalActorRef(ActorRef[M]):
+    """A reference to an actor in this process."""
+
+    __slots__ = ("_cell",)
+
+    def __init__(self, cell: ActorCell) -> None:
+        self._cell = cell
+
+    @property
+    def name(self) -> str:
+        return self._cell.path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LocalActorRef) and other._cell is self._cell
+
+    def __hash__(self) -> int:
+        return id(self._cell)
+
+    def _check(self, msg: object) -> None:
+        accepts = self._cell.accepts
+        if accepts is not None and not isinstance(msg, accepts) and not isinstance(msg, Terminated):
+            names = " | ".join(t.__name__ for t in accepts)
+            raise MessageTypeError(
+                f"actor {self._cell.path!r} accepts {names}, not {type(msg).__name__}: {msg!r}"
+            )
+
+    def _dead(self, detail: str = "") -> ActorCrashed:
+        return ActorCrashed(self._cell.path, self._cell.last_error, detail=detail or "terminated")
+
+    async def send(self, msg: M) -> None:
+        self._check(msg)
+        try:
+            await self._cell.mailbox_send.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
+
+    def send_nowait(self, msg: M) -> None:
+        self._check(msg)
+        try:
+            self._cell.mailbox_send.send_nowait(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
+
+    async def ask(self, request: Request[R]) -> R:
+        if not isinstance(request, Request):
+            raise MessageTypeError(
+                f"ask() needs a Request, got {type(request).__name__}: {request!r}; use send() "
+                "for messages without a reply"
+            )
+        self._check(request)
+        reply = Reply()
+        try:
+            await self._cell.mailbox_send.send(Ask(request, reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
+        result: R = await reply.wait()
+        return result
+
+    async def stop(self) -> None:
+        await self._cell.stop()
+
+    def statistics(self) -> ActorStatistics:
+        return self._cell.statistics()
+
+    def _watch(self, watcher: ActorCell) -> None:
+        if self._cell.state is ActorState.TERMINATED:
+            watcher.deliver_system(Terminated(self, self._cell.last_error))
+        else:
+            self._cell.watchers.add(watcher)
+
+    def _unwatch(self, watcher: ActorCell) -> None:
+        self._cell.watchers.discard(watcher)
