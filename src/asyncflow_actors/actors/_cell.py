@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncflow_actors.actors")
 
+_WAKE = object()  # handed to a parked loop to make it look at its system queue and flags
+
 
 class ActorState(enum.Enum):
     """Where a cell is in its life. ``RESTARTING`` is the gap between two incarnations."""
@@ -166,7 +168,7 @@ class ActorCell:
         self.terminated = trio.Event()
         self.loop_task: trio.lowlevel.Task | None = None
         self.ref: LocalActorRef[Any] = LocalActorRef(self)
-        self._wait_scope: trio.CancelScope | None = None
+        self._parked = False
         self._kill_scope: trio.CancelScope | None = None
         self._kill_deadline = math.inf
         self._failure: BaseException | None = None
@@ -213,8 +215,14 @@ class ActorCell:
         return self.shutdown if self.shutdown is not None else self.system.shutdown_grace
 
     def _wake(self) -> None:
-        if self._wait_scope is not None:
-            self._wait_scope.cancel()
+        # The loop parks in the mailbox's receive; a parked receiver means an empty buffer, so
+        # handing it a sentinel cannot block and cannot be refused.
+        if self._parked:
+            self._parked = False
+            try:
+                self.mailbox_send.send_nowait(_WAKE)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     # -- the incarnation --------------------------------------------------------------------------
 
@@ -304,43 +312,57 @@ class ActorCell:
 
     async def _loop(self, actor: Actor[Any], ctx: ActorContext[Any]) -> None:
         recv = self.mailbox_recv
+        receive = actor.receive
+        checkpoint = trio.lowlevel.checkpoint
         while True:
-            while self.system_queue:
-                await self._dispatch(actor, ctx, self.system_queue.popleft())
-            if self._failure is not None:
-                raise self._failure
-            if self.stop_requested or self.self_exit:
-                return
+            if (
+                self.system_queue
+                or self._failure is not None
+                or self.stop_requested
+                or self.self_exit
+            ):
+                while self.system_queue:
+                    await self._dispatch_system(actor, ctx, self.system_queue.popleft())
+                if self._failure is not None:
+                    raise self._failure
+                if self.stop_requested or self.self_exit:
+                    return
             try:
                 item = recv.receive_nowait()
             except trio.WouldBlock:
-                with trio.CancelScope() as scope:
-                    self._wait_scope = scope
-                    try:
-                        item = await recv.receive()
-                    finally:
-                        self._wait_scope = None
-                if scope.cancelled_caught:
-                    continue
+                self._parked = True
+                try:
+                    item = await recv.receive()
+                finally:
+                    self._parked = False
             else:
                 # receive_nowait does not yield: keep the loop a checkpoint per message.
-                await trio.lowlevel.checkpoint()
-            await self._dispatch(actor, ctx, item)
+                await checkpoint()
+            if item is _WAKE:
+                continue
+            if type(item) is Ask:
+                await self._dispatch_ask(actor, ctx, item)
+            else:
+                await receive(item, ctx)
+            self.processed += 1
 
-    async def _dispatch(self, actor: Actor[Any], ctx: ActorContext[Any], item: object) -> None:
-        if isinstance(item, Ask):
-            reply = item.reply
-            reply._cell = self
-            self.outstanding.add(reply)
-            ctx._current = reply
-            try:
-                result = await actor.receive(item.msg, ctx)
-            finally:
-                ctx._current = None
-            if reply is not ctx._deferred:
-                reply.send(result)
-            ctx._deferred = None
-        elif isinstance(item, ChildExited):
+    async def _dispatch_ask(self, actor: Actor[Any], ctx: ActorContext[Any], item: Ask) -> None:
+        reply = item.reply
+        reply._cell = self
+        self.outstanding.add(reply)
+        ctx._current = reply
+        try:
+            result = await actor.receive(item.msg, ctx)
+        finally:
+            ctx._current = None
+        if reply is not ctx._deferred:
+            reply.send(result)
+        ctx._deferred = None
+
+    async def _dispatch_system(
+        self, actor: Actor[Any], ctx: ActorContext[Any], item: object
+    ) -> None:
+        if isinstance(item, ChildExited):
             await actor._child_exited(ctx, item)
         else:
             await actor.receive(item, ctx)
@@ -365,7 +387,7 @@ class ActorCell:
                 return
             if isinstance(item, Ask):
                 item.reply.fail(ActorCrashed(self.path, error, detail="request was queued"))
-            else:
+            elif item is not _WAKE:
                 self.dead_letters += 1
 
     def prepare_restart(self) -> None:

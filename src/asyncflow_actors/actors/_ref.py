@@ -16,7 +16,6 @@ from ._cell import ActorCell, ActorState, ActorStatistics, Ask, Reply
 from ._errors import ActorCrashed, MessageTypeError
 from ._message import Request, Terminated
 
-
 M = TypeVar("M")
 R = TypeVar("R")
 
