@@ -6,6 +6,7 @@ public names are re-exported here.
 
 from __future__ import annotations
 
+from . import actors as actors
 from .actors import Actor as Actor
 from .actors import ActorContext as ActorContext
 from .actors import ActorCrashed as ActorCrashed
@@ -19,12 +20,18 @@ from .actors import ChildInfo as ChildInfo
 from .actors import ChildSpec as ChildSpec
 from .actors import MessageTypeError as MessageTypeError
 from .actors import NameTakenError as NameTakenError
+from .actors import Node as Node
+from .actors import NodeLost as NodeLost
+from .actors import NodeOptions as NodeOptions
 from .actors import OneForAll as OneForAll
 from .actors import OneForOne as OneForOne
+from .actors import RemoteActorRef as RemoteActorRef
+from .actors import RemoteError as RemoteError
 from .actors import Reply as Reply
 from .actors import Request as Request
 from .actors import Restart as Restart
 from .actors import RestForOne as RestForOne
+from .actors import SpawnRefused as SpawnRefused
 from .actors import StartChild as StartChild
 from .actors import StopChild as StopChild
 from .actors import Strategy as Strategy
@@ -33,6 +40,8 @@ from .actors import SupervisorFailed as SupervisorFailed
 from .actors import SystemStatistics as SystemStatistics
 from .actors import Terminated as Terminated
 from .actors import WhichChildren as WhichChildren
+from .actors import WireError as WireError
 from .actors import open_actor_system as open_actor_system
+from .actors import register_error as register_error
 
 __version__ = "0.1.0.dev0"

@@ -314,3 +314,14 @@ async def test_linked_child_crash_crashes_its_parent() -> None:
         assert error.state is afa.ActorState.TERMINATED
         with pytest.raises(afa.ActorCrashed, match="linked child crashed"):
             await parent.ask(Get())  # type: ignore[arg-type]
+
+
+async def test_cancelling_the_system_from_outside_still_stops_actors_gracefully() -> None:
+    log: list[str] = []
+    with trio.move_on_after(1) as scope:
+        async with afa.open_actor_system() as system:
+            await start_tree(system, log, afa.OneForOne())
+            log.clear()
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    assert log == ["stop c", "stop b", "stop a"]

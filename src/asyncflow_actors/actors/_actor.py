@@ -124,6 +124,14 @@ class ActorContext(Generic[M]):
         """Like ``start_soon`` but waits for ``task_status.started(value)`` and returns value."""
         return await self._nursery.start(fn, *args, name=name)
 
+    def fail(self, error: BaseException) -> None:
+        """Crash this actor with ``error`` (as-is, no exception group) at its next message boundary.
+
+        For helper tasks that detect a fatal condition: raising in the helper would crash the
+        actor too, but wrapped in an ``ExceptionGroup``.
+        """
+        self._cell.fail(error)
+
     def stop_self(self) -> None:
         """Stop after the current message (a normal exit: a PERMANENT child is restarted)."""
         self._cell.self_exit = True

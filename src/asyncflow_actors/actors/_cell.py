@@ -157,6 +157,7 @@ class ActorCell:
         self.incarnation = 0
         self.outstanding: set[Reply] = set()
         self.watchers: set[ActorCell] = set()
+        self.on_terminate: list[Callable[[], None]] = []  # run once, when it terminates for good
         self.last_error: BaseException | None = None
         self.stop_requested = False  # the current incarnation was asked to stop
         self.self_exit = False  # it called ctx.stop_self()
@@ -413,6 +414,9 @@ class ActorCell:
         self.watchers.clear()
         self.system.unregister(self)
         self.terminated.set()
+        for callback in self.on_terminate:
+            callback()
+        self.on_terminate.clear()
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop the actor for good and wait until it has terminated."""

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -122,14 +122,19 @@ class LocalActorRef(ActorRef[M]):
                 f"ask() needs a Request, got {type(request).__name__}: {request!r}; use send() "
                 "for messages without a reply"
             )
+        reply = await self._enqueue_ask(request)
+        result: R = await reply.wait()
+        return result
+
+    async def _enqueue_ask(self, request: Request[Any]) -> Reply:
+        """Queue ``request`` (FIFO with tells) and return its reply slot without waiting on it."""
         self._check(request)
         reply = Reply()
         try:
             await self._cell.mailbox_send.send(Ask(request, reply))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise self._dead() from self._cell.last_error
-        result: R = await reply.wait()
-        return result
+        return reply
 
     async def stop(self) -> None:
         await self._cell.stop()

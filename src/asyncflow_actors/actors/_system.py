@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import attrs
 import trio
@@ -15,6 +15,10 @@ from ._cell import ActorCell, ActorStatistics
 from ._errors import NameTakenError
 from ._ref import ActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
+
+if TYPE_CHECKING:
+    from ._node import Launcher, Node, NodeOptions
+    from ._zmq import CurveClient
 
 N = TypeVar("N")
 
@@ -78,6 +82,53 @@ class ActorSystem:
         """Stop a top-level actor for good."""
         await self.root.ask(StopChild(name))
 
+    async def start_node(
+        self,
+        name: str,
+        *,
+        allow: Sequence[str],
+        transport: Literal["ipc", "tcp", "inproc"] = "ipc",
+        host: str = "127.0.0.1",
+        env: Mapping[str, str] | None = None,
+        restart: Restart = Restart.PERMANENT,
+        options: NodeOptions | None = None,
+    ) -> Node:
+        """Start a node in a child process (``inproc``: in this process) and return its handle.
+
+        ``allow`` lists the module prefixes actors may be spawned from on it. The node is a
+        supervised child of the root (``PERMANENT``: restarted if it dies). See ``docs/remote.md``.
+        """
+        from ._node import InProcessLauncher, SubprocessLauncher, node_spec
+
+        launcher: Launcher
+        if transport == "inproc":
+            launcher = InProcessLauncher(tuple(allow))
+        else:
+            launcher = SubprocessLauncher(tuple(allow), transport=transport, host=host, env=env)
+        return await self._start_node(node_spec(name, launcher, restart=restart, options=options))
+
+    async def connect_node(
+        self,
+        address: str,
+        *,
+        name: str,
+        curve: CurveClient | None = None,
+        restart: Restart = Restart.PERMANENT,
+        options: NodeOptions | None = None,
+    ) -> Node:
+        """Connect to a node started elsewhere (``python -m asyncflow_actors.node``)."""
+        from ._node import ConnectLauncher, node_spec
+
+        spec = node_spec(name, ConnectLauncher(address, curve), restart=restart, options=options)
+        return await self._start_node(spec)
+
+    async def _start_node(self, spec: ChildSpec) -> Node:
+        from ._node import GetNode
+
+        ref = await self.start_child(spec)
+        node: Node = await ref.ask(GetNode())
+        return node
+
     def whereis(self, path: str) -> ActorRef[Any] | None:
         """The live actor at ``path``, or ``None``."""
         cell = self._cells.get(path)
@@ -117,8 +168,9 @@ async def open_actor_system(
     """Run an actor system for the duration of the ``async with`` block.
 
     ``strategy`` is the root supervisor's (default ``OneForOne()``); ``shutdown_grace`` the
-    default grace of a stopping actor. Leaving the block stops every actor in reverse start
-    order, each within its grace, then cancels what is left. If the root supervisor fails (its
+    default grace of a stopping actor. Leaving the block — normally, by an exception, or by a
+    cancellation from outside — stops every actor in reverse start order, each within its
+    grace, then cancels what is left. If the root supervisor fails (its
     restart intensity exceeded), the block is cancelled and ``SupervisorFailed`` surfaces from
     the ``async with`` inside an ``ExceptionGroup`` (trio's strict exception groups).
     """
@@ -126,8 +178,14 @@ async def open_actor_system(
     root = ActorCell(system, "", mailbox_size=math.inf, parent=None, shutdown=math.inf)
     chosen = strategy if strategy is not None else OneForOne()
 
+    # The actors run shielded from cancellation of the caller: cancelling the ``async with``
+    # block from outside must still stop them gracefully (their ``on_stop`` may have processes
+    # to reap), within their shutdown graces. Only the block's own body sees the cancellation.
+    tree_scope = trio.CancelScope(shield=True)
+
     async def run_root(task_status: trio.TaskStatus[BaseException | None]) -> None:
-        exit = await root.run(lambda: Supervisor((), chosen), task_status=task_status)
+        with tree_scope:
+            exit = await root.run(lambda: Supervisor((), chosen), task_status=task_status)
         root.terminate(exit.error)
         if exit.error is not None and not exit.start_failed:
             raise exit.error
@@ -142,4 +200,5 @@ async def open_actor_system(
         finally:
             with trio.CancelScope(shield=True):
                 await root.stop()
+            tree_scope.cancel()
             system._root = None

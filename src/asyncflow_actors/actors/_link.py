@@ -1,0 +1,247 @@
+"""The system side of one connection to a node: requests, replies, credits, heartbeats.
+
+A ``NodeLink`` owns a DEALER socket connected to a node's ROUTER. ``run`` is its only receiving
+task; any task may send. Every request waits on a ``Reply`` keyed by a correlation id; when the
+link closes (the node died, the connection broke, the owner stopped), every pending request
+fails with ``ActorCrashed`` chained to a ``NodeLost``, so no asker ever hangs.
+
+Credits implement flow control across processes: a remote actor's mailbox capacity is the number
+of messages this side may have in flight to it; ``tell``/``ask`` wait for a credit, the node
+returns them as messages enter the mailbox. (zmq's high-water mark is not flow control: it drops
+or blocks per pipe, not per actor.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from . import _protocol as P
+from ._cell import Reply
+from ._errors import ActorCrashed
+from ._typeinfo import register_types
+from ._wire import MessageRegistry, WireError, decode, encode
+from ._zmq import TrioSocket
+
+log = logging.getLogger("asyncflow_actors.node")
+
+
+class Credits:
+    """A counter of messages that may still be sent to one remote actor; FIFO waiters."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.capacity = count
+        self._lot = trio.lowlevel.ParkingLot()
+        self.closed: BaseException | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self._lot.statistics().tasks_waiting
+
+    def acquire_nowait(self) -> None:
+        if self.closed is not None:
+            raise self.closed
+        if self.count <= 0 or self._lot.statistics().tasks_waiting:
+            raise trio.WouldBlock
+        self.count -= 1
+
+    async def acquire(self) -> None:
+        """Take one credit, waiting (FIFO) until the node returns one. Cancellation-atomic."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lot.park()  # woken by release(), which reserved our credit, or by close()
+            if self.closed is not None:
+                raise self.closed from None
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def release(self, n: int = 1) -> None:
+        self.count += n
+        while self.count > 0 and self._lot.statistics().tasks_waiting:
+            self._lot.unpark(count=1)
+            self.count -= 1
+
+    def close(self, error: BaseException) -> None:
+        self.closed = error
+        self._lot.unpark_all()
+
+
+class NodeLink:
+    """One DEALER connection to a node (see the module docstring)."""
+
+    def __init__(
+        self,
+        sock: TrioSocket,
+        registry: MessageRegistry,
+        *,
+        node: str,
+        max_message_bytes: int,
+        on_gone: Callable[[str, P.ErrorInfo | None], None] | None = None,
+    ) -> None:
+        self.sock = sock
+        self.registry = registry
+        self.node = node
+        self.max_message_bytes = max_message_bytes
+        self.on_gone = on_gone
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[Reply, str]] = {}
+        self.credits: dict[str, Credits] = {}
+        self.last_heard = trio.current_time()
+        self.closed: BaseException | None = None
+        self._registered: set[type] = set()
+        self.sent = 0
+        self.wire_errors = 0
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Receive and dispatch until the socket closes. Raises ``NodeLost`` if it breaks."""
+        while True:
+            try:
+                frames = await self.sock.recv_multipart()
+            except trio.ClosedResourceError:
+                return
+            self.last_heard = trio.current_time()
+            try:
+                meta, payload = decode(
+                    frames, registry=self.registry, max_message_bytes=self.max_message_bytes
+                )
+            except WireError as exc:
+                self.wire_errors += 1
+                log.warning("link to %s: undecodable message: %s", self.node, exc)
+                corr = exc.meta.get("c") if isinstance(exc.meta, dict) else None
+                if isinstance(corr, int) and corr in self._pending:
+                    reply, _ = self._pending.pop(corr)
+                    reply.fail(exc)
+                continue
+            self._dispatch(meta, payload)
+
+    def _dispatch(self, meta: dict[str, Any], payload: object) -> None:
+        kind = meta.get("k")
+        if kind == P.OK or kind == P.ERR:
+            entry = self._pending.pop(meta.get("c", -1), None)
+            if entry is None:
+                return  # the asker gave up (cancelled)
+            reply, target = entry
+            if kind == P.OK:
+                reply.send(payload)
+            elif isinstance(payload, P.ErrorInfo):
+                reply.fail(P.error_from_info(payload, self._local_name(target)))
+            else:
+                reply.fail(WireError(f"malformed error reply from node {self.node!r}"))
+        elif kind == P.CREDIT:
+            credits = self.credits.get(meta.get("t", ""))
+            n = meta.get("n")
+            if credits is not None and isinstance(n, int) and n > 0:
+                credits.release(n)
+        elif kind == P.GONE:
+            gone = meta.get("t")
+            if isinstance(gone, str):
+                self._gone(gone, payload)
+        # PONG and anything else only refresh last_heard
+
+    def _gone(self, target: str, payload: object) -> None:
+        credits = self.credits.pop(target, None)
+        info = payload if isinstance(payload, P.ErrorInfo) else None
+        local = self._local_name(target)
+        error = P.error_from_info(info, local) if info is not None else ActorCrashed(local, None)
+        if credits is not None:
+            credits.close(error if isinstance(error, ActorCrashed) else ActorCrashed(local, error))
+        if self.on_gone is not None:
+            self.on_gone(target, info)
+
+    def _local_name(self, target: str) -> str:
+        return f"{self.node}/{target}" if target else self.node
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def _frames(self, meta: dict[str, Any], payload: object) -> list[bytes | memoryview]:
+        cls = type(payload)
+        if cls not in self._registered:
+            register_types(self.registry, cls)
+            self._registered.add(cls)
+        return encode(meta, payload, registry=self.registry)
+
+    def _check_open(self, target: str = "") -> None:
+        if self.closed is not None:
+            raise ActorCrashed(self._local_name(target), self.closed, detail="node link closed")
+
+    async def request(
+        self, kind: str, payload: object = None, *, target: str = "", **meta: Any
+    ) -> Any:
+        """Send a request and wait for its ``ok`` (returned) or ``err`` (raised) reply."""
+        self._check_open(target)
+        corr = next(self._ids)
+        envelope: dict[str, Any] = {"k": kind, "c": corr, **meta}
+        if target:
+            envelope["t"] = target
+        frames = self._frames(envelope, payload)
+        reply = Reply()
+        self._pending[corr] = (reply, target)
+        try:
+            await self.sock.send_multipart(frames)
+            self.sent += 1
+            return await reply.wait()
+        finally:
+            self._pending.pop(corr, None)
+
+    async def tell(self, target: str, msg: object) -> None:
+        credits = self._credits(target)
+        frames = self._frames({"k": P.TELL, "t": target}, msg)
+        await credits.acquire()
+        try:
+            await self.sock.send_multipart(frames)
+        except BaseException:
+            credits.release(1)
+            raise
+        self.sent += 1
+
+    def tell_nowait(self, target: str, msg: object) -> None:
+        credits = self._credits(target)
+        frames = self._frames({"k": P.TELL, "t": target}, msg)
+        credits.acquire_nowait()
+        try:
+            self.sock.send_multipart_nowait(frames)
+        except BaseException:
+            credits.release(1)
+            raise
+        self.sent += 1
+
+    async def ask(self, target: str, msg: object) -> Any:
+        credits = self._credits(target)
+        await credits.acquire()
+        return await self.request(P.ASK, msg, target=target)
+
+    async def send_nowait_meta(self, kind: str) -> None:
+        """Fire-and-forget a payload-less message (heartbeats)."""
+        self._check_open()
+        self.sock.send_multipart_nowait(encode({"k": kind}, None, registry=self.registry))
+        await trio.lowlevel.checkpoint()
+
+    def _credits(self, target: str) -> Credits:
+        self._check_open(target)
+        credits = self.credits.get(target)
+        if credits is None:
+            raise ActorCrashed(self._local_name(target), None, detail="not on this node (anymore)")
+        return credits
+
+    def open_credits(self, target: str, capacity: int) -> None:
+        self.credits[target] = Credits(capacity)
+
+    def close(self, error: BaseException) -> None:
+        """Fail every pending request and credit waiter with ``ActorCrashed(.., error)``."""
+        if self.closed is not None:
+            return
+        self.closed = error
+        for corr, (reply, target) in list(self._pending.items()):
+            reply.fail(ActorCrashed(self._local_name(target), error, detail="node link lost"))
+            del self._pending[corr]
+        for target, credits in self.credits.items():
+            credits.close(ActorCrashed(self._local_name(target), error, detail="node link lost"))

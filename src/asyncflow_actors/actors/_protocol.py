@@ -1,0 +1,229 @@
+"""The node protocol: envelope kinds, its own message classes, and errors across the wire.
+
+Every message between a system and a node is one wire message (``_wire``): the envelope is the
+``meta`` map (``k`` kind, ``c`` correlation id, ``t`` target actor, ``n`` a count), the payload the
+user's message. Kinds:
+
+========== ============== =========================================================
+kind       direction      meaning
+========== ============== =========================================================
+hello      system → node  open a session; reply ``welcome`` with ``NodeInfo``
+ping/pong  both           heartbeats (a node answers every ping)
+spawn      system → node  ``SpawnRequest``; reply ``ok`` with ``SpawnedInfo``
+tell       system → node  a message for actor ``t`` (consumes one credit)
+ask        system → node  a request for actor ``t`` (consumes one credit); reply ``ok``/``err``
+stop       system → node  stop actor ``t`` for good; reply ``ok``
+stats      system → node  statistics of actor ``t`` (or the node); reply ``ok``
+credit     node → system  ``n`` more messages may be sent to actor ``t``
+gone       node → system  actor ``t`` terminated (payload ``ErrorInfo`` or None)
+shutdown   system → node  stop every actor and exit; reply ``ok`` first
+ok / err   node → system  the reply to request ``c`` (``err`` carries an ``ErrorInfo``)
+========== ============== =========================================================
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import traceback
+from typing import Any, Final
+
+import attrs
+
+from ._cell import ActorState, ActorStatistics
+from ._errors import ActorCrashed, ActorError
+from ._wire import MessageRegistry
+
+HELLO: Final = "hello"
+WELCOME: Final = "welcome"
+PING: Final = "ping"
+PONG: Final = "pong"
+SPAWN: Final = "spawn"
+TELL: Final = "tell"
+ASK: Final = "ask"
+STOP: Final = "stop"
+STATS: Final = "stats"
+CREDIT: Final = "credit"
+GONE: Final = "gone"
+SHUTDOWN: Final = "shutdown"
+OK: Final = "ok"
+ERR: Final = "err"
+
+PROTOCOL_VERSION: Final = 1
+
+
+class RemoteError(ActorError):
+    """An exception raised on a node whose type this process does not know (or cannot build).
+
+    ``type_name`` is the remote ``module:qualname``; ``remote_traceback`` the formatted trace.
+    """
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str = "") -> None:
+        self.type_name = type_name
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{type_name}: {message}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.type_name, self.message, self.remote_traceback))
+
+
+class NodeLost(ActorError):
+    """A node process exited, stopped answering heartbeats, or its connection failed."""
+
+
+@attrs.frozen
+class NodeInfo:
+    name: str
+    pid: int
+    protocol: int
+    actors: tuple[str, ...]
+
+
+@attrs.frozen
+class SpawnRequest:
+    target: str  # "package.module:ActorClass"
+    name: str
+    kwargs: dict[str, Any]
+    mailbox_size: int | None
+    restart: str  # a Restart value: the node's own supervisor restarts the actor accordingly
+
+
+@attrs.frozen
+class SpawnedInfo:
+    name: str
+    accepts: tuple[str, ...]  # wire names of the accepted message types; () = anything
+    capacity: int  # initial credit: the mailbox capacity
+
+
+@attrs.frozen
+class ErrorInfo:
+    """An exception on the wire. ``crashed``: the actor crashed (client raises ``ActorCrashed``)."""
+
+    type_name: str
+    message: str
+    actor: str
+    crashed: bool
+    stopped: bool
+    traceback: str
+
+
+@attrs.frozen
+class RemoteStatistics:
+    name: str
+    state: str
+    mailbox_depth: int
+    mailbox_capacity: int
+    senders_waiting: int
+    processed: int
+    restarts: int
+    dead_letters: int
+    replies_outstanding: int
+
+    @classmethod
+    def of(cls, stats: ActorStatistics) -> RemoteStatistics:
+        capacity = stats.mailbox_capacity
+        return cls(
+            stats.name,
+            stats.state.value,
+            stats.mailbox_depth,
+            int(capacity) if capacity != float("inf") else -1,
+            stats.senders_waiting,
+            stats.processed,
+            stats.restarts,
+            stats.dead_letters,
+            stats.replies_outstanding,
+        )
+
+    def local(self, name: str) -> ActorStatistics:
+        return ActorStatistics(
+            name=name,
+            state=ActorState(self.state),
+            mailbox_depth=self.mailbox_depth,
+            mailbox_capacity=self.mailbox_capacity if self.mailbox_capacity >= 0 else float("inf"),
+            senders_waiting=self.senders_waiting,
+            processed=self.processed,
+            restarts=self.restarts,
+            dead_letters=self.dead_letters,
+            replies_outstanding=self.replies_outstanding,
+        )
+
+
+PROTOCOL_TYPES: Final = (NodeInfo, SpawnRequest, SpawnedInfo, ErrorInfo, RemoteStatistics)
+
+
+def protocol_registry() -> MessageRegistry:
+    """A registry holding the protocol's own classes (each side adds the users' types)."""
+    registry = MessageRegistry()
+    for cls in PROTOCOL_TYPES:
+        registry.register(cls)
+    return registry
+
+
+def type_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def error_info(error: BaseException, actor: str) -> ErrorInfo:
+    """Describe ``error`` for the wire; an ``ActorCrashed`` is described by its cause."""
+    crashed = isinstance(error, ActorCrashed)
+    cause = error.error if isinstance(error, ActorCrashed) else None
+    stopped = crashed and cause is None
+    inner: BaseException = cause if cause is not None else error
+    trace = "".join(traceback.format_exception(type(inner), inner, inner.__traceback__))
+    message = str(inner) if not stopped else str(error)
+    return ErrorInfo(type_name(type(inner)), message, actor, crashed, stopped, trace[-8000:])
+
+
+_ERROR_TYPES: dict[str, type[BaseException]] = {}
+
+
+def register_error(cls: type[BaseException]) -> type[BaseException]:
+    """Let errors of ``cls`` raised on a node be re-raised as ``cls`` here (else ``RemoteError``).
+
+    ``cls(message)`` must build it. Builtin exceptions and this library's errors are known.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+        raise TypeError(f"register_error() takes an exception class, got {cls!r}")
+    _ERROR_TYPES[type_name(cls)] = cls
+    return cls
+
+
+def _resolve_error_type(name: str) -> type[BaseException] | None:
+    known = _ERROR_TYPES.get(name)
+    if known is not None:
+        return known
+    module, _, qualname = name.partition(":")
+    candidate: object = None
+    if module == "builtins":
+        candidate = getattr(builtins, qualname, None)
+    elif module == "asyncflow_actors" or module.startswith("asyncflow_actors."):
+        try:  # our own package: importing it is safe
+            candidate = importlib.import_module(module)
+            for part in qualname.split("."):
+                candidate = getattr(candidate, part, None)
+        except ImportError:
+            candidate = None
+    if isinstance(candidate, type) and issubclass(candidate, Exception):
+        return candidate
+    return None
+
+
+def error_from_info(info: ErrorInfo, local_name: str) -> BaseException:
+    """Rebuild the exception an ``ErrorInfo`` describes, as the caller of ``ask`` sees it."""
+    inner: BaseException
+    cls = _resolve_error_type(info.type_name)
+    try:
+        inner = cls(info.message) if cls is not None else RemoteError(info.type_name, info.message)
+    except Exception:
+        inner = RemoteError(info.type_name, info.message)
+    if cls is not None:
+        add_note = getattr(inner, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            add_note(f"raised on the node by {info.actor}; remote traceback:\n{info.traceback}")
+    else:
+        assert isinstance(inner, RemoteError)
+        inner.remote_traceback = info.traceback
+    if info.crashed:
+        return ActorCrashed(local_name, None if info.stopped else inner, detail="remote")
+    return inner

@@ -1,0 +1,579 @@
+"""trio integration for pyzmq: non-blocking ZMQ sockets driven by trio's I/O loop.
+
+trio has no zmq support and ``zmq.asyncio`` is asyncio-only, so :class:`TrioSocket` drives a plain
+``zmq.Socket`` with ``NOBLOCK`` operations and parks on ``trio.lowlevel.wait_readable(zmq.FD)``.
+No thread ever makes a blocking zmq call. (pyzmq itself runs one internal thread that releases
+zero-copy buffers once libzmq is done with them; that is what completes a :class:`SendTracker`.)
+
+How waiting works
+-----------------
+``zmq.FD`` is *edge-triggered*: it becomes readable when libzmq has internal commands to
+process, which means only "``zmq.EVENTS`` may have changed". Any ``send``/``recv`` or read of
+``EVENTS`` processes those commands and may consume the edge, so the rules are:
+
+- try the operation first (``NOBLOCK``); on ``EAGAIN`` re-read ``EVENTS``, and wait on the FD only
+  if ``EVENTS`` still lacks the wanted flag (a wait without that re-read can sleep forever);
+- after every operation, if other tasks are parked, re-read ``EVENTS`` and wake them when it
+  shows what they wait for: the operation may have consumed the edge they were sleeping on;
+- a task that gets what it wants returns one message; callers drain by calling again, which is a
+  pure ``NOBLOCK`` attempt until ``EAGAIN`` (no waiting while messages are queued).
+
+trio allows only one task in ``wait_readable`` per FD (else ``BusyResourceError``), yet a sender
+and a receiver may both need to wait. So the first parked task becomes the *FD watcher* (it calls
+``wait_readable`` inside its own cancel scope); the others park on a ``ParkingLot``. When the FD
+fires, or an operation in another task reveals a relevant change, everyone is woken (the watcher
+by cancelling its scope) and each re-checks; one of them becomes the next watcher. A watcher that
+is cancelled wakes the others so the FD never goes unwatched.
+
+Cancellation semantics are those of ``trio.MemorySendChannel.send``: ``checkpoint_if_cancelled``,
+then the ``NOBLOCK`` attempt, then ``cancel_shielded_checkpoint`` on success; otherwise park (a
+full checkpoint) and retry, returning as soon as a retry succeeds. A cancel can only land before
+the attempt or while parked, when nothing has been sent or received, so a cancelled
+``recv_multipart`` never drops a message (the next call gets it) and a cancelled
+``send_multipart`` sent nothing.
+
+Multipart atomicity: the whole message is pushed by consecutive ``NOBLOCK`` sends with no await in
+between. Only the first part can fail with ``EAGAIN``: libzmq counts the high-water mark in whole
+messages (``pipe_t::write`` increments ``msgs_written`` on the last part only, and ``lb_t::has_out``
+is true mid-message), and if a later part still failed libzmq rolls the partial message back, so
+either way nothing was sent and the whole message is retried. Receiving is atomic too: libzmq
+delivers all parts of a message together, so once the first part is read the rest are there.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any, Final, TypeVar, cast
+
+import attrs
+import trio
+import zmq
+import zmq.utils.z85
+from trio.lowlevel import (
+    ParkingLot,
+    cancel_shielded_checkpoint,
+    checkpoint,
+    checkpoint_if_cancelled,
+    notify_closing,
+    wait_readable,
+)
+
+__all__ = [
+    "DEFAULT_COPY_THRESHOLD",
+    "ZAP_ENDPOINT",
+    "CurveClient",
+    "CurveKeypair",
+    "CurveServer",
+    "SendTracker",
+    "TrioSocket",
+    "ZapAuthenticator",
+    "curve_keypair",
+    "open_zap_authenticator",
+    "open_zmq_socket",
+]
+
+DEFAULT_COPY_THRESHOLD: Final = 512 * 1024
+"""Frames of at least this many bytes are sent zero-copy; smaller ones are copied.
+
+A zero-copy frame costs a fixed ~30-80 µs (a tracked ``zmq.Frame`` and the release callback
+through pyzmq's release thread, which must take the GIL); copying is cheaper up to 256 KiB and
+dearer from 1 MiB, over tcp and inproc alike (``zmq_zero_copy_*`` in ``benchmarks/bench_wire.py``).
+"""
+ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
+
+_T = TypeVar("_T")
+_POLLIN: Final = zmq.POLLIN
+_POLLOUT: Final = zmq.POLLOUT
+_NOBLOCK: Final = zmq.NOBLOCK
+_SNDMORE: Final = zmq.SNDMORE
+_EVENTS: Final = zmq.EVENTS
+
+
+class SendTracker:
+    """Tells when libzmq has released every zero-copy frame of one sent message.
+
+    Until ``done``, the buffers passed to ``send_multipart`` (tensor storage, arrays) may still be
+    read by libzmq and must be neither modified nor reused; e.g. a double-buffered weight sender
+    waits on the tracker of bucket k before refilling its buffer. Over ``inproc://`` the receiver
+    holds the sender's buffer itself, so ``done`` waits until the receiver dropped the frames (and
+    every tensor decoded from them). libzmq offers no FD for this, so :meth:`wait` polls with
+    exponential backoff from 50 µs to 5 ms.
+    """
+
+    __slots__ = ("_trackers",)
+
+    def __init__(self, trackers: Sequence[zmq.MessageTracker] = ()) -> None:
+        self._trackers = list(trackers)
+
+    @property
+    def done(self) -> bool:
+        """True once libzmq holds none of the message's zero-copy buffers."""
+        while self._trackers and self._trackers[-1].done:
+            self._trackers.pop()
+        return not self._trackers
+
+    async def wait(self) -> None:
+        """Wait until :attr:`done`; a checkpoint even when already done."""
+        await checkpoint()
+        delay = 50e-6
+        while not self.done:
+            await trio.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+
+class TrioSocket:
+    """A ``zmq.Socket`` usable from trio tasks; owns the socket and closes it in :meth:`aclose`.
+
+    Any number of tasks may send and receive concurrently (each message is sent or received
+    atomically). Operations on a closed socket, and operations parked when it is closed, raise
+    ``trio.ClosedResourceError``. Errors from libzmq itself (``EHOSTUNREACH`` with
+    ``ROUTER_MANDATORY``, ``ETERM``...) propagate as ``zmq.ZMQError``.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        if sock.closed:
+            raise trio.ClosedResourceError("the zmq socket is already closed")
+        self._sock = sock
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
+        # Copying is decided per frame by send_multipart's copy_threshold, not by pyzmq.
+        sock.copy_threshold = 0
+        self._closed = False
+        self._lot = ParkingLot()
+        self._watch: trio.CancelScope | None = None
+        self._parked_in = 0
+        self._parked_out = 0
+        self.bound_endpoints: list[str] = []
+        """Resolved endpoints of :meth:`bind` calls (``tcp://127.0.0.1:41234`` for ``:*``)."""
+        self._ipc_files: list[tuple[str, int, int]] = []
+
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The wrapped socket, for options and introspection; never call blocking methods on it."""
+        return self._sock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def bind(self, addr: str) -> str:
+        """Bind to ``addr`` and return the resolved endpoint (also kept in ``bound_endpoints``).
+
+        The socket file of an ``ipc://`` path is removed by :meth:`aclose` (libzmq removes only
+        those it created for ``ipc://*``, which live in ``$TMPDIR``, else the working directory).
+        """
+        self._check_open()
+        self._sock.bind(addr)
+        endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.bound_endpoints.append(endpoint)
+        path = addr.removeprefix("ipc://")
+        if addr.startswith("ipc://") and not addr.endswith("*") and not path.startswith("@"):
+            try:
+                st = os.stat(path)
+            except OSError:
+                pass
+            else:
+                self._ipc_files.append((path, st.st_dev, st.st_ino))
+        return endpoint
+
+    def connect(self, addr: str) -> None:
+        """Connect to ``addr`` (libzmq connects in the background and reconnects as needed)."""
+        self._check_open()
+        self._sock.connect(addr)
+
+    # ------------------------------------------------------------------------------ receive
+
+    def recv_multipart_nowait(self) -> list[zmq.Frame]:
+        """Receive one whole message without waiting, as zero-copy frames.
+
+        Raises ``trio.WouldBlock`` if no message is queued.
+        """
+        self._check_open()
+        try:
+            frames = self._sock.recv_multipart(_NOBLOCK, copy=False)
+        except zmq.Again:
+            self._after_op()
+            raise trio.WouldBlock from None
+        self._after_op()
+        return frames
+
+    async def recv_multipart(self) -> list[zmq.Frame]:
+        """Receive one whole message as zero-copy frames (``zmq.Frame``; ``memoryview(f)``)."""
+        return await self._run(self.recv_multipart_nowait, _POLLIN)
+
+    # --------------------------------------------------------------------------------- send
+
+    def send_multipart_nowait(
+        self,
+        frames: Sequence[zmq.Frame | bytes | bytearray | memoryview],
+        *,
+        copy_threshold: int = DEFAULT_COPY_THRESHOLD,
+    ) -> SendTracker:
+        """Queue one whole message without waiting; raises ``trio.WouldBlock`` if it cannot.
+
+        Buffers of at least ``copy_threshold`` bytes are sent zero-copy and tracked by the
+        returned :class:`SendTracker` (see there for when they may be reused); smaller ones are
+        copied. Either every part is queued or none is (``WouldBlock``, ``TypeError``).
+        """
+        self._check_open()
+        if not frames:
+            raise ValueError("a message needs at least one frame")
+        sizes = []
+        for i, f in enumerate(frames):
+            try:
+                sizes.append(memoryview(cast(Any, f)).nbytes)
+            except TypeError:
+                raise TypeError(
+                    f"frame {i} is a {type(f).__qualname__}: expected bytes, a buffer or zmq.Frame"
+                ) from None
+        sock = self._sock
+        last = len(frames) - 1
+        trackers: list[zmq.MessageTracker] = []
+        try:
+            for i, f in enumerate(frames):
+                flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
+                if isinstance(f, zmq.Frame):
+                    tracker = sock.send(f, flags, copy=False)
+                    if tracker is not None and not tracker.done:
+                        trackers.append(tracker)
+                elif sizes[i] >= copy_threshold:
+                    trackers.append(sock.send(f, flags, copy=False, track=True))
+                else:
+                    sock.send(f, flags)
+        except zmq.Again:
+            # Only the first part can block, and libzmq rolls back a partial message: nothing
+            # was sent (module docstring).
+            self._after_op()
+            raise trio.WouldBlock from None
+        self._after_op()
+        return SendTracker(trackers)
+
+    async def send_multipart(
+        self,
+        frames: Sequence[zmq.Frame | bytes | bytearray | memoryview],
+        *,
+        copy_threshold: int = DEFAULT_COPY_THRESHOLD,
+    ) -> SendTracker:
+        """Send one whole message, waiting while the socket cannot take it (high-water mark).
+
+        Returns a :class:`SendTracker` for its zero-copy frames (already done if there were
+        none). If cancelled, nothing was sent.
+        """
+        return await self._run(
+            lambda: self.send_multipart_nowait(frames, copy_threshold=copy_threshold), _POLLOUT
+        )
+
+    # -------------------------------------------------------------------------------- close
+
+    async def aclose(self) -> None:
+        """Close the socket (with its ``LINGER`` option) and remove its ipc socket files.
+
+        Tasks parked on the socket get ``trio.ClosedResourceError``. Idempotent; closes even if
+        cancelled.
+        """
+        if not self._closed:
+            self._closed = True
+            notify_closing(self._fd)
+            self._lot.unpark_all()
+            self._sock.close()
+            for path, dev, ino in self._ipc_files:
+                try:
+                    st = os.stat(path)
+                    # Only our own file: a later bind to the same path replaces it.
+                    if (st.st_dev, st.st_ino) == (dev, ino) and stat.S_ISSOCK(st.st_mode):
+                        os.unlink(path)
+                except OSError:
+                    pass
+        await checkpoint()
+
+    async def __aenter__(self) -> TrioSocket:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _events(self) -> int:
+        return cast(int, self._sock.getsockopt(_EVENTS))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the zmq socket was closed")
+
+    async def _run(self, attempt: Callable[[], _T], flag: int) -> _T:
+        await checkpoint_if_cancelled()
+        try:
+            result = attempt()
+        except trio.WouldBlock:
+            pass
+        else:
+            await cancel_shielded_checkpoint()
+            return result
+        # Slow path: each wait below is a full checkpoint, and a cancel can only land there,
+        # before the operation happened; after a successful retry there is nothing to undo.
+        spins = 0
+        while True:
+            if self._events() & flag:
+                # EVENTS says ready but the operation would block (e.g. ROUTER_MANDATORY to a full
+                # peer): no FD edge is due, so poll with backoff instead of spinning.
+                spins += 1
+                await trio.sleep(min(1e-5 * (1 << min(spins, 10)), 5e-3))
+            else:
+                spins = 0
+                await self._park(flag)
+            try:
+                return attempt()
+            except trio.WouldBlock:
+                pass
+
+    async def _park(self, flag: int) -> None:
+        """Sleep until the FD fires or another task's operation may have changed ``EVENTS``."""
+        if flag == _POLLIN:
+            self._parked_in += 1
+        else:
+            self._parked_out += 1
+        try:
+            if self._watch is None:
+                try:
+                    with trio.CancelScope() as scope:
+                        self._watch = scope
+                        await wait_readable(self._fd)
+                finally:
+                    self._watch = None
+                    # Whether the FD fired or this watcher is leaving (cancel, close), the others
+                    # must re-check and one must take over the watch.
+                    self._lot.unpark_all()
+            else:
+                await self._lot.park()
+        finally:
+            if flag == _POLLIN:
+                self._parked_in -= 1
+            else:
+                self._parked_out -= 1
+        self._check_open()
+
+    def _after_op(self) -> None:
+        if not (self._parked_in or self._parked_out):
+            return
+        events = self._events()
+        if (events & _POLLIN and self._parked_in) or (events & _POLLOUT and self._parked_out):
+            self._lot.unpark_all()
+            if self._watch is not None:
+                self._watch.cancel()
+
+
+# ------------------------------------------------------------------------------------- CURVE
+
+
+def _z85_key(value: bytes) -> bytes:
+    if len(value) == 32:
+        return zmq.utils.z85.encode(value)
+    if len(value) == 40:
+        zmq.utils.z85.decode(value)  # validates the alphabet
+        return value
+    raise ValueError(f"a CURVE key is 40 bytes of Z85 or 32 raw bytes, got {len(value)} bytes")
+
+
+def _key_converter(value: bytes | str) -> bytes:
+    return _z85_key(value.encode("ascii") if isinstance(value, str) else bytes(value))
+
+
+@attrs.frozen
+class CurveKeypair:
+    """A CURVE keypair as Z85 text (40 bytes each); the secret never appears in ``repr``."""
+
+    public: bytes = attrs.field(converter=_key_converter)
+    secret: bytes = attrs.field(converter=_key_converter, repr=False)
+
+
+def curve_keypair() -> CurveKeypair:
+    """Generate a new CURVE keypair (requires libzmq built with CURVE, as pyzmq wheels are)."""
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq has no CURVE support")
+    public, secret = zmq.curve_keypair()
+    return CurveKeypair(public, secret)
+
+
+@attrs.frozen
+class CurveServer:
+    """CURVE on a server (usually binding) socket: encrypted, and clients authenticated by ZAP.
+
+    The socket asks the ZAP handler of its context about every client, in ``domain``, and refuses
+    connections when there is no handler (``ZAP_ENFORCE_DOMAIN``): run
+    :func:`open_zap_authenticator` and ``allow(domain, keys)`` first (``keys=None`` accepts any
+    client that knows the server key: encryption without client authentication).
+    """
+
+    keypair: CurveKeypair
+    domain: str = "asyncflow"
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keypair.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keypair.public)
+        sock.setsockopt_string(zmq.ZAP_DOMAIN, self.domain)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
+@attrs.frozen
+class CurveClient:
+    """CURVE on a client (usually connecting) socket: the server's public key and our keypair."""
+
+    server_public: bytes = attrs.field(converter=_key_converter)
+    keypair: CurveKeypair
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keypair.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keypair.secret)
+
+
+# -------------------------------------------------------------------------------- open socket
+
+
+def _as_list(value: str | Iterable[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+@asynccontextmanager
+async def open_zmq_socket(
+    ctx: zmq.Context[Any],
+    socket_type: int,
+    *,
+    bind: str | Iterable[str] | None = None,
+    connect: str | Iterable[str] | None = None,
+    curve: CurveServer | CurveClient | None = None,
+    linger: float | None = 0.0,
+    sndhwm: int | None = None,
+    rcvhwm: int | None = None,
+    options: Mapping[int, int | bytes | str] | None = None,
+) -> AsyncIterator[TrioSocket]:
+    """Create a socket of ``socket_type``, configure, bind and connect it; close it on exit.
+
+    Options are applied before any bind/connect: ``options`` (raw ``zmq`` option → value), the
+    high-water marks (messages; zmq's default is 1000), then ``curve``. ``linger`` is how long,
+    in seconds, unsent messages are kept after close (``None``: until delivered). It defaults to
+    0 because with a positive linger ``Context.term()`` blocks the whole trio thread; protocols
+    needing delivery should acknowledge instead. Bound endpoints (``tcp://127.0.0.1:*`` picks a
+    free port) are listed in ``bound_endpoints``.
+    """
+    sock = ctx.socket(socket_type)
+    try:
+        sock.setsockopt(zmq.LINGER, -1 if linger is None else round(linger * 1000))
+        for option, value in (options or {}).items():
+            if isinstance(value, str):
+                sock.setsockopt_string(option, value)
+            else:
+                sock.setsockopt(option, value)
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+        if rcvhwm is not None:
+            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if curve is not None:
+            curve.apply(sock)
+        tsock = TrioSocket(sock)
+        for addr in _as_list(bind):
+            tsock.bind(addr)
+        for addr in _as_list(connect):
+            tsock.connect(addr)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    async with tsock:
+        yield tsock
+
+
+# --------------------------------------------------------------------------------------- ZAP
+
+
+class ZapAuthenticator:
+    """Answers ZAP requests (RFC 27) of one context from a trio task; see
+    :func:`open_zap_authenticator`.
+
+    Policy per ZAP domain: CURVE clients are accepted when their public key is allowed in the
+    socket's domain (or the domain allows any key); unknown domains and other mechanisms than
+    CURVE are refused, except NULL in domains without a policy (NULL authenticates nobody, and
+    libzmq only asks about it when a socket sets a ZAP domain). An accepted client's Z85 public
+    key becomes its ZMQ ``User-Id`` (``frame.get("User-Id")`` on received frames).
+    """
+
+    def __init__(self) -> None:
+        self._policies: dict[str, frozenset[bytes] | None] = {}
+        self.accepted = 0
+        self.refused = 0
+
+    def allow(self, domain: str, client_keys: Iterable[bytes | str] | None) -> None:
+        """Set the clients accepted in ``domain`` (Z85 or raw public keys; ``None``: any key)."""
+        self._policies[domain] = (
+            None if client_keys is None else frozenset(map(_key_converter, client_keys))
+        )
+
+    def revoke(self, domain: str) -> None:
+        """Drop the policy of ``domain``: its CURVE clients are refused from now on."""
+        self._policies.pop(domain, None)
+
+    def _decide(self, request: list[bytes]) -> tuple[bytes, bytes, bytes]:
+        """(status code, status text, user id) for a well-formed request."""
+        domain = request[2].decode("utf-8", "replace")
+        mechanism = request[5]
+        if mechanism == b"CURVE" and len(request) == 7 and len(request[6]) == 32:
+            key = zmq.utils.z85.encode(request[6])
+            if domain not in self._policies:
+                return b"400", b"no policy for this ZAP domain", b""
+            allowed = self._policies[domain]
+            if allowed is not None and key not in allowed:
+                return b"400", b"client key not allowed", b""
+            return b"200", b"OK", key
+        if mechanism == b"NULL" and domain not in self._policies:
+            return b"200", b"OK", b""
+        return b"400", b"mechanism not allowed", b""
+
+    def _reply(self, request: list[bytes]) -> list[bytes]:
+        if len(request) < 6 or request[0] != b"1.0":
+            self.refused += 1
+            request_id = request[1] if len(request) > 1 else b""
+            return [b"1.0", request_id, b"500", b"malformed ZAP request", b"", b""]
+        status, text, user_id = self._decide(request)
+        if status == b"200":
+            self.accepted += 1
+        else:
+            self.refused += 1
+        return [b"1.0", request[1], status, text, user_id, b""]
+
+    async def _serve(self, sock: TrioSocket, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        while True:
+            frames = await sock.recv_multipart()
+            await sock.send_multipart(self._reply([f.bytes for f in frames]))
+
+
+@asynccontextmanager
+async def open_zap_authenticator(ctx: zmq.Context[Any]) -> AsyncIterator[ZapAuthenticator]:
+    """Serve ZAP for ``ctx`` from a trio task while the block runs (one per context).
+
+    Enter it before opening :class:`CurveServer` sockets in the same context. Raises
+    ``zmq.ZMQError`` (``EADDRINUSE``) if the context already has a ZAP handler.
+    """
+    auth = ZapAuthenticator()
+    async with (
+        open_zmq_socket(ctx, zmq.REP, bind=ZAP_ENDPOINT) as sock,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(auth._serve, sock)
+        try:
+            yield auth
+        finally:
+            nursery.cancel_scope.cancel()
