@@ -66,12 +66,17 @@ class Reply:
     a helper task). ``send``/``fail`` return ``False`` if the slot was already resolved.
     """
 
-    __slots__ = ("_cell", "_event", "_outcome")
+    __slots__ = ("_callback", "_cell", "_event", "_outcome")
 
-    def __init__(self, cell: ActorCell | None = None) -> None:
+    def __init__(
+        self,
+        cell: ActorCell | None = None,
+        callback: Callable[[outcome.Outcome[Any]], None] | None = None,
+    ) -> None:
         self._event = trio.Event()
         self._outcome: outcome.Outcome[Any] | None = None
         self._cell = cell
+        self._callback = callback  # run synchronously on resolution (must not raise)
 
     @property
     def done(self) -> bool:
@@ -92,6 +97,8 @@ class Reply:
         self._event.set()
         if self._cell is not None:
             self._cell.outstanding.discard(self)
+        if self._callback is not None:
+            self._callback(result)
         return True
 
     async def wait(self) -> Any:

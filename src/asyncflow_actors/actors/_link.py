@@ -126,6 +126,8 @@ class NodeLink:
     def _dispatch(self, meta: dict[str, Any], payload: object) -> None:
         kind = meta.get("k")
         if kind == P.OK or kind == P.ERR:
+            if "n" in meta:  # credits piggybacked on a reply
+                self._credit(meta)
             entry = self._pending.pop(meta.get("c", -1), None)
             if entry is None:
                 return  # the asker gave up (cancelled)
@@ -137,15 +139,18 @@ class NodeLink:
             else:
                 reply.fail(WireError(f"malformed error reply from node {self.node!r}"))
         elif kind == P.CREDIT:
-            credits = self.credits.get(meta.get("t", ""))
-            n = meta.get("n")
-            if credits is not None and isinstance(n, int) and n > 0:
-                credits.release(n)
+            self._credit(meta)
         elif kind == P.GONE:
             gone = meta.get("t")
             if isinstance(gone, str):
                 self._gone(gone, payload)
         # PONG and anything else only refresh last_heard
+
+    def _credit(self, meta: dict[str, Any]) -> None:
+        credits = self.credits.get(meta.get("t", ""))
+        n = meta.get("n")
+        if credits is not None and isinstance(n, int) and n > 0:
+            credits.release(n)
 
     def _gone(self, target: str, payload: object) -> None:
         credits = self.credits.pop(target, None)

@@ -22,11 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import outcome
 import trio
 import zmq
 
 from . import _protocol as P
 from ._actor import Actor, _class_mailbox
+from ._cell import Reply
 from ._errors import ActorCrashed, ActorError, NameTakenError
 from ._ref import LocalActorRef
 from ._supervisor import OneForOne, Restart, Strategy
@@ -64,7 +66,8 @@ class _Hosted:
     capacity: int
     inbox_send: trio.MemorySendChannel[tuple[bytes, str, int, object]]
     inbox_recv: trio.MemoryReceiveChannel[tuple[bytes, str, int, object]]
-    owed: int = 0
+    owed: int = 0  # credits to return to the owner
+    backlog: int = 0  # messages in the inbox or held by the forwarder
 
 
 def _allowed(target: str, allow: Sequence[str]) -> bool:
@@ -200,6 +203,15 @@ class NodeServer:
                 else:
                     await self._send(peer, {"k": P.GONE, "t": target}, None)
                 return
+            if hosted.backlog == 0:
+                try:  # fast path: straight into the mailbox, no forwarder hop
+                    self._deliver_nowait(hosted, peer, kind, corr, payload)
+                except trio.WouldBlock:
+                    pass
+                else:
+                    self._owe(hosted, 1)
+                    return
+            hosted.backlog += 1
             hosted.inbox_send.send_nowait((peer, kind, corr, payload))
         elif kind == P.HELLO:
             info = P.NodeInfo(self.name, os.getpid(), P.PROTOCOL_VERSION, tuple(self.hosted))
@@ -269,31 +281,77 @@ class NodeServer:
         await self._send(peer, {"k": P.OK, "c": corr}, P.SpawnedInfo(request.name, accepts, credit))
 
     async def _forward(self, hosted: _Hosted) -> None:
-        """Move a hosted actor's inbound messages into its mailbox, in order; return credits."""
-        batch = max(1, hosted.capacity // 4)
-        assert self._nursery is not None
+        """Move a hosted actor's backlog into its mailbox in order, waiting while it is full."""
         async for peer, kind, corr, msg in hosted.inbox_recv:
             try:
                 if kind == P.TELL:
                     await hosted.ref.send(msg)
                 else:
-                    reply = await hosted.ref._enqueue_ask(msg)  # type: ignore[arg-type]
-                    self._nursery.start_soon(self._answer, peer, corr, reply.wait, hosted.name)
+                    reply = self._reply_slot(hosted, peer, corr)
+                    await hosted.ref._enqueue_ask(msg, reply)  # type: ignore[arg-type]
             except (ActorError, TypeError) as exc:
                 if kind == P.ASK:
                     await self._reply_error(peer, corr, exc, hosted.name)
-            hosted.owed += 1
-            if hosted.owed >= batch or hosted.inbox_recv.statistics().current_buffer_used == 0:
-                owed, hosted.owed = hosted.owed, 0
-                await self._send(hosted.owner, {"k": P.CREDIT, "t": hosted.name, "n": owed})
+            finally:
+                hosted.backlog -= 1
+            self._owe(hosted, 1)
 
-    async def _answer(self, peer: bytes, corr: int, wait: Any, actor: str) -> None:
+    def _deliver_nowait(
+        self, hosted: _Hosted, peer: bytes, kind: str, corr: int, msg: object
+    ) -> None:
+        """Put one message in the mailbox now, or raise ``trio.WouldBlock``; errors are answered."""
         try:
-            value = await wait()
-        except Exception as exc:
-            await self._reply_error(peer, corr, exc, actor)
-        else:
-            await self._send(peer, {"k": P.OK, "c": corr}, value)
+            if kind == P.TELL:
+                hosted.ref.send_nowait(msg)
+            else:
+                hosted.ref._enqueue_ask_nowait(msg, self._reply_slot(hosted, peer, corr))  # type: ignore[arg-type]
+        except (ActorError, TypeError) as exc:
+            if kind == P.ASK:
+                self._send_nowait(peer, {"k": P.ERR, "c": corr}, P.error_info(exc, hosted.name))
+
+    def _reply_slot(self, hosted: _Hosted, peer: bytes, corr: int) -> Reply:
+        """A reply slot that sends the answer from the actor's own resolution, with no task."""
+
+        def answer(result: outcome.Outcome[Any]) -> None:
+            meta: dict[str, Any] = {"k": P.OK, "c": corr}
+            payload: object
+            if isinstance(result, outcome.Error):
+                meta["k"] = P.ERR
+                payload = P.error_info(result.error, hosted.name)
+            else:
+                payload = result.unwrap()
+            if hosted.owed and peer == hosted.owner:  # piggyback the credits we owe
+                meta["t"], meta["n"], hosted.owed = hosted.name, hosted.owed, 0
+            self._send_nowait(peer, meta, payload)
+
+        return Reply(callback=answer)
+
+    def _owe(self, hosted: _Hosted, n: int) -> None:
+        hosted.owed += n
+        if hosted.owed >= max(1, hosted.capacity // 2):
+            meta = {"k": P.CREDIT, "t": hosted.name, "n": hosted.owed}
+            hosted.owed = 0
+            self._send_nowait(hosted.owner, meta, None)
+
+    def _send_nowait(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
+        """Encode and queue a message without waiting (the ROUTER has no high-water mark)."""
+        try:
+            try:
+                frames = encode(meta, payload, registry=self.registry)
+            except WireError as exc:
+                if meta.get("k") != P.OK:
+                    raise
+                info = P.error_info(exc, self.name)
+                frames = encode({"k": P.ERR, "c": meta["c"]}, info, registry=self.registry)
+            self.sock.send_multipart_nowait([peer, *frames])
+            self.sent += 1
+        except trio.WouldBlock:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._send, peer, meta, payload)
+        except (zmq.ZMQError, trio.ClosedResourceError) as exc:
+            log.info("node %s: cannot reach peer: %s", self.name, exc)
+        except Exception:  # called from inside actors: never let it escape into them
+            log.exception("node %s: failed to send a %s", self.name, meta.get("k"))
 
     async def _watch(self, hosted: _Hosted) -> None:
         cell = hosted.ref._cell

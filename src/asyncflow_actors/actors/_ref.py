@@ -126,10 +126,10 @@ class LocalActorRef(ActorRef[M]):
         result: R = await reply.wait()
         return result
 
-    async def _enqueue_ask(self, request: Request[Any]) -> Reply:
+    async def _enqueue_ask(self, request: Request[Any], reply: Reply | None = None) -> Reply:
         """Queue ``request`` (FIFO with tells) and return its reply slot without waiting on it."""
         self._check(request)
-        reply = Reply()
+        reply = reply if reply is not None else Reply()
         try:
             await self._cell.mailbox_send.send(Ask(request, reply))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -141,6 +141,14 @@ class LocalActorRef(ActorRef[M]):
 
     def statistics(self) -> ActorStatistics:
         return self._cell.statistics()
+
+    def _enqueue_ask_nowait(self, request: Request[Any], reply: Reply) -> None:
+        """Like ``_enqueue_ask`` but raises ``trio.WouldBlock`` when the mailbox is full."""
+        self._check(request)
+        try:
+            self._cell.mailbox_send.send_nowait(Ask(request, reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
 
     def _watch(self, watcher: ActorCell) -> None:
         if self._cell.state is ActorState.TERMINATED:

@@ -86,11 +86,12 @@ dearer from 1 MiB, over tcp and inproc alike (``zmq_zero_copy_*`` in ``benchmark
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
 
 _T = TypeVar("_T")
-_POLLIN: Final = zmq.POLLIN
-_POLLOUT: Final = zmq.POLLOUT
-_NOBLOCK: Final = zmq.NOBLOCK
-_SNDMORE: Final = zmq.SNDMORE
-_EVENTS: Final = zmq.EVENTS
+# Plain ints: pyzmq's flags are enums, and enum arithmetic on the hot path is measurable.
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_SNDMORE: Final = int(zmq.SNDMORE)
+_EVENTS: Final = int(zmq.EVENTS)
 
 
 class SendTracker:
