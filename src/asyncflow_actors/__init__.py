@@ -7,6 +7,8 @@ public names are re-exported here.
 from __future__ import annotations
 
 from . import actors as actors
+from . import models as models
+from . import rl as rl
 from .actors import Actor as Actor
 from .actors import ActorContext as ActorContext
 from .actors import ActorCrashed as ActorCrashed

@@ -1,0 +1,152 @@
+"""`KVCache`: per-layer key/value buffers for batched incremental decoding."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._config import TinyConfig
+
+__all__ = ["KVCache", "KVCacheError"]
+
+
+class KVCacheError(ValueError):
+    """The cache is full, or is used with a batch or model that does not match it."""
+
+
+class KVCache:
+    """Keys and values of every layer for `batch_size` sequences, `capacity` columns each.
+
+    All rows share one write pointer (`length`): a forward over `T` new tokens writes columns
+    `[length, length + T)` of every row. Which columns hold real tokens is tracked per row in
+    `valid`, so rows of different lengths live in one batch (left padding, finished rows, rows
+    reset with `reset_rows` and refilled). Keys are stored already rotated (rotary positions),
+    so the column order of cached tokens is irrelevant to attention; `compact` uses that to
+    squeeze out columns that no row needs. `num_tokens[b]` counts the valid tokens of row `b`
+    and is the next default position of that row.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        batch_size: int,
+        n_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if batch_size <= 0 or capacity <= 0:
+            raise KVCacheError(
+                f"batch_size and capacity must be positive, got {batch_size} and {capacity}"
+            )
+        shape = (batch_size, n_heads, capacity, head_dim)
+        self.keys: list[Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)
+        ]
+        self.values: list[Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)
+        ]
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        self.num_tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+
+    @classmethod
+    def allocate(
+        cls,
+        config: TinyConfig,
+        batch_size: int,
+        capacity: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty cache shaped for a model of `config`."""
+        return cls(
+            n_layers=config.n_layers,
+            batch_size=batch_size,
+            n_heads=config.n_heads,
+            head_dim=config.head_dim,
+            capacity=capacity,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.valid.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.valid.shape[1])
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    def reserve(self, attention_mask: Tensor) -> int:
+        """Claim the next `T` columns for a [B, T] chunk of tokens; returns the first column.
+
+        Called by the model once per forward, before any layer writes. Raises `KVCacheError`
+        when the chunk does not fit or the batch size differs.
+        """
+        batch, steps = attention_mask.shape
+        if batch != self.batch_size:
+            raise KVCacheError(f"batch of {batch} rows given to a cache of {self.batch_size} rows")
+        if self.length + steps > self.capacity:
+            raise KVCacheError(
+                f"cache full: {self.length} of {self.capacity} columns used, {steps} more needed "
+                "(allocate a larger capacity or call compact())"
+            )
+        start = self.length
+        mask = attention_mask.to(torch.bool)
+        self.valid[:, start : start + steps] = mask
+        self.num_tokens += mask.sum(dim=1)
+        self.length = start + steps
+        return start
+
+    def write(self, layer: int, start: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Store a layer's [B, H, T, D] keys/values at `start`; return all keys/values so far."""
+        end = start + key.shape[2]
+        self.keys[layer][:, :, start:end] = key
+        self.values[layer][:, :, start:end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def select(self, rows: Tensor) -> KVCache:
+        """A new cache holding only `rows` (an index tensor), e.g. to drop finished sequences."""
+        new = KVCache.__new__(KVCache)
+        new.keys = [k[rows] for k in self.keys]
+        new.values = [v[rows] for v in self.values]
+        new.valid = self.valid[rows]
+        new.num_tokens = self.num_tokens[rows]
+        new.length = self.length
+        return new
+
+    def reset_rows(self, rows: Tensor) -> None:
+        """Forget the tokens of `rows` so new sequences can start there (continuous batching)."""
+        self.valid[rows] = False
+        self.num_tokens[rows] = 0
+
+    def compact(self) -> None:
+        """Drop columns that no row needs; each row keeps its valid columns, in order.
+
+        Afterwards `length` is the largest per-row count of valid tokens, so a long-running
+        batch whose rows finish and restart does not run out of columns.
+        """
+        used = self.valid[:, : self.length]
+        new_length = int(used.sum(dim=1).max().item()) if self.length else 0
+        # A stable sort by validity puts each row's invalid columns first and its valid columns
+        # last, in their original order; the last `new_length` columns are the ones to keep.
+        order = torch.argsort(used.to(torch.int8), dim=1, stable=True)
+        keep = order[:, self.length - new_length :]
+        new_valid = torch.gather(used, 1, keep)
+        for store in (self.keys, self.values):
+            for i, tensor in enumerate(store):
+                index = keep[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                gathered = torch.gather(tensor[:, :, : self.length], 2, index)
+                tensor[:, :, :new_length] = gathered
+                store[i] = tensor
+        self.valid[:, :new_length] = new_valid
+        self.valid[:, new_length:] = False
+        self.length = new_length
