@@ -7,8 +7,6 @@ public names are re-exported here.
 from __future__ import annotations
 
 from . import actors as actors
-from . import models as models
-from . import rl as rl
 from .actors import Actor as Actor
 from .actors import ActorContext as ActorContext
 from .actors import ActorCrashed as ActorCrashed
@@ -47,3 +45,13 @@ from .actors import open_actor_system as open_actor_system
 from .actors import register_error as register_error
 
 __version__ = "0.1.0.dev0"
+
+
+def __getattr__(name: str) -> object:
+    # The torch-backed layers load on first use, so that processes that only move bytes
+    # (nodes hosting storage units) start without importing torch.
+    if name in ("models", "rl"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -605,3 +605,34 @@ def test_valid_fuzz_seeds_decode() -> None:
     for frames in VALID:
         meta, _ = decode(frames, registry=REG, max_message_bytes=1 << 20, max_frames=16)
         assert meta["kind"] == "tell"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+def test_raw_tensors_pass_through_without_torch_bit_exactly(dtype: torch.dtype) -> None:
+    from asyncflow_actors.actors._wire import RawTensor
+
+    reg = MessageRegistry()
+    t = (torch.randn(300, 7) * 50).to(dtype)
+    frames = encode({"k": "x"}, {"t": t}, registry=reg, inline_threshold=64)
+    _, raw = decode(
+        frames, registry=reg, max_message_bytes=1 << 30, raw_tensors=lambda m: m["k"] == "x"
+    )
+    assert isinstance(raw["t"], RawTensor)
+    assert raw["t"].shape == (300, 7)
+    # rows slice without copies; concatenation joins row blocks
+    parts = [raw["t"].rows(0, 100), raw["t"].rows(100, 300)]
+    assert parts[0].data.obj is raw["t"].data.obj
+    joined = RawTensor.concat_rows(parts)
+    again = encode({}, {"t": joined, "head": parts[0]}, registry=reg, inline_threshold=64)
+    _, back = decode(again, registry=reg, max_message_bytes=1 << 30)
+    assert torch.equal(back["t"].view(torch.uint8), t.view(torch.uint8))
+    assert torch.equal(back["head"].view(torch.uint8), t[:100].view(torch.uint8))
+    assert torch.equal(joined.to_torch().view(torch.uint8), t.view(torch.uint8))
+
+
+def test_the_node_entry_point_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, asyncflow_actors.node; assert 'torch' not in sys.modules, 'torch loaded'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -51,24 +51,27 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Final, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Final, TypeVar, overload
 
 import attrs
 import msgspec
-import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported lazily: a node that only moves bytes never loads torch or numpy
+    import numpy as np
+    import torch
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
     "DEFAULT_MAX_FRAMES",
     "MAX_DEPTH",
-    "TORCH_DTYPES",
     "WIRE_VERSION",
     "MalformedMessage",
     "MessageRegistry",
     "MessageTooLarge",
+    "RawTensor",
     "RegistrationError",
     "UnknownType",
     "UnsupportedValue",
@@ -262,16 +265,107 @@ _TORCH_DTYPE_NAMES: Final = (
     "bits8",
     "bits16",
 )
-TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
-    n: d for n in _TORCH_DTYPE_NAMES if isinstance(d := getattr(torch, n, None), torch.dtype)
-}
-"""Wire name -> torch dtype of every tensor dtype that can be sent (those this torch has)."""
-_TORCH_NAME_OF: Final = {d: n for n, d in TORCH_DTYPES.items()}
+_ITEMSIZE: Final = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2,
+    "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "bits8": 1, "bits16": 2,
+}  # fmt: skip
+"""Item size of every wire dtype name, known without importing torch (for ``RawTensor``)."""
+
+_torch_tables: tuple[dict[str, torch.dtype], dict[torch.dtype, str]] | None = None
+
+
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """(wire name -> torch dtype, and back) for the dtypes this torch has; imports torch."""
+    global _torch_tables
+    if _torch_tables is None:
+        import torch
+
+        by_name = {
+            n: d
+            for n in _TORCH_DTYPE_NAMES
+            if isinstance(d := getattr(torch, n, None), torch.dtype)
+        }
+        _torch_tables = (by_name, {d: n for n, d in by_name.items()})
+    return _torch_tables
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TORCH_DTYPES":  # wire name -> torch dtype (imports torch)
+        return _torch_dtypes()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RawTensor:
+    """A tensor as bytes: dtype name, shape and a buffer, without torch.
+
+    Decoding with ``raw_tensors`` yields these instead of torch tensors (a storage unit only
+    moves bytes), and encoding one sends its buffer as-is, so a tensor can pass through a
+    process without being materialized. ``rows(a, b)`` slices the first dimension with no
+    copy; ``concat_rows`` joins row blocks (one copy); ``to_torch()`` imports torch.
+    """
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: memoryview) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.data = data
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * _ITEMSIZE[self.dtype]
+
+    def rows(self, start: int, stop: int) -> RawTensor:
+        size = self.row_bytes
+        return RawTensor(
+            self.dtype, (stop - start, *self.shape[1:]), self.data[start * size : stop * size]
+        )
+
+    @staticmethod
+    def concat_rows(parts: Sequence[RawTensor]) -> RawTensor:
+        """Concatenate along the first dimension (parts must agree on dtype and row shape)."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        for part in parts[1:]:
+            if part.dtype != first.dtype or part.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"cannot concatenate {part.dtype}{list(part.shape)} rows with "
+                    f"{first.dtype}{list(first.shape)} rows"
+                )
+        data = memoryview(b"".join(part.data for part in parts))
+        rows = sum(part.shape[0] for part in parts)
+        return RawTensor(first.dtype, (rows, *first.shape[1:]), data)
+
+    def to_torch(self) -> torch.Tensor:
+        import torch
+
+        dtype = _torch_dtypes()[0][self.dtype]
+        if self.data.nbytes == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            u8 = torch.frombuffer(self.data, dtype=torch.uint8)
+        return u8.view(dtype).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"RawTensor({self.dtype}, {list(self.shape)}, {self.nbytes} bytes)"
+
+
 _NUMPY_KINDS: Final = frozenset("biufc")
 _numpy_dtypes: dict[str, np.dtype[Any]] = {}  # validated dtype strings seen on the wire
 
 
 def _numpy_dtype(s: object) -> np.dtype[Any]:
+    import numpy as np
+
     if type(s) is str:
         dt = _numpy_dtypes.get(s)
         if dt is not None:
@@ -374,9 +468,14 @@ class _Encoder:
                 e.path.append(".value")
                 raise
             return [_ENUM.ext, spec.name, value]
-        if isinstance(obj, torch.Tensor):
+        if t is RawTensor:
+            raw: RawTensor = obj  # type: ignore[assignment]
+            return [_TENSOR.ext, raw.dtype, list(raw.shape), self.data(raw.data)]
+        torch_mod = sys.modules.get("torch")  # no torch loaded: obj cannot be a tensor
+        if torch_mod is not None and isinstance(obj, torch_mod.Tensor):
             return self.tensor(obj)
-        if t is np.ndarray:
+        np_mod = sys.modules.get("numpy")
+        if np_mod is not None and t is np_mod.ndarray:
             return self.ndarray(obj)  # type: ignore[arg-type]
         raise _PathError(_unsupported_reason(obj), obj)
 
@@ -418,6 +517,8 @@ class _Encoder:
         return ref if type(ref) is memoryview else [_BYTES.ext, ref]
 
     def tensor(self, t: torch.Tensor) -> object:
+        import torch
+
         if t.device.type != "cpu":
             raise _PathError(
                 f"tensor on device {t.device}: only CPU tensors can be sent (call .cpu())", t
@@ -428,7 +529,7 @@ class _Encoder:
                 "strided tensors can be sent",
                 t,
             )
-        name = _TORCH_NAME_OF.get(t.dtype)
+        name = _torch_dtypes()[1].get(t.dtype)
         if name is None:
             raise _PathError(f"tensor dtype {t.dtype} cannot be sent", t)
         try:
@@ -444,6 +545,8 @@ class _Encoder:
         return [_TENSOR.ext, name, shape, self.data(view)]
 
     def ndarray(self, a: np.ndarray[Any, Any]) -> object:
+        import numpy as np
+
         dt = a.dtype
         if dt.kind not in _NUMPY_KINDS or dt.shape != ():
             raise _PathError(
@@ -456,9 +559,10 @@ class _Encoder:
 
 def _unsupported_reason(obj: object) -> str:
     t = type(obj)
-    if isinstance(obj, np.ndarray):
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
         return f"numpy array subclass {t.__qualname__} cannot be sent: pass a plain ndarray"
-    if isinstance(obj, np.generic):
+    if np is not None and isinstance(obj, np.generic):
         return f"numpy scalar {t.__qualname__} cannot be sent: use a Python number or 0-d array"
     if attrs.has(t) or isinstance(obj, enum.Enum):
         return (
@@ -551,12 +655,13 @@ _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
 class _Decoder:
-    __slots__ = ("registry", "used", "views")
+    __slots__ = ("raw", "registry", "used", "views")
 
-    def __init__(self, registry: MessageRegistry, views: list[memoryview]) -> None:
+    def __init__(self, registry: MessageRegistry, views: list[memoryview], raw: bool) -> None:
         self.registry = registry
         self.views = views
         self.used = [False] * len(views)
+        self.raw = raw
 
     def walk(self, obj: object, depth: int) -> object:
         t = type(obj)
@@ -611,6 +716,8 @@ class _Decoder:
             view, _ = self.data(node[1], None)
             return bytes(view)
         if tag is _TENSOR:
+            if self.raw:
+                return self.raw_tensor(node[1], node[2], node[3])
             return self.tensor(node[1], node[2], node[3])
         if tag is _NDARRAY:
             return self.ndarray(node[1], node[2], node[3])
@@ -665,8 +772,19 @@ class _Decoder:
             raise MalformedMessage(f"data is {len(buf)} bytes; dtype and shape need {nbytes}")
         return buf, in_frame
 
+    def raw_tensor(self, dtype_name: object, shape: object, ref: object) -> RawTensor:
+        itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
+        if itemsize is None:
+            raise MalformedMessage(f"unknown tensor dtype {dtype_name!r}")
+        dims = _shape(shape)
+        buf, in_frame = self.data(ref, math.prod(dims) * itemsize)
+        view = buf if in_frame and isinstance(buf, memoryview) else memoryview(bytes(buf))
+        return RawTensor(dtype_name, dims, view)  # type: ignore[arg-type]
+
     def tensor(self, dtype_name: object, shape: object, ref: object) -> torch.Tensor:
-        dtype = TORCH_DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        import torch
+
+        dtype = _torch_dtypes()[0].get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise MalformedMessage(f"unknown tensor dtype {dtype_name!r}")
         dims = _shape(shape)
@@ -692,6 +810,8 @@ class _Decoder:
         return u8.view(dtype).reshape(dims)
 
     def ndarray(self, dtype_str: object, shape: object, ref: object) -> np.ndarray[Any, Any]:
+        import numpy as np
+
         dt = _numpy_dtype(dtype_str)
         dims = _shape(shape)
         buf, in_frame = self.data(ref, math.prod(dims) * dt.itemsize)
@@ -745,11 +865,14 @@ def decode(
     registry: MessageRegistry,
     max_message_bytes: int,
     max_frames: int = DEFAULT_MAX_FRAMES,
+    raw_tensors: bool | Callable[[dict[str, Any]], bool] = False,
 ) -> tuple[dict[str, Any], object]:
     """Decode the frames of one message into ``(meta, payload)``.
 
     ``frames`` are ``zmq.Frame``, ``bytes``, ``bytearray`` or ``memoryview``. Tensors and arrays
     whose bodies travelled as data frames are views of those frames (see the module docstring).
+    With ``raw_tensors`` (or when it returns true for the message's meta), tensors decode as
+    :class:`RawTensor` (bytes, no torch) instead.
     Raises :class:`MessageTooLarge` past ``max_message_bytes`` (all frames together) or
     ``max_frames`` data frames, :class:`UnknownType` for an unregistered type name and
     :class:`MalformedMessage` for anything else wrong; never any other exception.
@@ -795,7 +918,8 @@ def decode(
         meta = meta_obj
         if type(nframes) is not int or nframes != n - 1:
             raise MalformedMessage(f"header announces {nframes!r} data frames; got {n - 1}")
-        dec = _Decoder(registry, views)
+        raw = raw_tensors(meta_obj) if callable(raw_tensors) else raw_tensors
+        dec = _Decoder(registry, views, raw)
         payload = dec.walk(body, 0)
         if not all(dec.used[1:]):
             unused = [i for i, u in enumerate(dec.used) if i and not u]
