@@ -66,6 +66,7 @@ class _Hosted:
     capacity: int
     inbox_send: trio.MemorySendChannel[tuple[bytes, str, int, object]]
     inbox_recv: trio.MemoryReceiveChannel[tuple[bytes, str, int, object]]
+    raw: bool = False  # decode its messages' tensors as RawTensor (the class says raw_tensors)
     owed: int = 0  # credits to return to the owner
     backlog: int = 0  # messages in the inbox or held by the forwarder
 
@@ -164,9 +165,19 @@ class NodeServer:
                 continue
             await self._dispatch(peer, meta, payload)
 
+    def _raw_for(self, meta: dict[str, Any]) -> bool:
+        target = meta.get("t")
+        hosted = self.hosted.get(target) if isinstance(target, str) else None
+        return hosted is not None and hosted.raw
+
     def _decode(self, frames: Sequence[Any]) -> tuple[dict[str, Any], object]:
         try:
-            return decode(frames, registry=self.registry, max_message_bytes=self.max_message_bytes)
+            return decode(
+                frames,
+                registry=self.registry,
+                max_message_bytes=self.max_message_bytes,
+                raw_tensors=self._raw_for,
+            )
         except UnknownType as exc:
             # A spawn's kwargs may use the classes of the actor's own module: import it (within
             # the allowlist), learn its constructor's types, and decode again.
@@ -274,6 +285,7 @@ class NodeServer:
         credit = int(capacity) if math.isfinite(capacity) and capacity > 0 else 1024
         send, recv = trio.open_memory_channel[tuple[bytes, str, int, object]](math.inf)
         hosted = _Hosted(request.name, ref, peer, credit, send, recv)
+        hosted.raw = bool(getattr(cls, "raw_tensors", False))
         self.hosted[request.name] = hosted
         assert self._nursery is not None
         self._nursery.start_soon(self._forward, hosted)

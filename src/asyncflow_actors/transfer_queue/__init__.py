@@ -1,0 +1,54 @@
+"""TransferQueue: the data hub every role talks through (control-plane core and flow control).
+
+This package holds the sans-I/O control plane (:class:`ControllerState`: topics, indexes,
+readiness, versions, leases, groups, capacity; no data) and the :class:`FlowControl` admission
+primitive. The controller and storage-unit actors and the client wrap them.
+"""
+
+from __future__ import annotations
+
+from ._errors import CapacityError as CapacityError
+from ._errors import FlowControlError as FlowControlError
+from ._errors import GroupError as GroupError
+from ._errors import InvalidArgument as InvalidArgument
+from ._errors import InventoryError as InventoryError
+from ._errors import SchemaError as SchemaError
+from ._errors import ShareMismatch as ShareMismatch
+from ._errors import StaleVersionError as StaleVersionError
+from ._errors import TransferQueueError as TransferQueueError
+from ._errors import UnknownColumn as UnknownColumn
+from ._errors import UnknownConsumer as UnknownConsumer
+from ._errors import UnknownGroup as UnknownGroup
+from ._errors import UnknownLease as UnknownLease
+from ._errors import UnknownSample as UnknownSample
+from ._errors import UnknownTopic as UnknownTopic
+from ._errors import UnknownUnit as UnknownUnit
+from ._flow_control import FlowControl as FlowControl
+from ._flow_control import FlowControlStatistics as FlowControlStatistics
+from ._inventory import GroupRecord as GroupRecord
+from ._inventory import Inventory as Inventory
+from ._inventory import SampleRecord as SampleRecord
+from ._inventory import TopicRecord as TopicRecord
+from ._results import STALE as STALE
+from ._results import Allocation as Allocation
+from ._results import Eviction as Eviction
+from ._results import GroupSlot as GroupSlot
+from ._results import Lease as Lease
+from ._results import Loss as Loss
+from ._results import LostSamples as LostSamples
+from ._results import Release as Release
+from ._results import Update as Update
+from ._samplers import FIFO as FIFO
+from ._samplers import WHOLE_GROUPS as WHOLE_GROUPS
+from ._samplers import Balanced as Balanced
+from ._samplers import Fifo as Fifo
+from ._samplers import Sampler as Sampler
+from ._samplers import WholeGroups as WholeGroups
+from ._spec import ColumnSpec as ColumnSpec
+from ._spec import TopicSpec as TopicSpec
+from ._spec import topic_specs_from_dict as topic_specs_from_dict
+from ._state import ControllerState as ControllerState
+from ._stats import ConsumerStatistics as ConsumerStatistics
+from ._stats import StateStatistics as StateStatistics
+from ._stats import TopicStatistics as TopicStatistics
+from ._stats import ViewStatistics as ViewStatistics

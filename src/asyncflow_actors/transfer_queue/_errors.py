@@ -1,0 +1,92 @@
+"""Typed errors of the TransferQueue.
+
+Every error raised by the control-plane core or by :class:`FlowControl` derives from
+:class:`TransferQueueError`, so a caller can catch the whole family; the subclasses say what was
+wrong. A call that raises leaves the state it was called on unchanged (everything is checked
+before anything is mutated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def _preview(values: Iterable[object], limit: int = 8) -> str:
+    items = list(values)
+    shown = ", ".join(repr(v) for v in items[:limit])
+    return f"[{shown}{', ...' if len(items) > limit else ''}]"
+
+
+class TransferQueueError(Exception):
+    """Base class of every TransferQueue error."""
+
+
+class SchemaError(TransferQueueError, ValueError):
+    """A spec, a configuration table, an inventory or a column write does not fit the schema."""
+
+
+class InvalidArgument(TransferQueueError, ValueError):
+    """An argument is out of its domain (a count that is not positive, a bad length...)."""
+
+
+class UnknownTopic(TransferQueueError, LookupError):
+    """The topic name is not declared."""
+
+
+class UnknownColumn(TransferQueueError, LookupError):
+    """A column name is not declared for the topic."""
+
+
+class UnknownConsumer(TransferQueueError, LookupError):
+    """A consumer name is not declared for the topic."""
+
+
+class UnknownUnit(TransferQueueError, LookupError):
+    """A storage-unit id is not one the state was given."""
+
+
+class UnknownSample(TransferQueueError, LookupError):
+    """Some sample indexes are not live (never allocated, or already freed, evicted or lost).
+
+    ``indexes`` holds the offending indexes, so a writer can retry with the others.
+    """
+
+    def __init__(self, topic: str, indexes: Iterable[int]) -> None:
+        self.topic = topic
+        self.indexes = tuple(indexes)
+        super().__init__(
+            f"samples {_preview(self.indexes)} of topic {topic!r} are not live "
+            "(expected indexes allocated and not yet freed, evicted or lost)"
+        )
+
+
+class UnknownGroup(TransferQueueError, LookupError):
+    """The group id is not live in the topic (never opened, or already freed, evicted or lost)."""
+
+
+class UnknownLease(TransferQueueError, LookupError):
+    """The lease id is not outstanding (never issued, already acked, returned or expired)."""
+
+
+class GroupError(TransferQueueError, ValueError):
+    """A group operation does not fit the group (more members than free slots...)."""
+
+
+class CapacityError(TransferQueueError):
+    """A request exceeds a capacity: it does not fit now, or could never fit."""
+
+
+class StaleVersionError(TransferQueueError, ValueError):
+    """A version is outside what is allowed: below the staleness window, or a version moving back."""
+
+
+class ShareMismatch(TransferQueueError, ValueError):
+    """A rank-shared claim does not match the lease already created under its ``share_key``."""
+
+
+class InventoryError(TransferQueueError, ValueError):
+    """Inventory records are inconsistent (duplicate indexes, a member without its group...)."""
+
+
+class FlowControlError(TransferQueueError):
+    """A :class:`FlowControl` call does not fit its state (releasing more than is in flight)."""

@@ -1,0 +1,140 @@
+"""Samplers: which ready samples a claim hands out, and how they split across DP ranks.
+
+A sampler is a small frozen value passed to ``claim``; the selection functions here work on the
+ordered index structures the state maintains incrementally, so a claim costs O(count log n), never
+a scan of the ready pool.
+
+- :class:`Fifo`: ready samples, oldest index first; group members may go to different claims.
+- :class:`WholeGroups`: complete groups only (every remaining member ready, fresh and not held by
+  this consumer), oldest group first, never split; first fit: groups are taken in order while their
+  total stays ``<= count`` (a group that does not fit is skipped, at most a bounded number of them).
+- :class:`Balanced`: ``count`` samples (or whole groups) for ``dp_size`` data-parallel ranks,
+  partitioned by greedy LPT on the per-sample ``lengths`` given at allocation, so that the total
+  length per rank is balanced; ungrouped partitions also get equal sample counts (within one).
+
+Rank sharing (every rank of a DP group receiving the same samples) is orthogonal: ``claim``'s
+``share_key``/``share_count`` works with any sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Union
+
+import attrs
+
+from ._errors import InvalidArgument
+from ._ordered import IndexSet
+
+#: Non-fitting groups a whole-group claim skips before it stops looking further.
+MAX_SKIPPED_GROUPS = 64
+
+
+@attrs.frozen
+class Fifo:
+    """Ready samples, oldest index first."""
+
+
+@attrs.frozen
+class WholeGroups:
+    """Whole complete groups, oldest first, first fit up to ``count`` samples."""
+
+
+@attrs.frozen
+class Balanced:
+    """Samples (or whole groups) split into ``dp_size`` length-balanced partitions."""
+
+    dp_size: int = attrs.field()
+    whole_groups: bool = False
+
+    @dp_size.validator
+    def _check_dp(self, _attr: attrs.Attribute[int], value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgument(f"Balanced dp_size must be an int >= 1, got {value!r}")
+
+
+Sampler = Union[Fifo, WholeGroups, Balanced]
+
+FIFO = Fifo()
+WHOLE_GROUPS = WholeGroups()
+
+
+def uses_groups(sampler: Sampler) -> bool:
+    """Whether ``sampler`` hands out whole groups."""
+    return isinstance(sampler, WholeGroups) or (
+        isinstance(sampler, Balanced) and sampler.whole_groups
+    )
+
+
+def select_samples(ready: IndexSet, count: int, min_count: int) -> list[int] | None:
+    """Take between ``min_count`` and ``count`` oldest indexes from ``ready``, or none at all."""
+    if len(ready) < min_count:
+        return None
+    return ready.pop_smallest(count)
+
+
+def select_groups(
+    groups: IndexSet, size_of: Callable[[int], int], count: int, min_count: int
+) -> list[int] | None:
+    """Take the oldest eligible groups, first fit, totalling ``min_count..count`` samples.
+
+    Returns the chosen group ids (removed from ``groups``), or ``None`` with ``groups`` unchanged.
+    """
+    chosen: list[int] = []
+    skipped: list[int] = []
+    total = 0
+    for gid in groups.iter_smallest():
+        size = size_of(gid)
+        if total + size <= count:
+            chosen.append(gid)
+            total += size
+            if total == count:
+                break
+        else:
+            skipped.append(gid)
+            if len(skipped) >= MAX_SKIPPED_GROUPS:
+                break
+    for gid in skipped:
+        groups.add(gid)
+    if total < min_count:
+        for gid in chosen:
+            groups.add(gid)
+        return None
+    return chosen
+
+
+def partition_lpt(
+    items: Sequence[tuple[int, Sequence[int]]],
+    parts: int,
+    *,
+    equal_count: bool,
+) -> list[list[int]]:
+    """Split weighted items into ``parts`` bins with balanced total weight (greedy LPT).
+
+    ``items`` are ``(weight, members)``; each item goes whole into one bin, heaviest first, to the
+    lightest bin (ties: lowest rank). With ``equal_count`` the bins also get equal item counts
+    (within one). Returns the members of each bin, in ascending order.
+    """
+    n = len(items)
+    base, extra = divmod(n, parts)
+    loads = [0] * parts
+    counts = [0] * parts
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    plus = 0
+    order = sorted(range(n), key=lambda k: (-items[k][0], min(items[k][1], default=0)))
+    for k in order:
+        weight, members = items[k]
+        best = -1
+        for p in range(parts):
+            if equal_count and not (counts[p] < base or (counts[p] == base and plus < extra)):
+                continue
+            if best < 0 or loads[p] < loads[best]:
+                best = p
+        if equal_count and counts[best] == base:
+            plus += 1
+        loads[best] += weight
+        counts[best] += 1
+        bins[best].extend(members)
+    for b in bins:
+        b.sort()
+    return bins

@@ -1,0 +1,162 @@
+"""Whole-group, length-balanced and rank-shared claims; the ordered index set."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncflow_actors.transfer_queue import (
+    FIFO,
+    WHOLE_GROUPS,
+    Balanced,
+    InvalidArgument,
+    ShareMismatch,
+    UnknownLease,
+    Update,
+)
+from asyncflow_actors.transfer_queue._ordered import IndexSet
+from asyncflow_actors.transfer_queue._samplers import partition_lpt
+
+from .kit import ALL, RESP, T, make, put, put_group
+
+
+def test_index_set_orders_and_forgets() -> None:
+    s = IndexSet([5, 1, 3])
+    s.add(0)
+    s.discard(3)
+    s.add(3)
+    s.add(3)
+    assert len(s) == 4 and 3 in s and list(s) == [0, 1, 3, 5]
+    assert s.pop_smallest(3) == [0, 1, 3] and list(s) == [5]
+    for i in range(1000):
+        s.add(i + 10)
+        s.discard(i + 10)
+    assert len(s._heap) < 200  # compacted
+    assert s.pop_smallest(10) == [5] and len(s) == 0
+
+
+def test_whole_groups_waits_for_every_member() -> None:
+    state = make()
+    slot = state.open_group(T, 3)
+    state.commit_shared(T, slot.group_id, {"prompt": 1})
+    a = state.allocate(T, 2, 0, group=slot.group_id)
+    state.commit_write(T, a.indexes, {"resp": 1, "lp": 1})
+    claim = {"holder": "h", "now": 0.0, "sampler": WHOLE_GROUPS, "min_count": 1}
+    assert state.claim(T, "train", ALL, 8, **claim) is None  # type: ignore[arg-type]
+    b = state.allocate(T, 1, 0, group=slot.group_id)  # the late member arrives...
+    assert state.claim(T, "train", ALL, 8, **claim) is None  # type: ignore[arg-type]
+    state.commit_write(T, b.indexes, {"resp": 1, "lp": 1})  # ...and is written
+    lease = state.claim(T, "train", ALL, 8, **claim)  # type: ignore[arg-type]
+    assert lease is not None and lease.indexes == (*a.indexes, *b.indexes)
+    assert lease.group_ids == (slot.group_id,)
+
+
+def test_whole_groups_first_fit_never_splits() -> None:
+    state = make()
+    g0, m0 = put_group(state, 3)
+    _, m1 = put_group(state, 4)
+    g2, m2 = put_group(state, 2)
+    lease = state.claim(T, "train", ALL, 5, holder="h", now=0, sampler=WHOLE_GROUPS, min_count=1)
+    assert lease is not None and lease.group_ids == (g0, g2)  # g1 does not fit: skipped
+    assert lease.indexes == (*m0, *m2)
+    assert state.claim(T, "train", ALL, 3, holder="h", now=0, sampler=WHOLE_GROUPS) is None
+    lease = state.claim(T, "train", ALL, 4, holder="h", now=0, sampler=WHOLE_GROUPS)
+    assert lease is not None and lease.indexes == m1
+
+
+def test_whole_groups_exact_count_by_default() -> None:
+    state = make()
+    put_group(state, 4)
+    put_group(state, 4)
+    assert state.ready_count(T, "train", ALL, sampler=WHOLE_GROUPS) == 8
+    assert state.claim(T, "train", ALL, 6, holder="h", now=0, sampler=WHOLE_GROUPS) is None
+    lease = state.claim(T, "train", ALL, 6, holder="h", now=0, sampler=WHOLE_GROUPS, min_count=4)
+    assert lease is not None and len(lease.indexes) == 4
+
+
+def test_a_member_held_by_the_same_consumer_blocks_its_group() -> None:
+    state = make()
+    _, idx = put_group(state, 2)
+    single = state.claim(T, "train", ALL, 1, holder="h", now=0, sampler=FIFO)
+    assert single is not None and single.indexes == idx[:1]
+    assert state.ready_count(T, "train", ALL, sampler=WHOLE_GROUPS) == 0
+    assert state.ready_count(T, "fwd", ALL, sampler=WHOLE_GROUPS) == 2  # other consumers unaffected
+    state.ack(single.id)
+    # What is left of the group for this consumer goes out whole.
+    lease = state.claim(T, "train", ALL, 1, holder="h", now=0, sampler=WHOLE_GROUPS)
+    assert lease is not None and lease.indexes == idx[1:]
+
+
+def test_balanced_partitions_equal_counts_and_balanced_lengths() -> None:
+    state = make()
+    lengths = [100, 90, 10, 10, 50, 40, 30, 70]
+    alloc = state.allocate(T, 8, 0, lengths=lengths)
+    state.commit_write(T, alloc.indexes, {"resp": 1})
+    lease = state.claim(T, "train", RESP, 8, holder="h", now=0, sampler=Balanced(dp_size=2))
+    assert lease is not None
+    assert sorted(i for p in lease.partitions for i in p) == list(alloc.indexes)
+    sums = [sum(lengths[i] for i in p) for p in lease.partitions]
+    assert [len(p) for p in lease.partitions] == [4, 4]
+    assert abs(sums[0] - sums[1]) <= 10, sums
+
+
+def test_balanced_whole_groups_keeps_groups_on_one_rank() -> None:
+    state = make()
+    groups = [put_group(state, 2, lengths=[n, n]) for n in (50, 40, 30, 20)]
+    sampler = Balanced(dp_size=2, whole_groups=True)
+    lease = state.claim(T, "train", ALL, 8, holder="h", now=0, sampler=sampler)
+    assert lease is not None
+    for _, members in groups:
+        homes = {r for r, p in enumerate(lease.partitions) if set(members) & set(p)}
+        assert len(homes) == 1
+    assert [sum(1 for _ in p) for p in lease.partitions] == [4, 4]
+
+
+def test_partition_lpt() -> None:
+    # Heaviest first, each to the lightest bin: 7->A, 5->B, 4->B, 4->A, 3->B.
+    bins = partition_lpt([(7, [0]), (5, [1]), (4, [2]), (4, [3]), (3, [4])], 2, equal_count=False)
+    assert bins == [[0, 3], [1, 2, 4]]
+    bins = partition_lpt([(9, [0]), (1, [1]), (1, [2]), (1, [3])], 2, equal_count=True)
+    assert sorted(len(b) for b in bins) == [2, 2]
+    assert partition_lpt([], 3, equal_count=True) == [[], [], []]
+    with pytest.raises(InvalidArgument, match="dp_size must be an int >= 1"):
+        Balanced(dp_size=0)
+
+
+def test_rank_shared_lease_goes_to_every_rank_and_completes_at_the_last_ack() -> None:
+    state = make()
+    idx = put(state, 4, columns=ALL)
+    kw = {"now": 0.0, "share_key": ("step", 0), "share_count": 2}
+    r0 = state.claim(T, "train", ALL, 4, holder="rank0", **kw)  # type: ignore[arg-type]
+    r1 = state.claim(T, "train", ALL, 4, holder="rank1", **kw)  # type: ignore[arg-type]
+    assert r0 is not None and r1 is not None
+    assert r0.id == r1.id and r0.indexes == r1.indexes == idx
+    assert (r0.holder, r1.holder) == ("rank0", "rank1")
+    assert state.claim(T, "train", ALL, 4, holder="rank0", **kw) == r0  # type: ignore[arg-type]
+    with pytest.raises(ShareMismatch, match="one too many"):
+        state.claim(T, "train", ALL, 4, holder="rank2", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ShareMismatch, match="does not match the lease"):
+        state.claim(T, "train", RESP, 4, holder="rank1", **kw)  # type: ignore[arg-type]
+    assert state.ack(r0.id, holder="rank0") == Update()  # waits for rank1
+    with pytest.raises(UnknownLease, match="'rank0' already acked it"):
+        state.ack(r0.id, holder="rank0")
+    assert state.statistics().topics[0].consumers[1].consumed == 0
+    upd = state.ack(r1.id, holder="rank1")
+    assert upd.ended == (r0.id,)
+    assert state.statistics().topics[0].consumers[1].consumed == 4
+    # The key is free again: the next step's claim makes a new lease.
+    put(state, 4, columns=ALL)
+    nxt = state.claim(T, "train", ALL, 4, holder="rank0", **kw)  # type: ignore[arg-type]
+    assert nxt is not None and nxt.id != r0.id
+
+
+def test_a_dead_rank_returns_the_shared_lease_for_all() -> None:
+    state = make()
+    put(state, 2, columns=ALL)
+    kw = {"now": 0.0, "share_key": "k", "share_count": 2}
+    r0 = state.claim(T, "train", ALL, 2, holder="rank0", **kw)  # type: ignore[arg-type]
+    r1 = state.claim(T, "train", ALL, 2, holder="rank1", **kw)  # type: ignore[arg-type]
+    assert r0 is not None and r1 is not None
+    assert state.release_holder("rank1").ended == (r0.id,)
+    with pytest.raises(UnknownLease):
+        state.ack(r0.id, holder="rank0")
+    assert state.ready_count(T, "train", ALL) == 2
