@@ -33,6 +33,7 @@ from .actors import Restart as Restart
 from .actors import RestForOne as RestForOne
 from .actors import SpawnRefused as SpawnRefused
 from .actors import StartChild as StartChild
+from .actors import StartChildren as StartChildren
 from .actors import StopChild as StopChild
 from .actors import Strategy as Strategy
 from .actors import Supervisor as Supervisor

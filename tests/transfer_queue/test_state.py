@@ -26,9 +26,9 @@ def test_indexes_are_monotonic_and_placement_least_loaded() -> None:
     state = make(units=("u0", "u1", "u2"))
     a = state.allocate(T, 4, 0)
     assert a.indexes == (0, 1, 2, 3)
-    assert a.units == ("u0", "u1", "u2", "u0")
+    assert a.units == ("u0", "u0", "u1", "u2")  # balanced, in contiguous runs per unit
     assert len(set(a.group_ids)) == 4  # each ungrouped sample is an implicit group of one
-    assert a.placement() == {"u0": (0, 3), "u1": (1,), "u2": (2,)}
+    assert a.placement() == {"u0": (0, 1), "u1": (2,), "u2": (3,)}
     slot = state.open_group(T, 3)
     assert slot.unit in ("u1", "u2")  # the least-loaded units
     b = state.allocate(T, 2, 0, group=slot.group_id)
@@ -159,7 +159,7 @@ def test_claim_needs_every_asked_column_including_shared_ones() -> None:
     assert lease.indexes == a.indexes and lease.versions == (0, 0)
     assert lease.placement == {slot.unit: a.indexes}
     assert lease.shared == {slot.unit: (slot.group_id,)}  # the prompt, fetched once
-    assert lease.group_ids == (slot.group_id,) and lease.deadline == 15.0
+    assert lease.group_ids == (slot.group_id,) * 2 and lease.deadline == 15.0
     assert lease.partitions == (a.indexes,)
 
 

@@ -41,6 +41,7 @@ from ._supervisor import OneForOne as OneForOne
 from ._supervisor import Restart as Restart
 from ._supervisor import RestForOne as RestForOne
 from ._supervisor import StartChild as StartChild
+from ._supervisor import StartChildren as StartChildren
 from ._supervisor import StopChild as StopChild
 from ._supervisor import Strategy as Strategy
 from ._supervisor import Supervisor as Supervisor

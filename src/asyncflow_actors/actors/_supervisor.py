@@ -140,6 +140,15 @@ class StartChild(Request[ActorRef[Any]]):
 
 
 @attrs.frozen
+class StartChildren(Request[tuple[ActorRef[Any], ...]]):
+    """Add and start several independent children *concurrently* (e.g. node processes whose
+    start is dominated by process launch); they take the given order for stopping. If one fails
+    to start, the others are stopped again and the error is the reply."""
+
+    specs: tuple[ChildSpec, ...]
+
+
+@attrs.frozen
 class StopChild(Request[None]):
     """Stop a child for good and forget it (``KeyError`` if there is no such child)."""
 
@@ -151,7 +160,7 @@ class WhichChildren(Request[tuple[ChildInfo, ...]]):
     """List the children in start order."""
 
 
-SupervisorMessage = StartChild | StopChild | WhichChildren
+SupervisorMessage = StartChild | StartChildren | StopChild | WhichChildren
 
 
 @attrs.define(eq=False)
@@ -199,6 +208,8 @@ class Supervisor(Actor[SupervisorMessage]):
             except (ActorCrashed, NameTakenError) as exc:
                 ctx.reply_error(exc)
                 return None
+        if isinstance(msg, StartChildren):
+            return await self._add_all(ctx, msg.specs)
         if isinstance(msg, StopChild):
             slot = next((s for s in self._slots if s.spec.name == msg.name), None)
             if slot is None:
@@ -213,7 +224,40 @@ class Supervisor(Actor[SupervisorMessage]):
             for s in self._slots
         )
 
-    async def _add(self, ctx: ActorContext[SupervisorMessage], spec: ChildSpec) -> ActorRef[Any]:
+    async def _add_all(
+        self, ctx: ActorContext[SupervisorMessage], specs: tuple[ChildSpec, ...]
+    ) -> tuple[ActorRef[Any], ...] | None:
+        slots = []
+        try:
+            for spec in specs:
+                slots.append(self._slot(ctx, spec))
+        except NameTakenError as exc:
+            for slot in slots:
+                self._forget(ctx, slot, None)
+            ctx.reply_error(exc)
+            return None
+        errors: dict[int, BaseException] = {}
+
+        async def start(k: int, slot: _Slot) -> None:
+            error = await ctx._start_cell(slot.cell, slot.spec.factory)
+            if error is not None:
+                errors[k] = error
+
+        async with trio.open_nursery() as nursery:
+            for k, slot in enumerate(slots):
+                nursery.start_soon(start, k, slot)
+        if errors:
+            k = min(errors)
+            for slot in reversed(slots):
+                if slot.cell.state is not ActorState.TERMINATED and k not in errors:
+                    slot.cell.request_terminate(None)
+                    await slot.cell.exited.wait()
+                self._forget(ctx, slot, errors.get(slots.index(slot)))
+            ctx.reply_error(ActorCrashed(slots[k].cell.path, errors[k], detail="failed to start"))
+            return None
+        return tuple(slot.cell.ref for slot in slots)
+
+    def _slot(self, ctx: ActorContext[SupervisorMessage], spec: ChildSpec) -> _Slot:
         cell = ctx.system._new_cell(
             spec.name,
             parent=ctx._cell,
@@ -223,6 +267,11 @@ class Supervisor(Actor[SupervisorMessage]):
         slot = _Slot(spec, cell)
         self._slots.append(slot)
         ctx.children.append(cell)
+        return slot
+
+    async def _add(self, ctx: ActorContext[SupervisorMessage], spec: ChildSpec) -> ActorRef[Any]:
+        slot = self._slot(ctx, spec)
+        cell = slot.cell
         error = await ctx._start_cell(cell, spec.factory)
         if error is not None:
             self._forget(ctx, slot, error)

@@ -7,6 +7,11 @@ primitive. The controller and storage-unit actors and the client wrap them.
 
 from __future__ import annotations
 
+from ._client import Batch as Batch
+from ._client import StorageUnavailable as StorageUnavailable
+from ._client import TransferQueueClient as TransferQueueClient
+from ._client import TransferQueueStatistics as TransferQueueStatistics
+from ._controller import Controller as Controller
 from ._errors import CapacityError as CapacityError
 from ._errors import FlowControlError as FlowControlError
 from ._errors import GroupError as GroupError
@@ -29,6 +34,12 @@ from ._inventory import GroupRecord as GroupRecord
 from ._inventory import Inventory as Inventory
 from ._inventory import SampleRecord as SampleRecord
 from ._inventory import TopicRecord as TopicRecord
+from ._messages import ControllerStatistics as ControllerStatistics
+from ._messages import EventBatch as EventBatch
+from ._messages import TQEvent as TQEvent
+from ._queue import TransferQueue as TransferQueue
+from ._queue import TransferQueueConfig as TransferQueueConfig
+from ._queue import open_transfer_queue as open_transfer_queue
 from ._results import STALE as STALE
 from ._results import Allocation as Allocation
 from ._results import Eviction as Eviction
@@ -52,3 +63,5 @@ from ._stats import ConsumerStatistics as ConsumerStatistics
 from ._stats import StateStatistics as StateStatistics
 from ._stats import TopicStatistics as TopicStatistics
 from ._stats import ViewStatistics as ViewStatistics
+from ._storage import StorageStatistics as StorageStatistics
+from ._storage import StorageUnit as StorageUnit

@@ -197,7 +197,7 @@ class LeaseTable:
             columns=v.columns,
             indexes=tuple(picked),
             versions=tuple(t.samples[i].version for i in picked),
-            group_ids=tuple(gids),
+            group_ids=tuple(t.samples[i].gid for i in picked),
             placement={u: tuple(x) for u, x in placement.items()},
             shared={u: tuple(x) for u, x in shared.items()},
             partitions=partitions,

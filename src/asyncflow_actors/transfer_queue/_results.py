@@ -52,7 +52,7 @@ class Lease:
     """Samples handed to one consumer by ``claim``, held until ack, nack, expiry or holder death.
 
     ``indexes`` are in hand-out order (oldest first; group by group for whole-group sampling) with
-    ``versions`` aligned. ``placement`` maps each storage unit to the indexes it holds, so the client
+    ``versions`` and ``group_ids`` (each sample's group) aligned. ``placement`` maps each storage unit to the indexes it holds, so the client
     fetches from each unit directly; ``shared`` maps each unit to the groups whose shared columns
     (among ``columns``) to fetch once. ``partitions`` splits ``indexes`` across data-parallel ranks
     (one partition unless a balanced sampler was used). A rank-shared lease (``share_count > 1``) is

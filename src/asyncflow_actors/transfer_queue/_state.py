@@ -24,7 +24,7 @@ from ._errors import (
     UnknownTopic,
     UnknownUnit,
 )
-from ._inventory import Inventory
+from ._inventory import Inventory, TopicRecord
 from ._leases import LeaseTable
 from ._results import Allocation, GroupSlot, Lease, Loss, LostSamples, Update
 from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
@@ -161,14 +161,16 @@ class ControllerState:
         return fits
 
     def _least_loaded(self, n: int) -> list[str]:
+        """Units for ``n`` new groups: balanced by load, in contiguous runs per unit (so that a
+        batch put splits into one slice per unit instead of interleaved rows)."""
         heap = [(self._load[u], rank, u) for rank, u in enumerate(self._units)]
         heapq.heapify(heap)
-        out: list[str] = []
+        picks: list[tuple[int, str]] = []
         for _ in range(n):
             load, rank, unit = heapq.heappop(heap)
-            out.append(unit)
+            picks.append((rank, unit))
             heapq.heappush(heap, (load + 1, rank, unit))
-        return out
+        return [unit for _, unit in sorted(picks)]
 
     def open_group(self, topic: str, size: int) -> GroupSlot:
         """Open a group of ``size`` members (e.g. n responses of one prompt) on one storage unit.
@@ -287,6 +289,19 @@ class ControllerState:
             t.settle(g, fx)
         t.changes += 1
         return fx.update()
+
+    def locate(self, topic: str, indexes: Iterable[int]) -> dict[int, tuple[int, str]]:
+        """``index -> (group id, unit)`` of live samples; raises :class:`UnknownSample`."""
+        return {s.index: (s.gid, s.unit) for s in self._live(self._topic(topic), indexes)}
+
+    def group_unit(self, topic: str, group_id: int) -> str:
+        """The unit holding a live group; raises :class:`UnknownGroup`."""
+        return self._topic(topic).group(group_id).unit
+
+    def topic_record(self, topic: str) -> TopicRecord:
+        """The topic's latest version and id watermarks (what units keep for a rebuild)."""
+        t = self._topic(topic)
+        return TopicRecord(t.name, t.latest, t.next_index, t.next_gid)
 
     def _live(self, t: Topic, indexes: Iterable[int]) -> list[Sample]:
         wanted = list(indexes)

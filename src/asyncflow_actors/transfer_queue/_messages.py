@@ -1,0 +1,220 @@
+"""Messages of the TransferQueue controller actor, and the values it reports."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import attrs
+
+from ..actors import ActorRef, Request
+from ._results import Allocation, GroupSlot, Lease
+from ._samplers import FIFO, Sampler
+from ._spec import TopicSpec
+from ._stats import StateStatistics
+
+
+@attrs.frozen
+class TQEvent:
+    """Something the driver must hear about: groups ``evicted`` from the staleness window,
+    samples ``lost`` with a storage unit (re-inject those prompts), or lease samples ``missing``
+    at ack. ``seq`` numbers events from 1."""
+
+    seq: int
+    kind: str
+    topic: str
+    group_ids: tuple[int, ...]
+    indexes: tuple[int, ...]
+    detail: str = ""
+
+
+@attrs.frozen
+class EventBatch:
+    """Events after a cursor; pass ``cursor`` as ``since`` to wait for the next ones."""
+
+    cursor: int
+    events: tuple[TQEvent, ...]
+
+
+@attrs.frozen
+class ControllerStatistics:
+    state: StateStatistics
+    waiting_puts: int
+    waiting_claims: int
+    evicted_groups: int
+    lost_samples: int
+    events: int
+    epoch: int
+    units_down: tuple[str, ...]
+
+
+@attrs.frozen
+class CreateTopic(Request[None]):
+    spec: TopicSpec
+
+
+@attrs.frozen
+class GetTopology(Request["Topology"]):
+    """The topics' specs and the storage units' refs (what a client needs)."""
+
+
+@attrs.frozen
+class Topology:
+    specs: dict[str, TopicSpec]
+    units: dict[str, ActorRef[Any]]
+
+
+@attrs.frozen
+class Allocate(Request[Allocation]):
+    """Assign indexes; waits (does not fail) while the topic is at capacity."""
+
+    topic: str
+    n: int
+    version: int
+    group: int | None = None
+    lengths: tuple[int, ...] | None = None
+    put_id: int = 0  # names the request for CancelPut
+
+
+@attrs.frozen
+class OpenGroup(Request[GroupSlot]):
+    """Open a group of ``size`` members; waits while the topic is at capacity."""
+
+    topic: str
+    size: int
+    put_id: int = 0
+
+
+@attrs.frozen
+class CancelPut:
+    """The writer gave up waiting: drop its put, or undo the allocation it won meanwhile."""
+
+    put_id: int
+
+
+@attrs.frozen
+class Commit(Request[None]):
+    """The bytes of these cells are stored: mark them present (``columns``: nbytes per index)."""
+
+    topic: str
+    indexes: tuple[int, ...]
+    columns: dict[str, list[int]]
+    put_id: int = 0
+
+
+@attrs.frozen
+class CommitShared(Request[None]):
+    topic: str
+    group_id: int
+    columns: dict[str, int]
+
+
+@attrs.frozen
+class Claim(Request["Lease | None"]):
+    """Lease ready ∩ unconsumed ∩ fresh samples; with ``wait``, waits until enough qualify."""
+
+    topic: str
+    consumer: str
+    columns: tuple[str, ...]
+    count: int
+    holder: str
+    claim_id: int
+    sampler: Sampler = FIFO
+    min_count: int | None = None
+    share_key: Hashable | None = None
+    share_count: int = 1
+    wait: bool = True
+
+
+@attrs.frozen
+class CancelClaim:
+    """The claimant gave up: drop its wait, or return the lease if it was granted meanwhile."""
+
+    claim_id: int
+
+
+@attrs.frozen
+class Ack(Request[tuple[int, ...]]):
+    """Complete a lease; replies with the indexes that had gone missing (lost, discarded)."""
+
+    lease_id: int
+    holder: str | None = None
+
+
+@attrs.frozen
+class Nack(Request[None]):
+    lease_id: int
+
+
+@attrs.frozen
+class Renew(Request[Lease]):
+    lease_id: int
+
+
+@attrs.frozen
+class SetVersion(Request[None]):
+    """The policy ``version`` is now the latest: samples out of the window are evicted."""
+
+    topic: str
+    version: int
+
+
+@attrs.frozen
+class Discard(Request[None]):
+    topic: str
+    indexes: tuple[int, ...]
+    put_id: int = 0
+
+
+@attrs.frozen
+class ShrinkGroup(Request[None]):
+    topic: str
+    group_id: int
+    slots: int
+
+
+@attrs.frozen
+class ReleaseHolder(Request[None]):
+    """Return every lease of ``holder`` (a consumer that goes away loses no samples)."""
+
+    holder: str
+
+
+@attrs.frozen
+class WaitEvents(Request[EventBatch]):
+    """Events with ``seq > since``; waits until there is one (bound it with fail_after)."""
+
+    since: int = 0
+
+
+@attrs.frozen
+class GetControllerStatistics(Request[ControllerStatistics]):
+    pass
+
+
+@attrs.frozen
+class CheckUnits(Request[None]):
+    """Check now that every storage unit is alive and unchanged (a client saw it fail)."""
+
+
+ControllerMessage = (
+    CreateTopic
+    | GetTopology
+    | Allocate
+    | OpenGroup
+    | Commit
+    | CommitShared
+    | Claim
+    | CancelClaim
+    | CancelPut
+    | Ack
+    | Nack
+    | Renew
+    | SetVersion
+    | Discard
+    | ShrinkGroup
+    | ReleaseHolder
+    | WaitEvents
+    | GetControllerStatistics
+    | CheckUnits
+)

@@ -1,0 +1,308 @@
+"""The TransferQueue as actors: client, controller and storage units working together."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+import asyncflow_actors as afa
+from asyncflow_actors import transfer_queue as tq
+
+ROLLOUT = tq.TopicSpec.from_dict(
+    {
+        "consumers": ["actor_fwd", "trainer"],
+        "staleness": 1,
+        "capacity": 64,
+        "lease_ttl": 10.0,
+        "columns": {
+            "prompt": {"dtype": "int64", "shape": [5], "shared": True},
+            "response": {"dtype": "int64", "shape": [None]},
+            "tokens": {"dtype": "int64", "shape": [4]},
+            "reward": {"dtype": "float32", "shape": []},
+            "old_logprob": {"dtype": "float32", "shape": [4]},
+        },
+    },
+    name="rollout",
+)
+PLAIN = tq.TopicSpec.from_dict(
+    {
+        "consumers": ["trainer"],
+        "staleness": 0,
+        "capacity": 8,
+        "lease_ttl": 1.0,
+        "columns": {"x": {"dtype": "float32", "shape": [3]}},
+    },
+    name="plain",
+)
+
+
+def batch(n: int, start: int = 0) -> dict[str, Any]:
+    base = torch.arange(start, start + n)
+    return {
+        "tokens": base[:, None] * 10 + torch.arange(4),
+        "reward": base.float(),
+        "response": [torch.arange(int(i) % 3 + 1) + int(i) for i in base],
+    }
+
+
+@pytest.fixture
+async def queue() -> AsyncIterator[tuple[tq.TransferQueue, tq.TransferQueueClient]]:
+    async with afa.open_actor_system() as system:
+        config = tq.TransferQueueConfig(topics=(ROLLOUT, PLAIN), units=2)
+        async with tq.open_transfer_queue(system, config) as queue:
+            client = await queue.client("test")
+            yield queue, client
+
+
+async def test_put_get_ack_round_trip(queue: Any) -> None:
+    _, client = queue
+    data = batch(6)
+    indexes = await client.put("rollout", data, version=0)
+    assert indexes == tuple(range(6))
+    got = await client.get("rollout", "trainer", ["tokens", "reward", "response"], 6)
+    assert got.indexes == indexes
+    assert torch.equal(got["tokens"], data["tokens"])
+    assert torch.equal(got["reward"], data["reward"])
+    assert [r.tolist() for r in got["response"]] == [r.tolist() for r in data["response"]]
+    assert await client.ack(got) == ()
+    # another consumer still sees them; the trainer does not
+    assert await client.get("rollout", "trainer", ["tokens"], 1, wait=False) is None
+    other = await client.get("rollout", "actor_fwd", ["tokens"], 6)
+    assert other.indexes == indexes
+    await client.ack(other)
+    stats = await client.statistics()
+    assert stats.controller.state.topics[0].live == 0  # both consumers acked: freed
+    assert all(u is not None and u.samples == 0 and u.nbytes == 0 for u in stats.units.values())
+
+
+async def test_get_waits_until_enough_samples_are_ready(queue: Any) -> None:
+    _, client = queue
+    got: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def consumer() -> None:
+            got.append(await client.get("rollout", "trainer", ["tokens"], 4))
+
+        nursery.start_soon(consumer)
+        await client.put("rollout", batch(2), version=0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []
+        await client.put("rollout", batch(2, 2), version=0)
+    assert got[0].indexes == (0, 1, 2, 3)
+
+
+async def test_columns_written_later_make_samples_ready(queue: Any) -> None:
+    _, client = queue
+    await client.put("rollout", batch(3), version=0)
+    assert await client.get("rollout", "trainer", ["old_logprob"], 3, wait=False) is None
+    fwd = await client.get("rollout", "actor_fwd", ["tokens"], 3)
+    logprob = -fwd["tokens"].float() / 100
+    await client.put_columns(fwd, {"old_logprob": logprob})
+    await client.ack(fwd)
+    train = await client.get("rollout", "trainer", ["old_logprob", "tokens"], 3)
+    assert torch.equal(train["old_logprob"], logprob)
+
+
+async def test_staleness_window_evicts_and_reports(queue: Any) -> None:
+    _, client = queue
+    old = await client.put("rollout", batch(2), version=0)
+    await client.set_version("rollout", 1)
+    fresh = await client.put("rollout", batch(2, 2), version=1)
+    await client.set_version("rollout", 2)  # staleness 1: version 0 falls out
+    events = await client.events()
+    assert [e.kind for e in events.events] == ["evicted"]
+    assert set(events.events[0].indexes) == set(old)
+    got = await client.get("rollout", "trainer", ["tokens"], 2)
+    assert got.indexes == fresh
+    with pytest.raises(tq.StaleVersionError):
+        await client.put("rollout", batch(1), version=0)
+
+
+async def test_staleness_zero_is_exactly_on_policy(queue: Any) -> None:
+    _, client = queue
+    await client.put("plain", {"x": torch.zeros(2, 3)}, version=0)
+    await client.set_version("plain", 1)
+    assert await client.get("plain", "trainer", ["x"], 1, wait=False) is None
+    await client.put("plain", {"x": torch.ones(1, 3)}, version=1)
+    got = await client.get("plain", "trainer", ["x"], 1)
+    assert got.versions == (1,)
+
+
+async def test_capacity_makes_put_wait(queue: Any) -> None:
+    _, client = queue
+    await client.put("plain", {"x": torch.zeros(8, 3)}, version=0)
+    done: list[tuple[int, ...]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def producer() -> None:
+            done.append(await client.put("plain", {"x": torch.ones(2, 3)}, version=0))
+
+        nursery.start_soon(producer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert done == []  # full: the put waits, it does not fail
+        got = await client.get("plain", "trainer", ["x"], 4)
+        await client.ack(got)
+    assert done == [(8, 9)]
+
+
+async def test_an_expired_lease_returns_its_samples(autojump_clock: trio.testing.MockClock) -> None:
+    config = tq.TransferQueueConfig(topics=(PLAIN,))
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
+        client = await queue.client("a")
+        await client.put("plain", {"x": torch.zeros(2, 3)}, version=0)
+        first = await client.get("plain", "trainer", ["x"], 2)  # never acked
+        await trio.sleep(1.5)  # lease_ttl 1.0
+        again = await client.get("plain", "trainer", ["x"], 2)
+        assert again.indexes == first.indexes
+        with pytest.raises(tq.UnknownLease):
+            await client.ack(first)
+        await client.ack(again)
+
+
+async def test_a_cancelled_get_loses_nothing(queue: Any) -> None:
+    _, client = queue
+    with trio.move_on_after(0.05):
+        await client.get("plain", "trainer", ["x"], 2)  # waits, then is cancelled
+    await client.put("plain", {"x": torch.zeros(2, 3)}, version=0)
+    got = await client.get("plain", "trainer", ["x"], 2)
+    assert len(got) == 2
+
+
+async def test_closing_a_client_returns_its_leases(queue: Any) -> None:
+    q, client = queue
+    other = await q.client("other")
+    await client.put("plain", {"x": torch.zeros(2, 3)}, version=0)
+    await other.get("plain", "trainer", ["x"], 2)
+    await other.aclose()
+    assert len(await client.get("plain", "trainer", ["x"], 2)) == 2
+
+
+async def test_group_shared_columns_are_stored_once(queue: Any) -> None:
+    _, client = queue
+    prompt = torch.arange(5)
+    slot = await client.open_group("rollout", 4, shared={"prompt": prompt})
+    for k in range(4):  # members stream in one by one
+        await client.put("rollout", batch(1, k), version=0, group=slot)
+    got = await client.get("rollout", "trainer", ["prompt", "tokens"], 4, sampler=tq.WHOLE_GROUPS)
+    assert set(got.group_ids) == {slot.group_id}
+    assert list(got.shared["prompt"]) == [slot.group_id]  # sent once
+    assert all(torch.equal(p, prompt) for p in got.expand("prompt"))
+    stats = await client.statistics()
+    topic = stats.controller.state.topics[0]
+    assert topic.dedup_bytes_saved == 3 * prompt.numel() * 8
+    await client.ack(got)
+    other = await client.get("rollout", "actor_fwd", ["tokens"], 4)
+    await client.ack(other)
+    stats = await client.statistics()
+    assert all(u is not None and u.nbytes == 0 and u.groups == 0 for u in stats.units.values())
+
+
+async def test_whole_groups_are_never_split(queue: Any) -> None:
+    _, client = queue
+    slot = await client.open_group(
+        "rollout", 3, shared={"prompt": torch.zeros(5, dtype=torch.int64)}
+    )
+    await client.put("rollout", batch(2), version=0, group=slot)  # one member still missing
+    assert (
+        await client.get("rollout", "trainer", ["tokens"], 3, sampler=tq.WHOLE_GROUPS, wait=False)
+        is None
+    )
+    await client.put("rollout", batch(1, 2), version=0, group=slot)
+    got = await client.get("rollout", "trainer", ["tokens"], 3, sampler=tq.WHOLE_GROUPS)
+    assert len(got) == 3
+
+
+async def test_bad_input_gets_typed_errors_and_loses_nothing(queue: Any) -> None:
+    _, client = queue
+    await client.put("rollout", batch(2), version=0)
+    with pytest.raises(tq.TransferQueueError, match="unknown topic"):
+        await client.put("nope", batch(1), version=0)
+    with pytest.raises(tq.UnknownColumn):
+        await client.put("rollout", {"nope": torch.zeros(1)}, version=0)
+    with pytest.raises(tq.SchemaError, match="dtype"):
+        await client.put("rollout", {"tokens": torch.zeros(1, 4)}, version=0)
+    with pytest.raises(tq.SchemaError):
+        await client.put("rollout", {"tokens": torch.zeros(1, 5, dtype=torch.int64)}, version=0)
+    with pytest.raises(tq.SchemaError, match="disagree"):
+        await client.put(
+            "rollout",
+            {"tokens": torch.zeros(2, 4, dtype=torch.int64), "reward": torch.zeros(3)},
+            version=0,
+        )
+    with pytest.raises(tq.InvalidArgument):
+        await client.get("rollout", "trainer", ["tokens"], -1)
+    with pytest.raises(tq.UnknownConsumer):
+        await client.get("rollout", "nobody", ["tokens"], 1)
+    got = await client.get("rollout", "trainer", ["tokens"], 2)
+    with pytest.raises(tq.UnknownLease):
+        await client.ack(_fake(got))
+    assert torch.equal(got["tokens"], batch(2)["tokens"])  # what was stored is intact
+    await client.ack(got)
+
+
+def _fake(got: tq.Batch) -> tq.Lease:
+    import attrs
+
+    return attrs.evolve(got.lease, id=987_654)
+
+
+async def test_a_crashed_storage_unit_is_restarted_and_its_samples_reported_lost(
+    queue: Any,
+) -> None:
+    q, client = queue
+    slot = await client.open_group("rollout", 2, shared={"prompt": torch.arange(5)})
+    grouped = await client.put("rollout", batch(2), version=0, group=slot)
+    loose = await client.put("plain", {"x": torch.zeros(4, 3)}, version=0)
+    unit = q.units[slot.unit]
+    unit._cell.fail(RuntimeError("disk on fire"))  # fault injection
+    with trio.fail_after(10):
+        events = await client.events()
+    lost = [e for e in events.events if e.kind == "lost"]
+    assert lost
+    lost_indexes = {(e.topic, i) for e in lost for i in e.indexes}
+    assert {("rollout", i) for i in grouped} <= lost_indexes
+    assert any(slot.group_id in e.group_ids for e in lost if e.topic == "rollout")
+    survivors = [i for i in loose if ("plain", i) not in lost_indexes]
+    if survivors:
+        got = await client.get("plain", "trainer", ["x"], len(survivors))
+        assert set(got.indexes) == set(survivors)
+    # the restarted unit takes new data
+    again = await client.put("rollout", batch(2), version=0)
+    got = await client.get("rollout", "trainer", ["tokens"], 2)
+    assert got.indexes == again
+
+
+async def test_a_restarted_controller_rebuilds_from_the_units(queue: Any) -> None:
+    q, client = queue
+    await client.put("rollout", batch(4), version=0)
+    first = await client.get("rollout", "trainer", ["tokens"], 2)
+    await client.ack(first)
+    q.controller._cell.fail(RuntimeError("controller bug"))
+    with trio.fail_after(10):
+        while q.controller.statistics().restarts == 0:
+            await trio.sleep(0.01)
+    rest = await client.get("rollout", "trainer", ["tokens"], 2)  # not redelivered: the acked two
+    assert set(rest.indexes) == {2, 3}
+    assert torch.equal(rest["tokens"], batch(4)["tokens"][2:])
+    assert await client.ack(rest) == ()
+    fwd = await client.get("rollout", "actor_fwd", ["tokens"], 4)
+    assert fwd.indexes == (0, 1, 2, 3)
+    new = await client.put("rollout", batch(1), version=0)
+    assert new == (4,)  # indexes are never reused
+
+
+async def test_a_cancelled_put_waiting_for_capacity_leaves_nothing_behind(queue: Any) -> None:
+    _, client = queue
+    await client.put("plain", {"x": torch.zeros(8, 3)}, version=0)
+    with trio.move_on_after(0.05):
+        await client.put("plain", {"x": torch.ones(2, 3)}, version=0)  # full: waits, cancelled
+    got = await client.get("plain", "trainer", ["x"], 8)
+    await client.ack(got)  # frees all 8 slots: the cancelled put must not take any of them
+    await client.put("plain", {"x": torch.ones(8, 3)}, version=0)
+    stats = await client.statistics()
+    assert stats.controller.state.topics[1].occupied == 8

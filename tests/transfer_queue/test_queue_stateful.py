@@ -1,0 +1,219 @@
+"""A hypothesis schedule, replayed against the running TransferQueue actors.
+
+Random puts (grouped or not), column writes, gets by two consumers with FIFO or whole-group
+sampling, acks, nacks, lease expiries (virtual time), version bumps, storage-unit crashes and
+controller crashes run in one ``trio.run`` on a ``MockClock``. After every step: every batch
+carries exactly the data put for its indexes; no consumer receives a sample again once it
+acked it; nothing handed out is outside the staleness window; whole groups are never split.
+At the end everything is drained: every sample ever put is accounted for as consumed by every
+consumer, evicted, or lost — reported, never silently dropped — and the units hold no bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncflow_actors as afa
+from asyncflow_actors import transfer_queue as tq
+
+STALENESS = 1
+SPEC = tq.TopicSpec.from_dict(
+    {
+        "consumers": ["fwd", "trainer"],
+        "staleness": STALENESS,
+        "lease_ttl": 5.0,
+        "columns": {
+            "prompt": {"dtype": "int64", "shape": [2], "shared": True},
+            "tokens": {"dtype": "int64", "shape": [3]},
+            "logp": {"dtype": "float32", "shape": [3]},
+        },
+    },
+    name="t",
+)
+
+ops = st.one_of(
+    st.tuples(st.just("put"), st.integers(1, 4)),
+    st.tuples(st.just("group"), st.integers(2, 3)),
+    st.tuples(
+        st.just("get"), st.sampled_from(["fwd", "trainer"]), st.integers(1, 4), st.booleans()
+    ),
+    st.tuples(st.just("ack"), st.integers(0, 7)),
+    st.tuples(st.just("nack"), st.integers(0, 7)),
+    st.tuples(st.just("write"), st.integers(0, 7)),
+    st.tuples(st.just("bump")),
+    st.tuples(st.just("sleep"), st.sampled_from([1.0, 6.0])),
+    st.tuples(st.just("crash_unit"), st.integers(0, 1)),
+    st.tuples(st.just("crash_controller")),
+)
+
+
+def tokens_of(index: int) -> torch.Tensor:
+    return torch.tensor([index * 10, index * 10 + 1, index * 10 + 2])
+
+
+class Replay:
+    def __init__(self, client: tq.TransferQueueClient, queue: tq.TransferQueue) -> None:
+        self.client = client
+        self.queue = queue
+        self.version = 0
+        self.put: dict[int, int] = {}  # index -> version
+        self.prompts: dict[int, int] = {}  # group id -> prompt seed
+        self.acked: dict[str, set[int]] = {"fwd": set(), "trainer": set()}
+        self.held: list[tq.Batch] = []
+        self.logp: set[int] = set()
+        self.discarded: set[int] = set()
+
+    async def step(self, op: tuple[Any, ...]) -> None:
+        kind = op[0]
+        c = self.client
+        if kind == "put":
+            n = op[1]
+            start = max(self.put, default=-1) + 1
+            data = {"tokens": torch.stack([tokens_of(start + k) for k in range(n)])}
+            indexes = await c.put("t", data, version=self.version)
+            assert indexes == tuple(range(start, start + n)), "data must match index order"
+            self.put.update(dict.fromkeys(indexes, self.version))
+        elif kind == "group":
+            size = op[1]
+            slot = await c.open_group("t", size, shared={"prompt": torch.tensor([size, 7])})
+            for _ in range(size):
+                index = max(self.put, default=-1) + 1
+                got = await c.put(
+                    "t", {"tokens": tokens_of(index)[None]}, version=self.version, group=slot
+                )
+                assert got == (index,)
+                self.put[index] = self.version
+        elif kind == "get":
+            consumer, count, whole = op[1], op[2], op[3]
+            columns = ["tokens", "prompt"] if consumer == "fwd" else ["tokens", "logp"]
+            sampler = tq.WHOLE_GROUPS if whole else tq.FIFO
+            batch = await c.get(
+                "t", consumer, columns, count, sampler=sampler, wait=False, min_count=1
+            )
+            if batch is not None:
+                self.check_batch(consumer, batch, whole)
+                self.held.append(batch)
+        elif kind in ("ack", "nack", "write") and self.held:
+            batch = self.held[op[1] % len(self.held)]
+            if kind == "write":
+                if batch.lease.consumer == "fwd":
+                    try:
+                        await c.put_columns(batch, {"logp": batch["tokens"].float() / 2})
+                        self.logp.update(batch.indexes)
+                    except tq.TransferQueueError:
+                        pass  # some samples were evicted or lost meanwhile
+                return
+            self.held.remove(batch)
+            try:
+                if kind == "ack":
+                    missing = await c.ack(batch)
+                    self.acked[batch.lease.consumer].update(set(batch.indexes) - set(missing))
+                else:
+                    await c.nack(batch)
+            except tq.UnknownLease:
+                pass  # it expired (sleep) or the controller restarted
+        elif kind == "bump":
+            self.version += 1
+            await c.set_version("t", self.version)
+        elif kind == "sleep":
+            await trio.sleep(op[1])
+        elif kind == "crash_unit":
+            unit = self.queue.units[f"unit-{op[1]}"]
+            unit._cell.fail(RuntimeError("injected"))  # type: ignore[attr-defined]
+            await trio.sleep(2.0)  # the controller notices within its check interval
+        elif kind == "crash_controller":
+            ref: Any = self.queue.controller
+            before = ref.statistics().restarts
+            ref._cell.fail(RuntimeError("injected"))
+            while ref.statistics().restarts == before:
+                await trio.sleep(0.01)
+            self.held.clear()  # every lease returned by the restart
+
+    def check_batch(self, consumer: str, batch: tq.Batch, whole: bool) -> None:
+        assert not set(batch.indexes) & self.acked[consumer], "redelivered after ack"
+        for index, version in zip(batch.indexes, batch.versions, strict=True):
+            assert self.put[index] == version
+            assert version >= self.version - STALENESS, "handed out outside the window"
+        assert torch.equal(batch["tokens"], torch.stack([tokens_of(i) for i in batch.indexes]))
+        if consumer == "trainer":
+            assert torch.equal(batch["logp"], batch["tokens"].float() / 2)
+        else:
+            for gid, prompt in batch.shared["prompt"].items():
+                assert prompt[1] == 7 and gid in batch.group_ids
+        if whole:
+            sizes: dict[int, int] = {}
+            for gid in batch.group_ids:
+                sizes[gid] = sizes.get(gid, 0) + 1
+            for gid, n in sizes.items():
+                if n > 1 or gid in batch.shared.get("prompt", {}):
+                    assert n == sum(1 for g in batch.group_ids if g == gid)
+
+    async def drain(self) -> None:
+        c = self.client
+        for batch in self.held:
+            try:
+                await c.nack(batch)
+            except tq.UnknownLease:
+                pass
+        self.held.clear()
+        while True:
+            fwd = await c.get("t", "fwd", ["tokens"], 64, min_count=1, wait=False)
+            if fwd is not None:
+                try:
+                    await c.put_columns(fwd, {"logp": fwd["tokens"].float() / 2})
+                except tq.TransferQueueError:
+                    pass
+                self.acked["fwd"].update(set(fwd.indexes) - set(await c.ack(fwd)))
+            train = await c.get("t", "trainer", ["tokens", "logp"], 64, min_count=1, wait=False)
+            if train is not None:
+                self.check_batch("trainer", train, False)
+                self.acked["trainer"].update(set(train.indexes) - set(await c.ack(train)))
+            if fwd is None and train is None:
+                break
+        # samples fwd acked without writing logp can never be ready for the trainer: a writer
+        # would discard them (and so do we); everything else must be gone by now
+        stuck = sorted(self.acked["fwd"] - self.acked["trainer"] - self.logp)
+        live = []
+        for index in stuck:
+            try:
+                await c.discard("t", [index])
+                live.append(index)
+            except tq.UnknownSample:
+                pass  # evicted or lost: reported
+        self.discarded = set(live)
+
+
+@given(schedule=st.lists(ops, min_size=5, max_size=30))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_schedules_keep_every_promise(schedule: list[tuple[Any, ...]]) -> None:
+    async def main() -> None:
+        async with afa.open_actor_system() as system:
+            config = tq.TransferQueueConfig(topics=(SPEC,), units=2, unit_check_interval=0.5)
+            async with tq.open_transfer_queue(system, config) as queue:
+                client = await queue.client("replay")
+                replay = Replay(client, queue)
+                for op in schedule:
+                    await replay.step(op)
+                await replay.drain()
+                reported: set[int] = set()
+                events = (
+                    await client.events() if (await client.statistics()).controller.events else None
+                )
+                for event in events.events if events else ():
+                    reported.update(event.indexes)
+                everyone = replay.acked["fwd"] & replay.acked["trainer"]
+                unaccounted = set(replay.put) - everyone - reported - replay.discarded
+                assert not unaccounted, f"silently dropped: {sorted(unaccounted)}"
+                stats = await client.statistics()
+                assert stats.controller.state.topics[0].live == 0
+                for unit in stats.units.values():
+                    assert unit is not None
+                    assert (unit.nbytes, unit.samples, unit.groups) == (0, 0, 0)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
