@@ -50,8 +50,17 @@ def bench(session: nox.Session) -> None:
     names = session.posargs or sorted(
         f[:-3] for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )
+    session.env["PYTHONPATH"] = "benchmarks"
     for name in names:
         session.run("python", f"benchmarks/{name}.py")
+
+
+@nox.session
+def bench_peer(session: nox.Session) -> None:
+    """The public transferqueue 0.1.11 on bench_tq's workload, in its own venv (not ours)."""
+    session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
+    session.install("transferqueue==0.1.11", "ray[default]==2.60.0", "tensordict==0.15.3")
+    session.run("python", "benchmarks/peer_transferqueue.py", *session.posargs)
 
 
 @nox.session

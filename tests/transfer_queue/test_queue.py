@@ -293,7 +293,7 @@ async def test_a_restarted_controller_rebuilds_from_the_units(queue: Any) -> Non
     fwd = await client.get("rollout", "actor_fwd", ["tokens"], 4)
     assert fwd.indexes == (0, 1, 2, 3)
     new = await client.put("rollout", batch(1), version=0)
-    assert new == (4,)  # indexes are never reused
+    assert new[0] > 3  # indexes are never reused (a restart may skip ahead)
 
 
 async def test_a_cancelled_put_waiting_for_capacity_leaves_nothing_behind(queue: Any) -> None:

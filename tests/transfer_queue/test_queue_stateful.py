@@ -63,6 +63,8 @@ class Replay:
         self.queue = queue
         self.version = 0
         self.put: dict[int, int] = {}  # index -> version
+        self.serial: dict[int, int] = {}  # index -> the serial number its data was built from
+        self.next_serial = 0
         self.prompts: dict[int, int] = {}  # group id -> prompt seed
         self.acked: dict[str, set[int]] = {"fwd": set(), "trainer": set()}
         self.held: list[tq.Batch] = []
@@ -74,21 +76,24 @@ class Replay:
         c = self.client
         if kind == "put":
             n = op[1]
-            start = max(self.put, default=-1) + 1
-            data = {"tokens": torch.stack([tokens_of(start + k) for k in range(n)])}
+            serials = list(range(self.next_serial, self.next_serial + n))
+            self.next_serial += n
+            data = {"tokens": torch.stack([tokens_of(k) for k in serials])}
             indexes = await c.put("t", data, version=self.version)
-            assert indexes == tuple(range(start, start + n)), "data must match index order"
+            assert list(indexes) == sorted(indexes) and indexes[0] > max(self.put, default=-1)
             self.put.update(dict.fromkeys(indexes, self.version))
+            self.serial.update(zip(indexes, serials, strict=True))
         elif kind == "group":
             size = op[1]
             slot = await c.open_group("t", size, shared={"prompt": torch.tensor([size, 7])})
             for _ in range(size):
-                index = max(self.put, default=-1) + 1
-                got = await c.put(
-                    "t", {"tokens": tokens_of(index)[None]}, version=self.version, group=slot
-                )
-                assert got == (index,)
+                serial = self.next_serial
+                self.next_serial += 1
+                data = {"tokens": tokens_of(serial)[None]}
+                (index,) = await c.put("t", data, version=self.version, group=slot)
+                assert index > max(self.put, default=-1), "indexes are never reused"
                 self.put[index] = self.version
+                self.serial[index] = serial
         elif kind == "get":
             consumer, count, whole = op[1], op[2], op[3]
             columns = ["tokens", "prompt"] if consumer == "fwd" else ["tokens", "logp"]
@@ -140,7 +145,8 @@ class Replay:
         for index, version in zip(batch.indexes, batch.versions, strict=True):
             assert self.put[index] == version
             assert version >= self.version - STALENESS, "handed out outside the window"
-        assert torch.equal(batch["tokens"], torch.stack([tokens_of(i) for i in batch.indexes]))
+        expected = torch.stack([tokens_of(self.serial[i]) for i in batch.indexes])
+        assert torch.equal(batch["tokens"], expected), "a batch carries other data than was put"
         if consumer == "trainer":
             assert torch.equal(batch["logp"], batch["tokens"].float() / 2)
         else:

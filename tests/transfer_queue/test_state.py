@@ -22,8 +22,17 @@ from asyncflow_actors.transfer_queue import (
 from .kit import ALL, RESP, T, make, put, put_group, topic
 
 
+def test_small_batches_go_to_one_unit_large_ones_split_in_runs() -> None:
+    state = ControllerState([topic()], ("u0", "u1", "u2"), min_block=4)
+    small = state.allocate(T, 3, 0)
+    assert small.units == ("u0",) * 3  # one Store for a small put
+    large = state.allocate(T, 9, 0)  # 9 > 2 blocks of 4: all three units, balancing the load
+    assert large.units == ("u0",) * 1 + ("u1",) * 4 + ("u2",) * 4
+    assert state.statistics().units == {"u0": 4, "u1": 4, "u2": 4}
+
+
 def test_indexes_are_monotonic_and_placement_least_loaded() -> None:
-    state = make(units=("u0", "u1", "u2"))
+    state = ControllerState([topic()], ("u0", "u1", "u2"), min_block=1)
     a = state.allocate(T, 4, 0)
     assert a.indexes == (0, 1, 2, 3)
     assert a.units == ("u0", "u0", "u1", "u2")  # balanced, in contiguous runs per unit

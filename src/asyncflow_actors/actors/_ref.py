@@ -122,7 +122,18 @@ class LocalActorRef(ActorRef[M]):
                 f"ask() needs a Request, got {type(request).__name__}: {request!r}; use send() "
                 "for messages without a reply"
             )
-        reply = await self._enqueue_ask(request)
+        self._check(request)
+        reply = Reply()
+        item = Ask(request, reply)
+        # The wait for the reply is the checkpoint: no scheduler round trip before parking.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            try:
+                self._cell.mailbox_send.send_nowait(item)
+            except trio.WouldBlock:
+                await self._cell.mailbox_send.send(item)  # the mailbox is full: backpressure
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
         result: R = await reply.wait()
         return result
 

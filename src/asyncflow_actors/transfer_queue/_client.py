@@ -274,14 +274,42 @@ class TransferQueueClient:
             )
             await self._unit_ask(unit, msg)
 
-        async with trio.open_nursery() as nursery:
-            for unit, positions in by_unit.items():
-                nursery.start_soon(store, unit, positions)
-        await self.controller.ask(
-            M.Commit(
-                topic, tuple(indexes), {name: _row_nbytes(v) for name, v in data.items()}, put_id
-            )
-        )
+        stored: list[str] = []
+        try:
+            if len(by_unit) == 1:  # the common small put: no nursery, no task
+                ((unit, positions),) = by_unit.items()
+                await store(unit, positions)
+                stored.append(unit)
+            else:
+                async with trio.open_nursery() as nursery:
+                    for unit, positions in by_unit.items():
+
+                        async def one(unit: str = unit, positions: list[int] = positions) -> None:
+                            await store(unit, positions)
+                            stored.append(unit)
+
+                        nursery.start_soon(one)
+        except BaseException:
+            self._forget(topic, indexes, by_unit, stored)
+            raise
+        sizes = {name: _row_nbytes(v) for name, v in data.items()}
+        try:
+            await self.controller.ask(M.Commit(topic, tuple(indexes), sizes, put_id))
+        except BaseException:
+            self._forget(topic, indexes, by_unit, stored)
+            raise
+
+    def _forget(
+        self, topic: str, indexes: Sequence[int], by_unit: dict[str, list[int]], stored: list[str]
+    ) -> None:
+        """Delete what a failed put left on units, so no data outlives its sample's record."""
+        for unit in stored:
+            try:
+                self.units[unit].send_nowait(
+                    S.Delete(topic, [indexes[p] for p in by_unit[unit]], [])
+                )
+            except (trio.WouldBlock, ActorCrashed):
+                pass
 
     async def _unit_ask(self, unit: str, msg: Any) -> Any:
         try:
@@ -370,9 +398,12 @@ class TransferQueueClient:
             msg = S.Fetch(lease.topic, list(lease.placement[unit]), per_sample, groups, shared_cols)
             fetched[unit] = await self._unit_ask(unit, msg)
 
-        async with trio.open_nursery() as nursery:
-            for unit in order:
-                nursery.start_soon(fetch, unit)
+        if len(order) == 1:
+            await fetch(order[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for unit in order:
+                    nursery.start_soon(fetch, unit)
         data: dict[str, Any] = {}
         arrived = [i for u in order for i in lease.placement[u]]
         perm = None

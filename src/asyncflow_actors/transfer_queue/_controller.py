@@ -30,6 +30,25 @@ from ._state import ControllerState
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 
 
+_RESERVE = 4096  # ids reserved ahead per watermark update (see Controller._records)
+
+
+def _coalesce(items: list[Any]) -> list[Any]:
+    """Drop consumption marks of samples deleted in the same batch (they are gone anyway)."""
+    deleted = {(m.topic, i) for m in items if isinstance(m, S.Delete) for i in m.indexes}
+    if not deleted:
+        return items
+    out = []
+    for m in items:
+        if isinstance(m, S.MarkConsumed):
+            keep = [i for i in m.indexes if (m.topic, i) not in deleted]
+            if not keep:
+                continue
+            m = S.MarkConsumed(m.topic, m.consumer, keep)
+        out.append(m)
+    return out
+
+
 @attrs.define(eq=False)
 class ControllerShared:
     """What outlives a controller incarnation: the topics declared, the units, the options."""
@@ -43,6 +62,10 @@ class ControllerShared:
     # the event log outlives a controller restart: a reported event stays reported
     events: deque[M.TQEvent] = attrs.Factory(deque)
     seq: int = 0
+    # bookkeeping not yet delivered to units, and the watermarks sent: a restarted controller
+    # delivers the first before it reads inventories, and never goes below the second
+    outbox: dict[str, list[Any]] = attrs.Factory(dict)
+    watermarks: dict[str, S.TopicInfo] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -91,6 +114,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         self.lost_samples = 0
         self.timer_wake = trio.Event()
         self.check_now = trio.Event()
+        self.outbox_wake = trio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -107,9 +131,19 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             await self._rebuild(ctx, units)
         ctx.start_soon(self._lease_timer, ctx)
         ctx.start_soon(self._unit_watcher, ctx)
+        ctx.start_soon(self._flusher, ctx)
 
     async def _rebuild(self, ctx: ActorContext[Any], units: list[str]) -> None:
-        parts: list[Inventory] = []
+        await self._flush_outbox()  # what the last incarnation decided reaches the units first
+        marks = self.shared.watermarks.values()
+        parts: list[Inventory] = [
+            Inventory(
+                topics=tuple(
+                    TopicRecord(m.topic, m.latest_version, m.next_index, m.next_group_id)
+                    for m in marks
+                )
+            )
+        ]
         for unit, ref in self.shared.units.items():
             try:
                 with trio.fail_after(self.shared.unit_timeout):
@@ -383,6 +417,9 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         if old == msg.token:
             return
         self.tokens[msg.unit] = msg.token
+        if msg.token is not None:  # a fresh, empty incarnation: give it the watermarks again
+            for info in self.shared.watermarks.values():
+                self._to_unit(ctx, msg.unit, S.Records([info], []))
         if old is None:
             log.info("storage unit %s is back (empty)", msg.unit)
             return
@@ -415,23 +452,48 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             self.timer_wake.set()
 
     def _to_unit(self, ctx: ActorContext[Any], unit: str, msg: Any) -> None:
-        ref = self.shared.units.get(unit)
-        if ref is None or self.tokens.get(unit) is None:
+        """Queue bookkeeping for a unit; its flusher sends what piled up as one ``UnitBatch``."""
+        if unit not in self.shared.units or self.tokens.get(unit) is None:
             return
+        self.shared.outbox.setdefault(unit, []).append(msg)
+        self.outbox_wake.set()
 
-        async def deliver() -> None:
+    async def _flusher(self, ctx: ActorContext[Any]) -> None:
+        while True:
+            await self.outbox_wake.wait()
+            self.outbox_wake = trio.Event()
+            await self._flush_outbox()
+
+    async def _flush_outbox(self) -> None:
+        boxes, self.shared.outbox = self.shared.outbox, {}
+        for unit, items in boxes.items():
             try:
-                await ref.send(msg)
+                await self.shared.units[unit].send(S.UnitBatch(_coalesce(items)))
             except ActorCrashed:
                 self.check_now.set()
 
-        ctx.start_soon(deliver)
-
     def _records(self, ctx: ActorContext[Any], topic: str, units: dict[str, ActorRef[Any]]) -> None:
+        """Tell units the topic's version and id watermarks. Ids are reserved ahead in blocks,
+        so allocations only reach the units once per block: a rebuild skips the rest of a block
+        but never reuses an id."""
         state = self.state
         assert state is not None
         record = state.topic_record(topic)
-        info = S.TopicInfo(topic, record.latest_version, record.next_index, record.next_group_id)
+        sent = self.shared.watermarks.get(topic)
+        if (
+            sent is not None
+            and sent.latest_version == record.latest_version
+            and record.next_index <= sent.next_index
+            and record.next_group_id <= sent.next_group_id
+        ):
+            return
+        info = S.TopicInfo(
+            topic,
+            record.latest_version,
+            record.next_index + _RESERVE,
+            record.next_group_id + _RESERVE,
+        )
+        self.shared.watermarks[topic] = info
         for unit in units:
             self._to_unit(ctx, unit, S.Records([info], []))
 

@@ -38,12 +38,24 @@ class ControllerState:
 
     ``epoch`` numbers the controller incarnation: lease ids of different epochs never collide,
     so a holder acking a lease issued before a controller restart gets :class:`UnknownLease`.
+    ``min_block``: an ungrouped batch spreads over one more unit per ``min_block`` samples, so
+    a put of up to ``min_block`` samples lands whole on the least-loaded unit: a later get of
+    those samples is then one fetch of one contiguous slice (zero copy), and consecutive puts
+    still spread over the units.
 
     See ``docs/transfer_queue.md`` for the semantics; each method documents its contract.
     """
 
-    def __init__(self, specs: Iterable[TopicSpec], units: Iterable[str], *, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        specs: Iterable[TopicSpec],
+        units: Iterable[str],
+        *,
+        epoch: int = 0,
+        min_block: int = 1024,
+    ) -> None:
         self._units = tuple(units)
+        self._min_block = int_at_least("min_block", min_block, 1)
         if not self._units or not all(isinstance(u, str) and u for u in self._units):
             raise InvalidArgument(
                 f"units must be non-empty strings, at least one; got {self._units!r}"
@@ -161,16 +173,19 @@ class ControllerState:
         return fits
 
     def _least_loaded(self, n: int) -> list[str]:
-        """Units for ``n`` new groups: balanced by load, in contiguous runs per unit (so that a
-        batch put splits into one slice per unit instead of interleaved rows)."""
-        heap = [(self._load[u], rank, u) for rank, u in enumerate(self._units)]
+        """Units for ``n`` new groups: the least-loaded ``k`` units, ``k`` growing with ``n`` in
+        steps of ``min_block`` samples, each taking one contiguous run (a small batch goes to
+        one unit whole; a large one splits into one slice per unit, never interleaved rows)."""
+        k = max(1, min(len(self._units), -(-n // self._min_block)))
+        ranked = sorted(range(len(self._units)), key=lambda r: (self._load[self._units[r]], r))
+        heap = [(self._load[self._units[r]], r) for r in ranked[:k]]
         heapq.heapify(heap)
-        picks: list[tuple[int, str]] = []
-        for _ in range(n):
-            load, rank, unit = heapq.heappop(heap)
-            picks.append((rank, unit))
-            heapq.heappush(heap, (load + 1, rank, unit))
-        return [unit for _, unit in sorted(picks)]
+        picks: list[int] = []
+        for _ in range(n):  # fill the least loaded first, one sample at a time
+            load, rank = heapq.heappop(heap)
+            picks.append(rank)
+            heapq.heappush(heap, (load + 1, rank))
+        return [self._units[rank] for rank in sorted(picks)]
 
     def open_group(self, topic: str, size: int) -> GroupSlot:
         """Open a group of ``size`` members (e.g. n responses of one prompt) on one storage unit.

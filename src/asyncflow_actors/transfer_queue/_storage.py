@@ -112,6 +112,13 @@ class Records:
 
 
 @attrs.frozen
+class UnitBatch:
+    """The controller's bookkeeping for one unit, coalesced: applied in order."""
+
+    items: list[Delete | MarkConsumed | Records]
+
+
+@attrs.frozen
 class UnitSample:
     """One sample as a unit reports it in its inventory."""
 
@@ -173,31 +180,63 @@ StorageMessage = (
     | Delete
     | MarkConsumed
     | Records
+    | UnitBatch
     | GetInventory
     | GetStorageStatistics
     | GetToken
 )
 
 
-class _Cell:
-    """One stored column value of one sample: a row of a stored batch, or a value of its own."""
+class _Block:
+    """The columns of one ``Store``: batch values (rows are samples) or per-sample lists.
 
-    __slots__ = ("batch", "row", "value")
+    Samples point at (block, row) instead of holding a value per column, so a put of n samples
+    costs n small records, and a fetch of rows stored together is one slice per column.
+    """
 
-    def __init__(self, value: Any, batch: RawTensor | None = None, row: int = 0) -> None:
-        self.value = value
-        self.batch = batch
-        self.row = row
+    __slots__ = ("columns", "live", "row_nbytes")
+
+    def __init__(self, columns: dict[str, Any], rows: int) -> None:
+        self.columns = columns
+        self.live = rows  # rows some sample still points at
+        self.row_nbytes = {
+            c: (_nbytes(v) // rows if rows else 0) if _is_batch(v) else -1
+            for c, v in columns.items()
+        }
+
+    def value(self, column: str, row: int) -> Any:
+        v = self.columns[column]
+        return _rows(v, row, row + 1) if _is_batch(v) else v[row]
+
+    def nbytes(self, column: str, row: int) -> int:
+        size = self.row_nbytes[column]
+        return size if size >= 0 else _nbytes(self.columns[column][row])
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, slots=True)
 class _Sample:
     version: int
     group_id: int
     length: int
-    cells: dict[str, _Cell] = attrs.Factory(dict)
+    parts: list[tuple[_Block, int]] = attrs.Factory(list)  # newest last: it wins per column
     consumed: set[str] = attrs.Factory(set)
-    nbytes: int = 0
+
+    def locate(self, column: str) -> tuple[_Block, int] | None:
+        for block, row in reversed(self.parts):
+            if column in block.columns:
+                return block, row
+        return None
+
+    def columns(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for block, row in self.parts:
+            for column in block.columns:
+                sizes[column] = block.nbytes(column, row)
+        return sizes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.columns().values())
 
 
 def _torch_tensor(value: Any) -> bool:
@@ -268,26 +307,11 @@ class StorageUnit(Actor[StorageMessage]):
                 blobs[column] = value
             self.shared_nbytes += added
             return added
-        if isinstance(msg, Delete):
-            self._delete(msg)
-        elif isinstance(msg, MarkConsumed):
-            samples = self.topics.get(msg.topic, {})
-            for index in msg.indexes:
-                sample = samples.get(index)
-                if sample is not None:
-                    sample.consumed.add(msg.consumer)
-        elif isinstance(msg, Records):
-            for info in msg.topics:
-                self.topic_info[info.topic] = info
-            for delta in msg.groups:
-                groups = self.groups.setdefault(delta.topic, {})
-                record = groups.get(delta.group_id)
-                if record is None:
-                    if delta.allocated != 0 or delta.size <= 0:
-                        continue  # a delta of an implicit group (a sample of its own): no record
-                    record = groups[delta.group_id] = [0, 0]  # open_group creates the record
-                record[0] += delta.size
-                record[1] += delta.allocated
+        if isinstance(msg, UnitBatch):
+            for item in msg.items:
+                self._bookkeeping(item)
+        elif isinstance(msg, (Delete, MarkConsumed, Records)):
+            self._bookkeeping(msg)
         elif isinstance(msg, GetToken):
             return self.token
         elif isinstance(msg, GetInventory):
@@ -305,6 +329,28 @@ class StorageUnit(Actor[StorageMessage]):
             )
         return None
 
+    def _bookkeeping(self, msg: Delete | MarkConsumed | Records) -> None:
+        if isinstance(msg, Delete):
+            self._delete(msg)
+        elif isinstance(msg, MarkConsumed):
+            samples = self.topics.get(msg.topic, {})
+            for index in msg.indexes:
+                sample = samples.get(index)
+                if sample is not None:
+                    sample.consumed.add(msg.consumer)
+        else:
+            for info in msg.topics:
+                self.topic_info[info.topic] = info
+            for delta in msg.groups:
+                groups = self.groups.setdefault(delta.topic, {})
+                record = groups.get(delta.group_id)
+                if record is None:
+                    if delta.allocated != 0 or delta.size <= 0:
+                        continue  # a delta of an implicit group (a sample of its own): no record
+                    record = groups[delta.group_id] = [0, 0]  # open_group creates the record
+                record[0] += delta.size
+                record[1] += delta.allocated
+
     def _store(self, msg: Store, ctx: ActorContext[StorageMessage]) -> list[int]:
         n = len(msg.indexes)
         if not len(msg.versions) == len(msg.group_ids) == len(msg.lengths) == n:
@@ -317,42 +363,41 @@ class StorageUnit(Actor[StorageMessage]):
                     ValueError(f"Store: column {column!r} has {rows} rows for {n} indexes")
                 )
                 return []
+        block = _Block(dict(msg.columns), n)
         samples = self.topics.setdefault(msg.topic, {})
+        sizes = [sum(block.nbytes(c, i) for c in block.columns) for i in range(n)]
         added = 0
-        sizes: list[int] = []
         for i, index in enumerate(msg.indexes):
             sample = samples.get(index)
             if sample is None:
                 sample = _Sample(msg.versions[i], msg.group_ids[i], msg.lengths[i])
                 samples[index] = sample
-            before = sample.nbytes
-            for column, value in msg.columns.items():
-                if _is_batch(value):
-                    cell = _Cell(_rows(value, i, i + 1), value, i)
-                else:
-                    cell = _Cell(value[i])
-                size = _nbytes(cell.value)
-                old = sample.cells.get(column)
-                sample.nbytes += size - (_nbytes(old.value) if old is not None else 0)
-                added += size - (_nbytes(old.value) if old is not None else 0)
-                sample.cells[column] = cell
-            sizes.append(sample.nbytes - before)
+                sample.parts.append((block, i))
+                added += sizes[i]
+            else:  # new columns for a stored sample (or rewritten ones: the newest part wins)
+                before = sample.nbytes
+                sample.parts.append((block, i))
+                added += sample.nbytes - before
         self.nbytes += added
         self.stores += 1
         return sizes
 
     def _fetch(self, msg: Fetch) -> Fetched:
         samples = self.topics.get(msg.topic, {})
-        missing = [i for i in msg.indexes if i not in samples]
-        if missing:
-            raise KeyError(f"unit {self.name!r} holds no samples {missing[:8]} of {msg.topic!r}")
+        try:
+            rows = [samples[i] for i in msg.indexes]
+        except KeyError:
+            missing = [i for i in msg.indexes if i not in samples]
+            raise KeyError(
+                f"unit {self.name!r} holds no samples {missing[:8]} of {msg.topic!r}"
+            ) from None
         columns: dict[str, Any] = {}
         for column in msg.columns:
-            cells = [samples[i].cells.get(column) for i in msg.indexes]
+            cells = [s.locate(column) for s in rows]
             if any(c is None for c in cells):
                 absent = [i for i, c in zip(msg.indexes, cells, strict=True) if c is None]
                 raise KeyError(f"samples {absent[:8]} of {msg.topic!r} have no column {column!r}")
-            columns[column] = self._gather(cells)  # type: ignore[arg-type]
+            columns[column] = self._gather(column, cells)  # type: ignore[arg-type]
         shared: dict[int, dict[str, Any]] = {}
         blobs = self.shared.get(msg.topic, {})
         for group in msg.shared_groups:
@@ -361,19 +406,19 @@ class StorageUnit(Actor[StorageMessage]):
         self.fetches += 1
         return Fetched(columns, shared)
 
-    def _gather(self, cells: Sequence[_Cell]) -> Any:
-        batch = cells[0].batch
-        if batch is None or any(c.batch is None for c in cells):
-            return [c.value for c in cells]
-        start = cells[0].row
-        if all(c.batch is batch and c.row == start + k for k, c in enumerate(cells)):
+    def _gather(self, column: str, cells: Sequence[tuple[_Block, int]]) -> Any:
+        block, start = cells[0]
+        value = block.columns[column]
+        if not _is_batch(value):
+            return [b.columns[column][r] for b, r in cells]
+        if all(b is block and r == start + k for k, (b, r) in enumerate(cells)):
             self.zero_copy += 1
-            return _rows(batch, start, start + len(cells))  # a view of the frame they came in
-        rows = [c.value for c in cells]
-        shape = tuple(rows[0].shape[1:])
-        if all(r.dtype == rows[0].dtype and tuple(r.shape[1:]) == shape for r in rows):
-            return _concat(rows)
-        return rows
+            return _rows(value, start, start + len(cells))  # a view of the frame it came in
+        parts = [b.value(column, r) for b, r in cells]
+        shape = tuple(parts[0].shape[1:])
+        if all(p.dtype == parts[0].dtype and tuple(p.shape[1:]) == shape for p in parts):
+            return _concat(parts)
+        return parts
 
     def _delete(self, msg: Delete) -> None:
         samples = self.topics.get(msg.topic, {})
@@ -381,6 +426,8 @@ class StorageUnit(Actor[StorageMessage]):
             sample = samples.pop(index, None)
             if sample is not None:
                 self.nbytes -= sample.nbytes
+                for block, _ in sample.parts:
+                    block.live -= 1  # a block is freed with the last sample pointing at it
         blobs = self.shared.get(msg.topic, {})
         explicit = self.groups.get(msg.topic, {})
         for group in msg.group_ids:  # the group is gone: its blob and its record
@@ -395,14 +442,7 @@ class StorageUnit(Actor[StorageMessage]):
         for topic in set(self.topics) | set(self.shared) | set(self.groups):
             rows = self.topics.get(topic, {})
             samples[topic] = [
-                UnitSample(
-                    index,
-                    s.version,
-                    s.group_id,
-                    s.length,
-                    {c: _nbytes(cell.value) for c, cell in s.cells.items()},
-                    sorted(s.consumed),
-                )
+                UnitSample(index, s.version, s.group_id, s.length, s.columns(), sorted(s.consumed))
                 for index, s in sorted(rows.items())
             ]
             explicit = self.groups.get(topic, {})
