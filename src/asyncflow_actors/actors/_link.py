@@ -181,8 +181,13 @@ class NodeLink:
     async def request(
         self, kind: str, payload: object = None, *, target: str = "", **meta: Any
     ) -> Any:
-        """Send a request and wait for its ``ok`` (returned) or ``err`` (raised) reply."""
+        """Send a request and wait for its ``ok`` (returned) or ``err`` (raised) reply.
+
+        The wait for the reply is its checkpoint: a caller cancelled before the call sent
+        nothing; one cancelled while waiting loses the reply.
+        """
         self._check_open(target)
+        await trio.lowlevel.checkpoint_if_cancelled()
         corr = next(self._ids)
         envelope: dict[str, Any] = {"k": kind, "c": corr, **meta}
         if target:
@@ -191,7 +196,10 @@ class NodeLink:
         reply = Reply()
         self._pending[corr] = (reply, target)
         try:
-            await self.sock.send_multipart(frames)
+            try:
+                self.sock.send_multipart_nowait(frames)
+            except trio.WouldBlock:
+                await self.sock.send_multipart(frames)
             self.sent += 1
             return await reply.wait()
         finally:
@@ -200,13 +208,21 @@ class NodeLink:
     async def tell(self, target: str, msg: object) -> None:
         credits = self._credits(target)
         frames = self._frames({"k": P.TELL, "t": target}, msg)
-        await credits.acquire()
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            await self.sock.send_multipart(frames)
+            credits.acquire_nowait()
+        except trio.WouldBlock:
+            await credits.acquire()  # the remote mailbox is full: wait for the node
+        try:
+            try:
+                self.sock.send_multipart_nowait(frames)
+            except trio.WouldBlock:
+                await self.sock.send_multipart(frames)
         except BaseException:
             credits.release(1)
             raise
         self.sent += 1
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def tell_nowait(self, target: str, msg: object) -> None:
         credits = self._credits(target)
@@ -221,7 +237,10 @@ class NodeLink:
 
     async def ask(self, target: str, msg: object) -> Any:
         credits = self._credits(target)
-        await credits.acquire()
+        try:
+            credits.acquire_nowait()
+        except trio.WouldBlock:
+            await credits.acquire()
         return await self.request(P.ASK, msg, target=target)
 
     async def send_nowait_meta(self, kind: str) -> None:
