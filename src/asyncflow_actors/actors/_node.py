@@ -243,9 +243,12 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         )
         self.link = link
         ctx.start_soon(link.run)
+        info: P.NodeInfo | None = None
         with trio.move_on_after(self.options.connect_timeout) as scope:
-            info: P.NodeInfo = await link.request(P.HELLO)
-        if scope.cancelled_caught:
+            while info is None:  # say hello again every second: a node may still be starting
+                with trio.move_on_after(1.0):
+                    info = await link.request(P.HELLO)
+        if info is None or scope.cancelled_caught:
             raise P.NodeLost(
                 f"node {name!r} at {launched.address} did not answer within "
                 f"{self.options.connect_timeout}s (down, wrong address, or CURVE refused us)"

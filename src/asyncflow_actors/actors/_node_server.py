@@ -40,6 +40,7 @@ from ._zmq import CurveServer, TrioSocket, open_zap_authenticator, open_zmq_sock
 log = logging.getLogger("asyncflow_actors.node")
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
+SEND_TIMEOUT = 30.0  # seconds a reply may wait for a peer's pipe before it is dropped
 
 
 class SpawnRefused(ActorError):
@@ -135,13 +136,18 @@ class NodeServer:
             info = P.error_info(exc, self.name)
             frames = encode({"k": P.ERR, "c": meta["c"]}, info, registry=self.registry)
         try:
-            await self.sock.send_multipart([peer, *frames])
-            self.sent += 1
-        except zmq.ZMQError as exc:  # the peer went away (ROUTER_MANDATORY)
+            # bounded: a peer that went away must not hold a task forever
+            with trio.move_on_after(SEND_TIMEOUT) as scope:
+                await self.sock.send_multipart([peer, *frames])
+                self.sent += 1
+            if scope.cancelled_caught:
+                log.info("node %s: gave up sending a %s to a peer", self.name, meta.get("k"))
+        except (zmq.ZMQError, trio.ClosedResourceError) as exc:  # gone (ROUTER_MANDATORY)
             log.info("node %s: cannot reach peer: %s", self.name, exc)
 
     async def _reply_error(self, peer: bytes, corr: int, error: BaseException, actor: str) -> None:
-        await self._send(peer, {"k": P.ERR, "c": corr}, P.error_info(error, actor))
+        self._send_nowait(peer, {"k": P.ERR, "c": corr}, P.error_info(error, actor))
+        await trio.lowlevel.checkpoint()
 
     # -- receiving -------------------------------------------------------------------------------
 
@@ -200,7 +206,7 @@ class NodeServer:
             return
         assert self._nursery is not None
         if kind == P.PING:
-            await self._send(peer, {"k": P.PONG})
+            self._send_nowait(peer, {"k": P.PONG}, None)
         elif kind in (P.TELL, P.ASK):
             target = meta.get("t")
             hosted = self.hosted.get(target) if isinstance(target, str) else None
@@ -212,7 +218,7 @@ class NodeServer:
                     )
                     await self._reply_error(peer, corr, error, str(target))
                 else:
-                    await self._send(peer, {"k": P.GONE, "t": target}, None)
+                    self._send_nowait(peer, {"k": P.GONE, "t": target}, None)
                 return
             if hosted.backlog == 0:
                 try:  # fast path: straight into the mailbox, no forwarder hop
@@ -226,7 +232,7 @@ class NodeServer:
             hosted.inbox_send.send_nowait((peer, kind, corr, payload))
         elif kind == P.HELLO:
             info = P.NodeInfo(self.name, os.getpid(), P.PROTOCOL_VERSION, tuple(self.hosted))
-            await self._send(peer, {"k": P.OK, "c": corr}, info)
+            self._send_nowait(peer, {"k": P.OK, "c": corr}, info)
         elif kind == P.SPAWN and isinstance(payload, P.SpawnRequest):
             self._nursery.start_soon(self._spawn, peer, corr, payload)
         elif kind == P.STOP:
@@ -234,7 +240,7 @@ class NodeServer:
         elif kind == P.STATS:
             await self._stats(peer, corr, meta.get("t"))
         elif kind == P.SHUTDOWN:
-            await self._send(peer, {"k": P.OK, "c": corr})
+            self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
             self.shutdown.set()
         else:
             self.wire_errors += 1
@@ -290,7 +296,9 @@ class NodeServer:
         assert self._nursery is not None
         self._nursery.start_soon(self._forward, hosted)
         self._nursery.start_soon(self._watch, hosted)
-        await self._send(peer, {"k": P.OK, "c": corr}, P.SpawnedInfo(request.name, accepts, credit))
+        self._send_nowait(
+            peer, {"k": P.OK, "c": corr}, P.SpawnedInfo(request.name, accepts, credit)
+        )
 
     async def _forward(self, hosted: _Hosted) -> None:
         """Move a hosted actor's backlog into its mailbox in order, waiting while it is full."""
@@ -373,13 +381,13 @@ class NodeServer:
         hosted.inbox_send.close()
         error = cell.last_error
         info = P.error_info(ActorCrashed(hosted.name, error), hosted.name)
-        await self._send(hosted.owner, {"k": P.GONE, "t": hosted.name}, info)
+        self._send_nowait(hosted.owner, {"k": P.GONE, "t": hosted.name}, info)
 
     async def _stop(self, peer: bytes, corr: int, target: object) -> None:
         hosted = self.hosted.get(target) if isinstance(target, str) else None
         if hosted is not None:
             await hosted.ref.stop()
-        await self._send(peer, {"k": P.OK, "c": corr})
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
 
     async def _stats(self, peer: bytes, corr: int, target: object) -> None:
         hosted = self.hosted.get(target) if isinstance(target, str) else None
@@ -387,9 +395,8 @@ class NodeServer:
             error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
             await self._reply_error(peer, corr, error, str(target))
             return
-        await self._send(
-            peer, {"k": P.OK, "c": corr}, P.RemoteStatistics.of(hosted.ref.statistics())
-        )
+        stats = P.RemoteStatistics.of(hosted.ref.statistics())
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, stats)
 
     async def _reap_peers(self) -> None:
         """Stop the actors of peers that stopped talking (their systems died or left)."""
