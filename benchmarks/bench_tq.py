@@ -37,8 +37,8 @@ from bench_tq_state import bench_claims
 
 N = 256
 BATCHES = 30
-REPEATS = 3
-WARMUP = 5
+REPEATS = 5
+WARMUP = 10
 LATENCY_ITERATIONS = 200
 
 
@@ -85,6 +85,8 @@ async def consume(client: tq.TransferQueueClient) -> None:
 
 
 async def tq_figures() -> tuple[list[float], list[float], list[float]]:
+    """Startup per fresh queue; throughput and latency in one queue (as the peer benchmark does:
+    its repeats reuse one Ray session's processes with a fresh partition)."""
     data = make_batch()
     small = make_batch(8)
     throughputs, latencies, startups = [], [], []
@@ -96,24 +98,26 @@ async def tq_figures() -> tuple[list[float], list[float], list[float]]:
                 client = await queue.client("bench")
                 await client.put("rollout", small, version=0)
                 startups.append(time.perf_counter() - t0)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
+        client = await queue.client("bench")
+        for _ in range(WARMUP):
+            await client.put("rollout", data, version=0)
+            await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
+        for _ in range(REPEATS):
+            t1 = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce, client, data)
+                nursery.start_soon(consume, client)
+            elapsed = time.perf_counter() - t1
+            throughputs.append(BATCHES * nbytes(data) / elapsed / 1e6)
+            times = []
+            for _ in range(LATENCY_ITERATIONS):
+                t2 = time.perf_counter()
+                await client.put("rollout", small, version=0)
                 await client.ack(await client.get("rollout", "trainer", COLUMNS, 8))
-                for _ in range(WARMUP):
-                    await client.put("rollout", data, version=0)
-                    await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
-
-                t1 = time.perf_counter()
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(produce, client, data)
-                    nursery.start_soon(consume, client)
-                elapsed = time.perf_counter() - t1
-                throughputs.append(BATCHES * nbytes(data) / elapsed / 1e6)
-                times = []
-                for _ in range(LATENCY_ITERATIONS):
-                    t2 = time.perf_counter()
-                    await client.put("rollout", small, version=0)
-                    await client.ack(await client.get("rollout", "trainer", COLUMNS, 8))
-                    times.append((time.perf_counter() - t2) * 1e3)
-                latencies.append(statistics.median(times))
+                times.append((time.perf_counter() - t2) * 1e3)
+            latencies.append(statistics.median(times))
+    print(f"# throughputs {[round(t) for t in throughputs]} MB/s", file=sys.stderr)
     return throughputs, latencies, startups
 
 
