@@ -306,3 +306,34 @@ async def test_a_cancelled_put_waiting_for_capacity_leaves_nothing_behind(queue:
     await client.put("plain", {"x": torch.ones(8, 3)}, version=0)
     stats = await client.statistics()
     assert stats.controller.state.topics[1].occupied == 8
+
+
+async def test_balanced_sampler_splits_by_length_across_ranks(queue: Any) -> None:
+    _, client = queue
+    lengths = [10, 1, 1, 1, 9, 2, 2, 6]
+    await client.put("rollout", batch(8), version=0, lengths=lengths)
+    got = await client.get("rollout", "trainer", ["tokens"], 8, sampler=tq.Balanced(2))
+    assert len(got.lease.partitions) == 2
+    totals = [sum(lengths[i] for i in part) for part in got.lease.partitions]
+    assert abs(totals[0] - totals[1]) <= 2  # 16 each is the balanced split
+    for rank, part in enumerate(got.lease.partitions):
+        rows = got.partition(rank)["tokens"]
+        assert torch.equal(rows, batch(8)["tokens"][list(part)])
+    await client.ack(got)
+
+
+async def test_ranks_of_one_dp_group_share_a_lease(queue: Any) -> None:
+    q, client = queue
+    ranks = [await q.client(f"tp-{r}") for r in range(2)]
+    await client.put("rollout", batch(4), version=0)
+    leases = [
+        await c.get("rollout", "trainer", ["tokens"], 4, share_key=("step", 0), share_count=2)
+        for c in ranks
+    ]
+    assert leases[0].lease.id == leases[1].lease.id
+    assert torch.equal(leases[0]["tokens"], leases[1]["tokens"])
+    await ranks[0].ack(leases[0])
+    assert await client.get("rollout", "trainer", ["tokens"], 1, wait=False) is None  # held
+    await ranks[1].ack(leases[1])  # the k-th ack consumes it
+    stats = await client.statistics()
+    assert stats.controller.state.topics[0].consumers[1].consumed == 4

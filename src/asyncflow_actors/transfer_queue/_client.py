@@ -75,6 +75,14 @@ class Batch:
     def __getitem__(self, column: str) -> Any:
         return self.data[column]
 
+    def partition(self, rank: int) -> dict[str, Any]:
+        """The per-sample columns of data-parallel ``rank``'s share (``Balanced`` sampler:
+        ``lease.partitions[rank]``), rows in that partition's order. Ack the batch once."""
+        wanted = self.lease.partitions[rank]
+        where = {index: k for k, index in enumerate(self.lease.indexes)}
+        positions = [where[i] for i in wanted]
+        return {name: _take(value, positions) for name, value in self.data.items()}
+
     def expand(self, column: str) -> list[Any]:
         """A shared column repeated for each sample of the batch, in sample order."""
         by_group = self.shared[column]
