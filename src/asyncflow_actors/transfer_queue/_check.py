@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ._errors import InvalidArgument
 
@@ -26,3 +27,13 @@ def holder_name(value: object) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"holder must be a non-empty string, got {value!r}")
     return value
+
+
+def byte_sizes(column: str, value: int | Sequence[int], n: int) -> list[int]:
+    """Per-sample byte sizes of ``column``: one int for all ``n`` samples, or one each."""
+    if isinstance(value, int):
+        return [int_at_least(f"nbytes of {column!r}", value, 0)] * n
+    sizes = [int_at_least(f"nbytes of {column!r}", x, 0) for x in value]
+    if len(sizes) != n:
+        raise InvalidArgument(f"nbytes of {column!r} has {len(sizes)} entries, expected {n}")
+    return sizes

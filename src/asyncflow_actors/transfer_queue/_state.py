@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-from ._check import finite_time, holder_name, int_at_least
+from ._check import byte_sizes, finite_time, holder_name, int_at_least
 from ._errors import (
     CapacityError,
     GroupError,
@@ -352,7 +352,7 @@ class ControllerState:
                 f"topic {topic!r}: columns {names} are group-shared; write them with commit_shared"
             )
         targets = self._live(t, indexes)
-        sizes = {c: self._sizes(c, v, len(targets)) for c, v in columns.items()}
+        sizes = {c: byte_sizes(c, v, len(targets)) for c, v in columns.items()}
         views = list(t.views.values())
         for k, s in enumerate(targets):
             for col, per in sizes.items():
@@ -366,15 +366,6 @@ class ControllerState:
                 s.cols |= mask
                 t.sync(s, t.groups[s.gid], views)
         t.changes += 1
-
-    @staticmethod
-    def _sizes(column: str, value: int | Sequence[int], n: int) -> list[int]:
-        if isinstance(value, int):
-            return [int_at_least(f"nbytes of {column!r}", value, 0)] * n
-        sizes = [int_at_least(f"nbytes of {column!r}", x, 0) for x in value]
-        if len(sizes) != n:
-            raise InvalidArgument(f"nbytes of {column!r} has {len(sizes)} entries, expected {n}")
-        return sizes
 
     def commit_shared(self, topic: str, group_id: int, columns: Mapping[str, int]) -> None:
         """Record that group-shared ``columns`` (name -> bytes, stored once) of a group are stored.
