@@ -6,8 +6,9 @@ medians over repeats. Targets (issue #2): tell_rate ratio >= 0.6, ask_rtt_p50 ra
 
 from __future__ import annotations
 
-import json
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -15,6 +16,9 @@ import attrs
 import trio
 
 import asyncflow_actors as afa
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit
 
 N_TELLS = 100_000
 N_ASKS = 20_000
@@ -116,14 +120,6 @@ async def raw_ask_rtts() -> list[float]:
             out.append((time.perf_counter_ns() - t0) / 1000)
         nursery.cancel_scope.cancel()
     return out
-
-
-def emit(name: str, value: float, unit: str, baseline: float | None = None) -> None:
-    row: dict[str, Any] = {"name": name, "value": round(value, 3), "unit": unit}
-    if baseline is not None:
-        row["baseline"] = round(baseline, 3)
-        row["ratio"] = round(value / baseline, 3)
-    print(json.dumps(row), flush=True)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ Prints JSON lines ``{"name", "value", "unit", "baseline", "ratio"}`` (medians ov
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import zmq
 import asyncflow_actors as afa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, free_port, raw_push_throughput
 from remote_targets import Blob, Ping, Sink
 
 REPEATS = 5
@@ -48,33 +48,16 @@ trio.run(main)
 
 RAW_SERVER = r"""
 import sys, zmq
-kind, addr = sys.argv[1], sys.argv[2]
 ctx = zmq.Context()
-if kind == "rep":
-    s = ctx.socket(zmq.REP); s.bind(addr)
-    while True:
-        msg = s.recv(); s.send(msg)
-else:
-    s = ctx.socket(zmq.PULL); s.bind(addr)
-    ack = ctx.socket(zmq.PUSH); ack.bind(sys.argv[3])
-    while True:
-        parts = s.recv_multipart(copy=False)
-        if parts[0].bytes == b"end":
-            ack.send(b"ok")
+s = ctx.socket(zmq.REP); s.bind(sys.argv[2])
+while True:
+    msg = s.recv(); s.send(msg)
 """
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def raw_rtts() -> list[float]:
@@ -125,30 +108,8 @@ async def trio_zmq_rtts() -> list[float]:
 
 
 def raw_bandwidth() -> float:
-    addr, ack_addr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, "pull", addr, ack_addr])
-    try:
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.PUSH)
-        s.connect(addr)
-        ack = ctx.socket(zmq.PULL)
-        ack.connect(ack_addr)
-        buffers = [torch.randn(MiB) for _ in range(4)]  # 4 x 4 MiB = 16 MiB
-        s.send(b"end")
-        ack.recv()  # connected and warm
-        t0 = time.perf_counter()
-        for _ in range(N_BLOBS):
-            s.send_multipart([memoryview(b.numpy()) for b in buffers], copy=False)
-        s.send(b"end")
-        ack.recv()
-        elapsed = time.perf_counter() - t0
-        s.close(linger=0)
-        ack.close(linger=0)
-        ctx.term()
-        return N_BLOBS * 16 * MiB / elapsed / 1e9
-    finally:
-        proc.kill()
-        proc.wait()
+    buffers = [torch.randn(MiB).numpy() for _ in range(4)]  # 4 x 4 MiB = 16 MiB
+    return raw_push_throughput(buffers, N_BLOBS) / 1e9
 
 
 async def remote_figures() -> tuple[list[float], float]:
@@ -176,12 +137,6 @@ async def remote_figures() -> tuple[list[float], float]:
         assert received is not None
         await node.stop()
         return rtts, N_BLOBS * 16 * MiB / elapsed / 1e9
-
-
-def emit(name: str, value: float, unit: str, baseline: float) -> None:
-    row = {"name": name, "value": round(value, 3), "unit": unit, "baseline": round(baseline, 3)}
-    row["ratio"] = round(value / baseline, 3)
-    print(json.dumps(row), flush=True)
 
 
 def main() -> None:

@@ -16,24 +16,20 @@ one consumer task gets and acks. Prints JSON lines (medians over repeats):
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from typing import Any
 
 import torch
 import trio
-import zmq
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tq_state import bench_claims
+from common import emit, raw_push_throughput
 
 N = 256
 BATCHES = 30
@@ -121,49 +117,9 @@ async def tq_figures() -> tuple[list[float], list[float], list[float]]:
     return throughputs, latencies, startups
 
 
-RAW_SINK = r"""
-import sys, zmq
-ctx = zmq.Context(); s = ctx.socket(zmq.PULL); s.bind(sys.argv[1])
-ack = ctx.socket(zmq.PUSH); ack.bind(sys.argv[2])
-while True:
-    parts = s.recv_multipart(copy=False)
-    if parts[0].bytes == b"end":
-        ack.send(b"ok")
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def raw_throughput() -> float:
     data = make_batch()
-    addr, ack_addr = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", RAW_SINK, addr, ack_addr])
-    try:
-        ctx = zmq.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(addr)
-        ack = ctx.socket(zmq.PULL)
-        ack.connect(ack_addr)
-        frames = [memoryview(t.numpy()) for t in data.values()]
-        push.send(b"end")
-        ack.recv()
-        t0 = time.perf_counter()
-        for _ in range(BATCHES):
-            push.send_multipart(frames, copy=False)
-        push.send(b"end")
-        ack.recv()
-        elapsed = time.perf_counter() - t0
-        push.close(linger=0)
-        ack.close(linger=0)
-        ctx.term()
-        return BATCHES * nbytes(data) / elapsed / 1e6
-    finally:
-        proc.kill()
-        proc.wait()
+    return raw_push_throughput([t.numpy() for t in data.values()], BATCHES) / 1e6
 
 
 async def dedup_saved() -> int:
@@ -182,14 +138,6 @@ async def dedup_saved() -> int:
             )
         stats = await client.statistics()
         return int(stats.controller.state.topics[0].dedup_bytes_saved)
-
-
-def emit(name: str, value: float, unit: str, baseline: float | None = None) -> None:
-    row: dict[str, Any] = {"name": name, "value": round(value, 3), "unit": unit}
-    if baseline is not None:
-        row["baseline"] = round(baseline, 3)
-        row["ratio"] = round(value / baseline, 3)
-    print(json.dumps(row), flush=True)
 
 
 def main() -> None:

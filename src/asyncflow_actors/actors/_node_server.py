@@ -127,14 +127,18 @@ class NodeServer:
 
     # -- sending -------------------------------------------------------------------------------
 
-    async def _send(self, peer: bytes, meta: dict[str, Any], payload: object = None) -> None:
+    def _encode(self, meta: dict[str, Any], payload: object) -> list[Any]:
+        """Frames of a message; a reply whose value cannot be sent becomes an error reply."""
         try:
-            frames = encode(meta, payload, registry=self.registry)
+            return encode(meta, payload, registry=self.registry)
         except WireError as exc:
             if meta.get("k") != P.OK:
                 raise
             info = P.error_info(exc, self.name)
-            frames = encode({"k": P.ERR, "c": meta["c"]}, info, registry=self.registry)
+            return encode({"k": P.ERR, "c": meta["c"]}, info, registry=self.registry)
+
+    async def _send(self, peer: bytes, meta: dict[str, Any], payload: object = None) -> None:
+        frames = self._encode(meta, payload)
         try:
             # bounded: a peer that went away must not hold a task forever
             with trio.move_on_after(SEND_TIMEOUT) as scope:
@@ -356,14 +360,7 @@ class NodeServer:
     def _send_nowait(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
         """Encode and queue a message without waiting (the ROUTER has no high-water mark)."""
         try:
-            try:
-                frames = encode(meta, payload, registry=self.registry)
-            except WireError as exc:
-                if meta.get("k") != P.OK:
-                    raise
-                info = P.error_info(exc, self.name)
-                frames = encode({"k": P.ERR, "c": meta["c"]}, info, registry=self.registry)
-            self.sock.send_multipart_nowait([peer, *frames])
+            self.sock.send_multipart_nowait([peer, *self._encode(meta, payload)])
             self.sent += 1
         except trio.WouldBlock:
             assert self._nursery is not None

@@ -73,6 +73,15 @@ class ActorRef(abc.ABC, Generic[M]):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+def require_request(request: object) -> None:
+    """Raise ``MessageTypeError`` unless ``request`` is a ``Request`` (what ``ask`` sends)."""
+    if not isinstance(request, Request):
+        raise MessageTypeError(
+            f"ask() needs a Request, got {type(request).__name__}: {request!r}; use send() "
+            "for messages without a reply"
+        )
+
+
 class LocalActorRef(ActorRef[M]):
     """A reference to an actor in this process."""
 
@@ -117,11 +126,7 @@ class LocalActorRef(ActorRef[M]):
             raise self._dead() from self._cell.last_error
 
     async def ask(self, request: Request[R]) -> R:
-        if not isinstance(request, Request):
-            raise MessageTypeError(
-                f"ask() needs a Request, got {type(request).__name__}: {request!r}; use send() "
-                "for messages without a reply"
-            )
+        require_request(request)
         self._check(request)
         reply = Reply()
         item = Ask(request, reply)

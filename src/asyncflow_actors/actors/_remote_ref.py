@@ -16,7 +16,7 @@ from ._cell import ActorCell, ActorState, ActorStatistics
 from ._errors import ActorCrashed, MessageTypeError
 from ._link import NodeLink
 from ._message import Request, Terminated
-from ._ref import ActorRef
+from ._ref import ActorRef, require_request
 from ._typeinfo import register_types
 from ._wire import MessageRegistry
 
@@ -171,11 +171,7 @@ class RemoteActorRef(ActorRef[M]):
         self._count()
 
     async def ask(self, request: Request[R]) -> R:
-        if not isinstance(request, Request):
-            raise MessageTypeError(
-                f"ask() needs a Request, got {type(request).__name__}: {request!r}; use send() "
-                "for messages without a reply"
-            )
+        require_request(request)
         self._check(request)
         link = await self._node.wait_link(self._actor)
         result: R = await link.ask(self._actor, request)
