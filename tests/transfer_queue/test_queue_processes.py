@@ -23,7 +23,7 @@ SPEC = tq.TopicSpec.from_dict(
     },
     name="rollout",
 )
-FAST = afa.NodeOptions(heartbeat_interval=0.1, heartbeat_timeout=1.0, shutdown_grace=2.0)
+FAST = afa.NodeOptions(heartbeat_interval=0.1, heartbeat_timeout=2.0, shutdown_grace=2.0)
 
 
 async def test_units_in_node_processes_round_trip_and_survive_kill_9() -> None:
