@@ -17,7 +17,7 @@ import attrs
 import trio
 import trio.lowlevel
 import trio.testing
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -487,6 +487,7 @@ SupervisionMachine.TestCase.settings = settings(
     max_examples=150,
     stateful_step_count=30,
     deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestSupervision = SupervisionMachine.TestCase

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import trio
 import trio.testing
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import asyncflow_actors as afa
@@ -196,7 +196,12 @@ class Replay:
 
 
 @given(schedule=st.lists(ops, min_size=5, max_size=30))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow],
+)
 def test_random_schedules_keep_every_promise(schedule: list[tuple[Any, ...]]) -> None:
     async def main() -> None:
         async with afa.open_actor_system() as system:
