@@ -87,7 +87,9 @@ def test_grpo_zero_mean_per_group_and_shift_invariant(
     items: list[tuple[int, float]], shift: float
 ) -> None:
     groups = torch.tensor([g % 5 * 1000 + 7 for g, _ in items])
-    rewards = torch.tensor([r for _, r in items])
+    # float64: in float32, ``r + shift`` can round two distinct rewards to one value (0 and
+    # 6e-8 + 1.0), which turns a varied group into a constant one: not a shift of the rewards
+    rewards = torch.tensor([r for _, r in items], dtype=torch.float64)
     mask = torch.ones(len(items), 3)
     for fn in (grpo_advantages, dr_grpo_advantages, rloo_advantages):
         adv = _per_seq(fn(rewards, groups, mask).advantages)
