@@ -1,3 +1,5 @@
+"""Fixtures shared by every test."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
