@@ -17,8 +17,8 @@ from ._ref import ActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
 
 if TYPE_CHECKING:
-    from ._node import Launcher, Node, NodeOptions
-    from ._zmq import CurveClient
+    from .remote._node import Launcher, Node, NodeOptions
+    from .remote._zmq import CurveClient
 
 N = TypeVar("N")
 
@@ -98,7 +98,7 @@ class ActorSystem:
         ``allow`` lists the module prefixes actors may be spawned from on it. The node is a
         supervised child of the root (``PERMANENT``: restarted if it dies). See ``docs/remote.md``.
         """
-        from ._node import InProcessLauncher, SubprocessLauncher, node_spec
+        from .remote._node import InProcessLauncher, SubprocessLauncher, node_spec
 
         launcher: Launcher
         if transport == "inproc":
@@ -117,13 +117,13 @@ class ActorSystem:
         options: NodeOptions | None = None,
     ) -> Node:
         """Connect to a node started elsewhere (``python -m asyncflow_actors.node``)."""
-        from ._node import ConnectLauncher, node_spec
+        from .remote._node import ConnectLauncher, node_spec
 
         spec = node_spec(name, ConnectLauncher(address, curve), restart=restart, options=options)
         return await self._start_node(spec)
 
     async def _start_node(self, spec: ChildSpec) -> Node:
-        from ._node import GetNode
+        from .remote._node import GetNode
 
         ref = await self.start_child(spec)
         node: Node = await ref.ask(GetNode())
