@@ -13,6 +13,7 @@ from ._cell import ActorStatistics as ActorStatistics
 from ._cell import Reply as Reply
 from ._errors import ActorCrashed as ActorCrashed
 from ._errors import ActorError as ActorError
+from ._errors import ActorKilled as ActorKilled
 from ._errors import MessageTypeError as MessageTypeError
 from ._errors import NameTakenError as NameTakenError
 from ._errors import SupervisorFailed as SupervisorFailed
