@@ -19,11 +19,13 @@ from .actors import ActorSystem as ActorSystem
 from .actors import Backoff as Backoff
 from .actors import ChildInfo as ChildInfo
 from .actors import ChildSpec as ChildSpec
+from .actors import MessageRejected as MessageRejected
 from .actors import MessageTypeError as MessageTypeError
 from .actors import NameTakenError as NameTakenError
 from .actors import Node as Node
 from .actors import NodeLost as NodeLost
 from .actors import NodeOptions as NodeOptions
+from .actors import NotAuthorized as NotAuthorized
 from .actors import OneForAll as OneForAll
 from .actors import OneForOne as OneForOne
 from .actors import RemoteActorRef as RemoteActorRef
@@ -41,6 +43,7 @@ from .actors import Supervisor as Supervisor
 from .actors import SupervisorFailed as SupervisorFailed
 from .actors import SystemStatistics as SystemStatistics
 from .actors import Terminated as Terminated
+from .actors import Tracker as Tracker
 from .actors import WhichChildren as WhichChildren
 from .actors import WireError as WireError
 from .actors import open_actor_system as open_actor_system

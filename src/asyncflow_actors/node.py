@@ -1,8 +1,10 @@
-"""Run a node: ``python -m asyncflow_actors.node --bind tcp://0.0.0.0:5555 --allow mypkg.actors``.
+"""Run a node: ``python -m asyncflow_actors.node --bind tcp://127.0.0.1:5555 --allow mypkg.actors``.
 
-A node hosts actors for remote systems (``system.connect_node(address, name=...)``). Start one per
-host or per accelerator under SLURM, torchrun or Kubernetes; see ``docs/remote.md``. Once bound it
-prints one JSON line, ``{"endpoints": [...], "pid": ...}``, on stdout.
+A node hosts actors for the other systems of a run (``system.connect_node(address, name=...)``).
+Start one per host or per accelerator under SLURM, torchrun or Kubernetes; see
+``docs/remote.md``. Once bound it prints one JSON line, ``{"endpoints": [...], "pid": ...}``, on
+stdout. Binding beyond loopback requires ``--curve-keys`` with ``--authorized-keys``, or an
+explicit ``--insecure``. A node exits on SIGTERM/SIGINT after stopping its actors.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 import trio
 
-from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES, serve_node
+from .actors.remote._launch import OWNER_TOKEN_ENV, NodeOptions
+from .actors.remote._node import serve_node
+from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES
 from .actors.remote._zmq import CurveKeypair, CurveServer
 
 
@@ -33,10 +38,18 @@ def _parser() -> argparse.ArgumentParser:
         "--peer-timeout",
         type=float,
         default=math.inf,
-        help="stop a peer's actors after this many seconds without hearing from it",
+        help="stop a session's actors once all its connections have been gone this long (s)",
     )
+    defaults = NodeOptions()
+    p.add_argument("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
+    p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout)
     p.add_argument("--curve-keys", help="file with 'public secret' Z85 keys: require CURVE")
     p.add_argument("--authorized-keys", help="file with client public keys (Z85), one a line")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow binding beyond loopback without CURVE (a trusted network only)",
+    )
     p.add_argument("--exit-on-stdin-eof", action="store_true", help="exit when stdin closes")
     p.add_argument("--log-level", default="WARNING")
     return p
@@ -55,14 +68,26 @@ async def _watch_stdin(scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
+async def _watch_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()  # leaving serve_node stops the actors and closes the sockets
+            return
+
+
 async def _main(args: argparse.Namespace) -> None:
     curve = None
     if args.curve_keys:
         public, secret = _read_keys(args.curve_keys)[0].split()
         curve = CurveServer(CurveKeypair(public, secret))
     authorized = _read_keys(args.authorized_keys) if args.authorized_keys else None
-    name = args.name or f"{os.uname().nodename}:{os.getpid()}"
+    options = NodeOptions(
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        max_message_bytes=args.max_message_bytes,
+    )
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, nursery.cancel_scope)
         if args.exit_on_stdin_eof:
             nursery.start_soon(_watch_stdin, nursery.cancel_scope)
 
@@ -70,23 +95,36 @@ async def _main(args: argparse.Namespace) -> None:
             await serve_node(
                 args.bind,
                 allow=args.allow,
-                name=name,
+                name=args.name,
                 curve=curve,
                 authorized_keys=authorized,
+                insecure=args.insecure,
                 max_message_bytes=args.max_message_bytes,
                 peer_timeout=args.peer_timeout,
+                owner_token=os.environ.pop(OWNER_TOKEN_ENV, ""),
+                options=options,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()
 
         endpoints = await nursery.start(serve)
+        name = args.name or f"{os.uname().nodename}:{os.getpid()}"
         print(json.dumps({"endpoints": endpoints, "pid": os.getpid(), "name": name}), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.curve_keys and not args.authorized_keys:
+        parser.error(
+            "--curve-keys without --authorized-keys would let in any client that knows the "
+            "server key: list the clients' public keys with --authorized-keys"
+        )
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
-    trio.run(_main, args)
+    try:
+        trio.run(_main, args)
+    except ValueError as exc:  # e.g. a public bind without CURVE or --insecure
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -249,7 +249,8 @@ async def test_garbage_on_the_wire_never_crashes_a_node() -> None:
         meta, payload = afa.actors.remote.decode(
             reply, registry=afa.actors.remote.protocol_registry(), max_message_bytes=1 << 20
         )
-        assert meta == {"k": "err", "c": 7}
+        # the error names the target and returns the credit the message used
+        assert meta == {"k": "err", "c": 7, "t": "w", "n": 1}
         assert "WireError" in payload.type_name or "UnknownType" in payload.type_name
         assert await ref.ask(Echo("still alive")) == "still alive"
 

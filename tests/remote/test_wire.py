@@ -323,12 +323,31 @@ class Plain:
         ({5: np.array(["a"])}, "payload[5]", "numpy dtype"),
         ([np.float32(1.0)], "payload[0]", "numpy scalar"),
         ([{1.5: 2}], "payload[0]", "dict key 1.5"),
-        ({"set": {1, 2}}, "payload['set']", "set"),
+        ({"set": {print}}, "payload['set'][0]", "builtin_function"),
         (Plain(), "payload", "Plain"),
         (enum.Enum("Other", "A").A, "payload", "not registered"),  # type: ignore[attr-defined]
         ([2**70], "payload", "msgpack"),
     ],
 )
+def test_sets_and_read_only_maps_round_trip() -> None:
+    import types
+
+    payload = {
+        "set": {1, "a", (2, 3)},
+        "frozen": frozenset({"x", "y"}),
+        "empty": frozenset(),
+        "proxy": types.MappingProxyType({"k": [1, 2]}),
+    }
+    _, back = decode(encode({}, payload, registry=REG), registry=REG, max_message_bytes=1 << 20)
+    assert back == {
+        "set": {1, "a", (2, 3)},
+        "frozen": frozenset({"x", "y"}),
+        "empty": frozenset(),
+        "proxy": {"k": [1, 2]},
+    }
+    assert type(back["set"]) is set and type(back["frozen"]) is frozenset
+
+
 def test_encode_rejects_unsupported_values_naming_type_and_path(
     payload: object, path: str, needle: str
 ) -> None:

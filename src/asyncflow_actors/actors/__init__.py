@@ -20,6 +20,7 @@ from ._errors import SupervisorFailed as SupervisorFailed
 from ._message import Request as Request
 from ._message import Terminated as Terminated
 from ._ref import ActorRef as ActorRef
+from ._ref import Tracker as Tracker
 from ._supervisor import Backoff as Backoff
 from ._supervisor import ChildInfo as ChildInfo
 from ._supervisor import ChildSpec as ChildSpec
@@ -36,12 +37,14 @@ from ._supervisor import WhichChildren as WhichChildren
 from ._system import ActorSystem as ActorSystem
 from ._system import SystemStatistics as SystemStatistics
 from ._system import open_actor_system as open_actor_system
+from .remote._launch import NodeOptions as NodeOptions
 from .remote._node import Node as Node
-from .remote._node import NodeOptions as NodeOptions
+from .remote._protocol import MessageRejected as MessageRejected
 from .remote._protocol import NodeLost as NodeLost
 from .remote._protocol import RemoteError as RemoteError
 from .remote._protocol import register_error as register_error
 from .remote._ref import RemoteActorRef as RemoteActorRef
+from .remote._server import NotAuthorized as NotAuthorized
 from .remote._server import SpawnRefused as SpawnRefused
 from .remote._typeinfo import register_types as register_types
 from .remote._wire import WireError as WireError

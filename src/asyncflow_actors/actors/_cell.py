@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import secrets
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -116,6 +117,14 @@ class Ask:
 
 
 @attrs.frozen
+class Tracked:
+    """A tell whose sender waits (``send_tracked``) until the actor has handled it."""
+
+    msg: object
+    done: trio.Event
+
+
+@attrs.frozen
 class ChildExited:
     """System notice to a parent: one incarnation of a child cell ended."""
 
@@ -176,6 +185,7 @@ class ActorCell:
         self.terminated = trio.Event()
         self.loop_task: trio.lowlevel.Task | None = None
         self.ref: LocalActorRef[Any] = LocalActorRef(self)
+        self.token = secrets.token_hex(8)  # the stop capability its refs carry to other nodes
         self._parked = False
         self.actor: Actor[Any] | None = None  # the current (or last) incarnation's instance
         self.ctx: ActorContext[Any] | None = None  # the current incarnation's context
@@ -426,6 +436,11 @@ class ActorCell:
                 continue
             if type(item) is Ask:
                 await self._dispatch_ask(actor, ctx, item)
+            elif type(item) is Tracked:
+                try:
+                    await receive(item.msg, ctx)
+                finally:
+                    item.done.set()
             else:
                 await receive(item, ctx)
             self.processed += 1
@@ -472,6 +487,8 @@ class ActorCell:
             if isinstance(item, Ask):
                 item.reply.fail(ActorCrashed(self.path, error, detail="request was queued"))
             elif item is not _WAKE:
+                if isinstance(item, Tracked):
+                    item.done.set()  # dropped: nothing will read its buffers
                 self.dead_letters += 1
 
     def prepare_restart(self) -> None:

@@ -12,12 +12,43 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from ._cell import ActorCell, ActorState, ActorStatistics, Ask, Reply
+from ._cell import ActorCell, ActorState, ActorStatistics, Ask, Reply, Tracked
 from ._errors import ActorCrashed, MessageTypeError
 from ._message import Request, Terminated
 
 M = TypeVar("M")
 R = TypeVar("R")
+
+
+class Tracker(abc.ABC):
+    """Says when the buffers of a sent message (tensors, arrays) may be modified again."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once nothing reads the message's buffers any more."""
+
+    @abc.abstractmethod
+    async def wait(self) -> None:
+        """Wait until ``done``; a checkpoint even when already done."""
+
+
+class EventTracker(Tracker):
+    """A ``Tracker`` completed by a ``trio.Event`` (a local delivery)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: trio.Event) -> None:
+        self._event = event
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
 class ActorRef(abc.ABC, Generic[M]):
@@ -45,6 +76,16 @@ class ActorRef(abc.ABC, Generic[M]):
     @abc.abstractmethod
     def send_nowait(self, msg: M) -> None:
         """Like ``send`` but raises ``trio.WouldBlock`` when the mailbox is full."""
+
+    @abc.abstractmethod
+    async def send_tracked(self, msg: M) -> Tracker:
+        """Like ``send``; the returned ``Tracker`` says when ``msg``'s buffers may be reused.
+
+        Sending never copies a large tensor: until the tracker is done, the receiver (or, for a
+        remote actor, libzmq) may still read it. A local actor shares the sender's objects, so
+        its tracker is done once ``receive`` returned for the message (a receiver that keeps
+        a tensor must copy it). A sender that refills a buffer waits on the tracker first.
+        """
 
     @abc.abstractmethod
     async def ask(self, request: Request[R]) -> R:
@@ -118,6 +159,15 @@ class LocalActorRef(ActorRef[M]):
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise self._dead() from self._cell.last_error
 
+    async def send_tracked(self, msg: M) -> Tracker:
+        self._check(msg)
+        event = trio.Event()
+        try:
+            await self._cell.mailbox_send.send(Tracked(msg, event))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
+        return EventTracker(event)
+
     def send_nowait(self, msg: M) -> None:
         self._check(msg)
         try:
@@ -174,3 +224,54 @@ class LocalActorRef(ActorRef[M]):
 
     def _unwatch(self, watcher: ActorCell) -> None:
         self._cell.watchers.discard(watcher)
+
+
+class DeadActorRef(ActorRef[M]):
+    """A ref to an actor that terminated before the ref arrived (an address that names no live
+    actor of this system): every send raises ``ActorCrashed``, watching reports ``Terminated``."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeadActorRef) and other._name == self._name
+
+    def __hash__(self) -> int:
+        return hash(("dead", self._name))
+
+    def _dead(self) -> ActorCrashed:
+        return ActorCrashed(self._name, None, detail="no such actor (terminated)")
+
+    async def send(self, msg: M) -> None:
+        await trio.lowlevel.checkpoint()
+        raise self._dead()
+
+    def send_nowait(self, msg: M) -> None:
+        raise self._dead()
+
+    async def send_tracked(self, msg: M) -> Tracker:
+        await trio.lowlevel.checkpoint()
+        raise self._dead()
+
+    async def ask(self, request: Request[R]) -> R:
+        require_request(request)
+        await trio.lowlevel.checkpoint()
+        raise self._dead()
+
+    async def stop(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def statistics(self) -> ActorStatistics:
+        return ActorStatistics(self._name, ActorState.TERMINATED, 0, 0, 0, 0, 0, 0, 0)
+
+    def _watch(self, watcher: ActorCell) -> None:
+        watcher.deliver_system(Terminated(self, None))
+
+    def _unwatch(self, watcher: ActorCell) -> None:
+        pass

@@ -17,8 +17,10 @@ from ._ref import ActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
 
 if TYPE_CHECKING:
-    from .remote._node import Launcher, Node, NodeOptions
-    from .remote._zmq import CurveClient
+    from .remote._launch import Launcher, NodeOptions
+    from .remote._mesh import Mesh
+    from .remote._node import Node
+    from .remote._zmq import CurveClient, CurveServer
 
 N = TypeVar("N")
 
@@ -47,6 +49,38 @@ class ActorSystem:
         self.kill_grace = kill_grace
         self._cells: dict[str, ActorCell] = {}
         self._root: ActorCell | None = None
+        self._mesh: Mesh | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        """How this system reaches the other systems of the run and they reach it."""
+        if self._mesh is None:
+            raise RuntimeError("the actor system is not running")
+        return self._mesh
+
+    @property
+    def name(self) -> str:
+        """This system's name in the run (how addresses of its actors name it)."""
+        return self.mesh.name
+
+    async def listen(
+        self,
+        bind: str | Sequence[str],
+        *,
+        curve: CurveServer | None = None,
+        authorized_keys: Sequence[bytes] | None = None,
+        insecure: bool = False,
+    ) -> list[str]:
+        """Listen on ``bind`` so that systems on other hosts can reach this one's actors.
+
+        A system listens on its own (ipc and loopback tcp) once it starts or connects a node;
+        call this first to be reachable from other hosts. Beyond loopback, ``curve`` (with
+        ``authorized_keys``, the Z85 public keys of the peers let in) is required, or
+        ``insecure=True`` for a trusted network (a warning is logged). Returns the endpoints.
+        """
+        return await self.mesh.listen(
+            bind, curve=curve, authorized_keys=authorized_keys, insecure=insecure
+        )
 
     @property
     def root(self) -> ActorRef[Any]:
@@ -99,14 +133,16 @@ class ActorSystem:
         ``allow`` lists the module prefixes actors may be spawned from on it. The node is a
         supervised child of the root (``PERMANENT``: restarted if it dies). See ``docs/remote.md``.
         """
-        from .remote._node import InProcessLauncher, SubprocessLauncher, node_spec
+        from .remote._launch import InProcessLauncher, SubprocessLauncher
+        from .remote._node import node_spec
 
         launcher: Launcher
         if transport == "inproc":
             launcher = InProcessLauncher(tuple(allow))
         else:
             launcher = SubprocessLauncher(tuple(allow), transport=transport, host=host, env=env)
-        return await self._start_node(node_spec(name, launcher, restart=restart, options=options))
+        spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
+        return await self._start_node(spec)
 
     async def connect_node(
         self,
@@ -118,9 +154,11 @@ class ActorSystem:
         options: NodeOptions | None = None,
     ) -> Node:
         """Connect to a node started elsewhere (``python -m asyncflow_actors.node``)."""
-        from .remote._node import ConnectLauncher, node_spec
+        from .remote._launch import ConnectLauncher
+        from .remote._node import node_spec
 
-        spec = node_spec(name, ConnectLauncher(address, curve), restart=restart, options=options)
+        launcher = ConnectLauncher(address, curve)
+        spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
         return await self._start_node(spec)
 
     async def _start_node(self, spec: ChildSpec) -> Node:
@@ -164,21 +202,34 @@ class ActorSystem:
 
 @asynccontextmanager
 async def open_actor_system(
-    *, strategy: Strategy | None = None, shutdown_grace: float = 5.0, kill_grace: float = 1.0
+    *,
+    strategy: Strategy | None = None,
+    shutdown_grace: float = 5.0,
+    kill_grace: float = 1.0,
+    name: str | None = None,
+    node_options: NodeOptions | None = None,
 ) -> AsyncIterator[ActorSystem]:
     """Run an actor system for the duration of the ``async with`` block.
 
     ``strategy`` is the root supervisor's (default ``OneForOne()``); ``shutdown_grace`` the
-    default grace of a stopping actor. Leaving the block — normally, by an exception, or by a
-    cancellation from outside — stops every actor in reverse start order, each within its
-    grace, then cancels what is left. If the root supervisor fails (its
-    restart intensity exceeded), the block is cancelled and ``SupervisorFailed`` surfaces from
-    the ``async with`` inside an ``ExceptionGroup`` (trio's strict exception groups).
+    default grace of a stopping actor and ``kill_grace`` the time ``on_stop`` still gets after
+    a grace ran out. Leaving the block — normally, by an exception, or by a cancellation from
+    outside — stops every actor in reverse start order, each within its budget, so it is
+    bounded by the sum of the graces whatever an actor is stuck in. If the root supervisor
+    fails (its restart intensity exceeded), the block is cancelled and ``SupervisorFailed``
+    surfaces from the ``async with`` inside an ``ExceptionGroup`` (trio's strict groups).
+
+    ``name`` names the system in the run (default ``host:pid``); ``node_options`` time the
+    links it opens to other systems (``docs/remote.md``).
     """
+    from .remote._launch import NodeOptions as _NodeOptions
+    from .remote._mesh import Mesh
+
     for what, value in (("shutdown_grace", shutdown_grace), ("kill_grace", kill_grace)):
         if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
             raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
     system = ActorSystem(shutdown_grace=shutdown_grace, kill_grace=kill_grace)
+    mesh = Mesh(system, name, node_options if node_options is not None else _NodeOptions())
     root = ActorCell(system, "", mailbox_size=math.inf, parent=None, shutdown=None)
     chosen = strategy if strategy is not None else OneForOne()
 
@@ -194,7 +245,9 @@ async def open_actor_system(
         if exit.error is not None and not exit.start_failed and not exit.killed:
             raise exit.error  # the root failed (a kill during the stop was logged already)
 
-    async with trio.open_nursery() as nursery:
+    # The mesh (sockets to other systems) outlives the actors: their on_stop may still talk.
+    async with mesh.run(), trio.open_nursery() as nursery:
+        system._mesh = mesh
         error = await nursery.start(run_root, name="actor:<root>")
         if error is not None:
             raise error

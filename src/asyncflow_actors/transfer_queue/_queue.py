@@ -138,7 +138,7 @@ async def open_transfer_queue(
                 spec = ChildSpec(lambda unit=unit: StorageUnit(unit), unit)  # type: ignore[misc]
                 units[unit] = await sup.ask(StartChild(spec))
         else:
-            await _start_unit_nodes(sup, cfg, names, units, options)
+            await _start_unit_nodes(system, sup, cfg, names, units, options)
         shared = ControllerShared(
             {t.name: t for t in cfg.topics}, units, unit_check_interval=cfg.unit_check_interval
         )
@@ -150,6 +150,7 @@ async def open_transfer_queue(
 
 
 async def _start_unit_nodes(
+    system: ActorSystem,
     sup: ActorRef[Any],
     cfg: TransferQueueConfig,
     names: list[str],
@@ -159,7 +160,9 @@ async def _start_unit_nodes(
     """One node process per unit, launched concurrently (startup is dominated by process start)."""
     allow = ("asyncflow_actors.transfer_queue",)
     launcher = SubprocessLauncher(allow, transport=cfg.transport)
-    specs = tuple(node_spec(f"node-{unit}", launcher, options=options) for unit in names)
+    specs = tuple(
+        node_spec(f"node-{unit}", launcher, mesh=system.mesh, options=options) for unit in names
+    )
     refs = await sup.ask(StartChildren(specs))
     node_refs = dict(zip(names, refs, strict=True))
 

@@ -7,20 +7,27 @@ launchers of one's own, benchmarks and tools: ``serve_node``, node specs and lau
 See ``docs/remote.md``.
 """
 
+from ._address import ActorAddress as ActorAddress
+from ._launch import ConnectLauncher as ConnectLauncher
+from ._launch import InProcessLauncher as InProcessLauncher
+from ._launch import Launched as Launched
+from ._launch import Launcher as Launcher
+from ._launch import SubprocessLauncher as SubprocessLauncher
 from ._link import NodeLink as NodeLink
-from ._node import ConnectLauncher as ConnectLauncher
+from ._mesh import LinkStatistics as LinkStatistics
+from ._mesh import Mesh as Mesh
+from ._mesh import MeshStatistics as MeshStatistics
 from ._node import GetNode as GetNode
-from ._node import InProcessLauncher as InProcessLauncher
-from ._node import Launcher as Launcher
 from ._node import NodeActor as NodeActor
 from ._node import SpawnRemote as SpawnRemote
-from ._node import SubprocessLauncher as SubprocessLauncher
 from ._node import node_spec as node_spec
+from ._node import serve_node as serve_node
+from ._protocol import MessageRejected as MessageRejected
 from ._protocol import protocol_registry as protocol_registry
 from ._raw_tensor import RawTensor as RawTensor
 from ._server import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_MESSAGE_BYTES
 from ._server import NodeServerStatistics as NodeServerStatistics
-from ._server import serve_node as serve_node
+from ._server import NotAuthorized as NotAuthorized
 from ._wire import MalformedMessage as MalformedMessage
 from ._wire import MessageRegistry as MessageRegistry
 from ._wire import MessageTooLarge as MessageTooLarge

@@ -1,14 +1,20 @@
-"""The system side of one connection to a node: requests, replies, credits, heartbeats.
+"""The sending side of one connection to another actor system: requests, replies, credits.
 
-A ``NodeLink`` owns a DEALER socket connected to a node's ROUTER. ``run`` is its only receiving
-task; any task may send. Every request waits on a ``Reply`` keyed by a correlation id; when the
-link closes (the node died, the connection broke, the owner stopped), every pending request
-fails with ``ActorCrashed`` chained to a ``NodeLost``, so no asker ever hangs.
+A ``NodeLink`` owns a DEALER socket connected to a peer's ROUTER (its server). ``run`` is its
+only receiving task; any task may send. Every request waits on a ``Reply`` keyed by a
+correlation id; when the link closes (the peer died, the connection dropped, the owner
+stopped), every pending request fails with ``ActorCrashed`` chained to a ``NodeLost``, so no
+asker ever hangs.
 
-Credits implement flow control across processes: a remote actor's mailbox capacity is the number
-of messages this side may have in flight to it; ``tell``/``ask`` wait for a credit, the node
-returns them as messages enter the mailbox. (zmq's high-water mark is not flow control: it drops
-or blocks per pipe, not per actor.)
+Liveness is decided on evidence only (``docs/remote.md``): the socket's monitor reports a dropped
+connection, and libzmq's ZMTP heartbeats (answered by libzmq's own I/O threads, so a busy Python
+loop on either side never misses one) drop a connection whose peer stopped answering. Neither is
+fooled by this process's event loop being blocked for a while.
+
+Credits implement flow control across processes, per sender: an actor's mailbox capacity is the
+number of messages *this* process may have in flight to it; ``tell``/``ask`` wait for a credit,
+the peer returns them as messages enter the mailbox (or with a rejection). zmq's high-water mark
+is not flow control: it counts messages per pipe, not per actor.
 """
 
 from __future__ import annotations
@@ -16,18 +22,30 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .._cell import Reply
 from .._errors import ActorCrashed
 from . import _protocol as P
 from ._typeinfo import register_types
-from ._wire import MessageRegistry, WireError, decode, encode
-from ._zmq import TrioSocket
+from ._wire import AddressOf, MessageRegistry, WireError, decode, encode
+from ._wire_decode import ResolveRef
+from ._zmq import SendTracker, TrioSocket, open_monitor_socket
+
+if TYPE_CHECKING:
+    from ._peer import Peer
 
 log = logging.getLogger("asyncflow_actors.node")
+
+_MONITORED = int(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _nbytes(frames: list[bytes | memoryview]) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
 
 
 class Credits:
@@ -74,7 +92,7 @@ class Credits:
 
 
 class NodeLink:
-    """One DEALER connection to a node (see the module docstring)."""
+    """One DEALER connection to another system's server (see the module docstring)."""
 
     def __init__(
         self,
@@ -83,45 +101,84 @@ class NodeLink:
         *,
         node: str,
         max_message_bytes: int,
+        address_of: AddressOf | None = None,
+        resolve: ResolveRef | None = None,
         on_gone: Callable[[str, P.ErrorInfo | None], None] | None = None,
+        on_rejected: Callable[[str, BaseException], None] | None = None,
+        on_lost: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.sock = sock
         self.registry = registry
         self.node = node
         self.max_message_bytes = max_message_bytes
+        self.address_of = address_of
+        self.resolve = resolve
         self.on_gone = on_gone
+        self.on_rejected = on_rejected
+        self.on_lost = on_lost
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Reply, str]] = {}
+        self._resolving: dict[str, trio.Event] = {}
         self.credits: dict[str, Credits] = {}
-        self.last_heard = trio.current_time()
         self.closed: BaseException | None = None
         self._registered: set[type] = set()
         self.sent = 0
+        self.sent_bytes = 0
+        self.received_bytes = 0
         self.wire_errors = 0
+        self.rejected = 0
 
     # -- receiving -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Receive and dispatch until the socket closes. Raises ``NodeLost`` if it breaks."""
-        while True:
-            try:
-                frames = await self.sock.recv_multipart()
-            except trio.ClosedResourceError:
+        """Receive and dispatch until the socket closes; watch the connection meanwhile.
+
+        A dropped connection (or a refused CURVE handshake) closes the link with ``NodeLost``
+        and calls ``on_lost``.
+        """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._monitor)
+            while True:
+                try:
+                    frames = await self.sock.recv_multipart()
+                except trio.ClosedResourceError:
+                    nursery.cancel_scope.cancel()
+                    return
+                self.received_bytes += sum(len(f) for f in frames)
+                try:
+                    meta, payload = decode(
+                        frames,
+                        registry=self.registry,
+                        max_message_bytes=self.max_message_bytes,
+                        resolve=self.resolve,
+                    )
+                except WireError as exc:
+                    self.wire_errors += 1
+                    log.warning("link to %s: undecodable message: %s", self.node, exc)
+                    corr = exc.meta.get("c") if isinstance(exc.meta, dict) else None
+                    if isinstance(corr, int) and corr in self._pending:
+                        reply, _ = self._pending.pop(corr)
+                        reply.fail(exc)
+                    continue
+                self._dispatch(meta, payload)
+
+    async def _monitor(self) -> None:
+        async with open_monitor_socket(self.sock, _MONITORED) as mon:
+            while True:
+                try:
+                    event = parse_monitor_message([f.bytes for f in await mon.recv_multipart()])[
+                        "event"
+                    ]
+                except trio.ClosedResourceError:
+                    return
+                if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    lost = P.NodeLost(f"node {self.node!r} refused our CURVE credentials")
+                else:
+                    lost = P.NodeLost(f"the connection to node {self.node!r} dropped")
+                self.close(lost)
+                if self.on_lost is not None:
+                    self.on_lost(lost)
                 return
-            self.last_heard = trio.current_time()
-            try:
-                meta, payload = decode(
-                    frames, registry=self.registry, max_message_bytes=self.max_message_bytes
-                )
-            except WireError as exc:
-                self.wire_errors += 1
-                log.warning("link to %s: undecodable message: %s", self.node, exc)
-                corr = exc.meta.get("c") if isinstance(exc.meta, dict) else None
-                if isinstance(corr, int) and corr in self._pending:
-                    reply, _ = self._pending.pop(corr)
-                    reply.fail(exc)
-                continue
-            self._dispatch(meta, payload)
 
     def _dispatch(self, meta: dict[str, Any], payload: object) -> None:
         kind = meta.get("k")
@@ -140,11 +197,26 @@ class NodeLink:
                 reply.fail(WireError(f"malformed error reply from node {self.node!r}"))
         elif kind == P.CREDIT:
             self._credit(meta)
+        elif kind == P.REJECT:
+            self._credit(meta)
+            refused = meta.get("t")
+            if isinstance(refused, str):
+                self.rejected += 1
+                error = P.MessageRejected(
+                    f"node {self.node!r} rejected a message told to {refused!r}: "
+                    + (
+                        f"{payload.type_name}: {payload.message}"
+                        if isinstance(payload, P.ErrorInfo)
+                        else "?"
+                    )
+                )
+                log.warning("%s", error)
+                if self.on_rejected is not None:
+                    self.on_rejected(refused, error)
         elif kind == P.GONE:
             gone = meta.get("t")
             if isinstance(gone, str):
                 self._gone(gone, payload)
-        # PONG and anything else only refresh last_heard
 
     def _credit(self, meta: dict[str, Any]) -> None:
         credits = self.credits.get(meta.get("t", ""))
@@ -172,7 +244,7 @@ class NodeLink:
         if cls not in self._registered:
             register_types(self.registry, cls)
             self._registered.add(cls)
-        return encode(meta, payload, registry=self.registry)
+        return encode(meta, payload, registry=self.registry, address_of=self.address_of)
 
     def _check_open(self, target: str = "") -> None:
         if self.closed is not None:
@@ -201,11 +273,32 @@ class NodeLink:
             except trio.WouldBlock:
                 await self.sock.send_multipart(frames)
             self.sent += 1
+            self.sent_bytes += _nbytes(frames)
             return await reply.wait()
         finally:
             self._pending.pop(corr, None)
 
-    async def tell(self, target: str, msg: object) -> None:
+    async def ensure_target(self, peer: Peer, target: str) -> None:
+        """Learn ``target``'s credit window (and types, token) from the peer on first use."""
+        if target in self.credits:
+            return
+        while target not in self.credits:
+            event = self._resolving.get(target)
+            if event is not None:
+                await event.wait()
+                self._check_open(target)
+                if target in peer.gone:
+                    raise peer.dead(target)
+                continue
+            event = self._resolving[target] = trio.Event()
+            try:
+                info: P.ActorInfo = await self.request(P.RESOLVE, target=target)
+                peer.learn_actor(self, info, None)
+            finally:
+                del self._resolving[target]
+                event.set()
+
+    async def tell(self, target: str, msg: object) -> SendTracker:
         credits = self._credits(target)
         frames = self._frames({"k": P.TELL, "t": target}, msg)
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -215,14 +308,16 @@ class NodeLink:
             await credits.acquire()  # the remote mailbox is full: wait for the node
         try:
             try:
-                self.sock.send_multipart_nowait(frames)
+                tracker = self.sock.send_multipart_nowait(frames)
             except trio.WouldBlock:
-                await self.sock.send_multipart(frames)
+                tracker = await self.sock.send_multipart(frames)
         except BaseException:
             credits.release(1)
             raise
         self.sent += 1
+        self.sent_bytes += _nbytes(frames)
         await trio.lowlevel.cancel_shielded_checkpoint()
+        return tracker
 
     def tell_nowait(self, target: str, msg: object) -> None:
         credits = self._credits(target)
@@ -234,17 +329,41 @@ class NodeLink:
             credits.release(1)
             raise
         self.sent += 1
+        self.sent_bytes += _nbytes(frames)
 
     async def ask(self, target: str, msg: object) -> Any:
+        """Ask ``target``; its credit comes back with the reply (or the rejection).
+
+        A request that never left — it could not be encoded, or the caller was cancelled
+        before it was sent — returns its credit here at once.
+        """
         credits = self._credits(target)
+        corr = next(self._ids)
+        frames = self._frames({"k": P.ASK, "c": corr, "t": target}, msg)  # before any credit
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
             credits.acquire_nowait()
         except trio.WouldBlock:
-            await credits.acquire()
-        return await self.request(P.ASK, msg, target=target)
+            await credits.acquire()  # cancellation-atomic: cancelled, it took nothing
+        reply = Reply()
+        self._pending[corr] = (reply, target)
+        try:
+            try:
+                try:
+                    self.sock.send_multipart_nowait(frames)
+                except trio.WouldBlock:
+                    await self.sock.send_multipart(frames)  # cancelled here: nothing was sent
+            except BaseException:
+                credits.release(1)
+                raise
+            self.sent += 1
+            self.sent_bytes += _nbytes(frames)
+            return await reply.wait()
+        finally:
+            self._pending.pop(corr, None)
 
     def send_meta_nowait(self, kind: str) -> None:
-        """Fire-and-forget a payload-less message (heartbeats); ``trio.WouldBlock`` if full."""
+        """Fire-and-forget a payload-less message (pings); ``trio.WouldBlock`` if full."""
         self._check_open()
         self.sock.send_multipart_nowait(encode({"k": kind}, None, registry=self.registry))
 

@@ -1,12 +1,14 @@
-"""Nodes seen from a system: start or connect one, spawn actors on it, supervise it.
+"""Nodes seen from a system: start or connect one, spawn actors on it, supervise it; serve one.
 
-A node is an actor system in another process (or host) serving the protocol of ``_protocol``.
-Locally each node is represented by a ``NodeActor``: it launches (or connects to) the node, owns
-the DEALER link, heartbeats it and watches its process. Any failure — the process exits or is
-killed, heartbeats stop, the link breaks — crashes the ``NodeActor`` with ``NodeLost``: pending
-asks fail with ``ActorCrashed``, and its supervisor restarts it like any actor. A restarted
-``NodeActor`` launches a fresh node and spawns again the actors spawned on the old one (except
-``TEMPORARY`` ones and those that terminated), so ``RemoteActorRef``s stay valid.
+A node is an actor system in another process (or host) that hosts actors for others. Locally
+each node this system started or connected is represented by a ``NodeActor``: it launches (or
+connects to) the node, owns the link and watches it. A node is lost only on evidence — its
+process exited, its connection dropped, or libzmq's heartbeats went unanswered (``_link``) —
+never because this process's loop was busy. Losing it crashes the ``NodeActor`` with
+``NodeLost``: pending asks fail with ``ActorCrashed``, and its supervisor restarts it like any
+actor. A restarted ``NodeActor`` launches a fresh node (or reconnects to a hand-started one,
+which adopts the actors this session left there) and spawns again the actors spawned on the old
+one (except ``TEMPORARY`` ones and those that terminated), so ``RemoteActorRef``s stay valid.
 
 Stopping a node: ask it to shut down, wait ``shutdown_grace``, then SIGTERM, then SIGKILL.
 """
@@ -14,168 +16,29 @@ Stopping a node: ask it to shut down, wait ``shutdown_grace``, then SIGTERM, the
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, Protocol, TypeVar
+import importlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import trio
 import zmq
 
-from .._actor import Actor, ActorContext
+from .._actor import Actor, ActorContext, accepted_message_types
+from .._cell import Reply
 from .._message import Request
-from .._supervisor import ChildSpec, Restart
+from .._supervisor import ChildSpec, OneForOne, Restart, Strategy
 from . import _protocol as P
+from ._launch import Launched, Launcher, NodeOptions
 from ._link import NodeLink
-from ._ref import NodeHandle, RemoteActorRef
-from ._server import DEFAULT_MAX_MESSAGE_BYTES, serve_node
+from ._peer import Peer
+from ._ref import RemoteActorRef
+from ._server import DEFAULT_MAX_MESSAGE_BYTES
 from ._typeinfo import register_actor_types, register_value_types
-from ._zmq import CurveClient, open_zmq_socket
+from ._zmq import CurveServer
 
 M = TypeVar("M")
-
-
-def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(values, str):
-        return (values,)
-    return tuple(values)
-
-
-@attrs.frozen
-class NodeOptions:
-    """Timing and limits of a node link (seconds)."""
-
-    connect_timeout: float = 20.0
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 5.0
-    shutdown_grace: float = 5.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-
-
-@attrs.define
-class Launched:
-    """What a launcher started: where to connect, and how to clean up."""
-
-    address: str
-    curve: CurveClient | None = None
-    process: trio.Process | None = None
-    owns_node: bool = True  # stopping the NodeActor shuts the node down
-    in_process: bool = False  # the node runs in a helper task: it stops (gracefully) with it
-    cleanup: Callable[[], None] | None = None
-
-
-class Launcher(Protocol):
-    async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched: ...
-
-
-@attrs.frozen
-class SubprocessLauncher:
-    """Start ``python -m asyncflow_actors.node`` as a child process of this one.
-
-    ``transport``: ``"ipc"`` (a socket file in a private temporary directory) or ``"tcp"`` (a free
-    port on ``host``, loopback by default). The child exits when this process dies (it watches
-    its stdin). Its stdout is forwarded to ours.
-    """
-
-    allow: tuple[str, ...] = attrs.field(converter=_str_tuple)
-    transport: Literal["ipc", "tcp"] = "ipc"
-    host: str = "127.0.0.1"
-    python: str = sys.executable
-    env: Mapping[str, str] | None = None
-
-    async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
-        tmpdir = tempfile.mkdtemp(prefix="afa-node-")
-        bind = f"ipc://{tmpdir}/node.sock" if self.transport == "ipc" else f"tcp://{self.host}:*"
-        cmd = [self.python, "-m", "asyncflow_actors.node", "--bind", bind, "--name", name]
-        cmd += ["--exit-on-stdin-eof", "--max-message-bytes", str(options.max_message_bytes)]
-        for prefix in self.allow:
-            cmd += ["--allow", prefix]
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        process = await trio.lowlevel.open_process(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-        )
-        try:
-            assert process.stdout is not None
-            with trio.fail_after(options.connect_timeout):
-                line, rest = await _read_line(process.stdout)
-            ready = json.loads(line)
-            address = ready["endpoints"][0]
-        except BaseException:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            raise
-        ctx.start_soon(_pump, process.stdout, rest)
-        return Launched(address, process=process, cleanup=lambda: shutil.rmtree(tmpdir, True))
-
-
-@attrs.frozen
-class InProcessLauncher:
-    """Serve the node from a task of this process over ``inproc://`` (tests, benchmarks).
-
-    It has its own actor system; messages still cross the wire format and flow control.
-    """
-
-    allow: tuple[str, ...] = attrs.field(converter=_str_tuple)
-
-    async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
-        bind = f"inproc://afa-node-{name}-{id(ctx)}"
-        endpoints: list[str] = await ctx.start(
-            lambda task_status: serve_node(
-                bind,
-                allow=self.allow,
-                name=name,
-                max_message_bytes=options.max_message_bytes,
-                task_status=task_status,
-            )
-        )
-        return Launched(endpoints[0], in_process=True)
-
-
-@attrs.frozen
-class ConnectLauncher:
-    """Connect to a node started by hand (``python -m asyncflow_actors.node --bind ...``).
-
-    Stopping the ``NodeActor`` stops the actors it spawned there, not the node.
-    """
-
-    address: str
-    curve: CurveClient | None = None
-
-    async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
-        await trio.lowlevel.checkpoint()
-        return Launched(self.address, curve=self.curve, owns_node=False)
-
-
-async def _read_line(stream: trio.abc.ReceiveStream) -> tuple[bytes, bytes]:
-    buffer = b""
-    while b"\n" not in buffer:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            raise P.NodeLost(f"node exited before it was ready (output: {buffer[-2000:]!r})")
-        buffer += chunk
-    line, _, rest = buffer.partition(b"\n")
-    return line, rest
-
-
-async def _pump(stream: trio.abc.ReceiveStream, first: bytes | bytearray) -> None:
-    """Forward a node's stdout to ours (a full pipe would block the node)."""
-    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-    data = first
-    while True:
-        if data and out is not None:
-            out.write(data)
-            out.flush()
-        data = await stream.receive_some(65536)
-        if not data:
-            return
 
 
 @attrs.frozen
@@ -199,8 +62,8 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
 
     mailbox_size = 64
 
-    def __init__(self, handle: NodeHandle, launcher: Launcher, options: NodeOptions) -> None:
-        self.handle = handle
+    def __init__(self, peer: Peer, launcher: Launcher, options: NodeOptions) -> None:
+        self.peer = peer
         self.launcher = launcher
         self.options = options
         self.launched: Launched | None = None
@@ -209,115 +72,122 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         self.stopping = False
 
     def default_shutdown(self) -> float | None:
-        return self.options.shutdown_grace * 2 + 5
+        return self.options.shutdown_grace + 2.0 + 1.0  # polite, then SIGTERM, then kill
 
     async def on_start(self, ctx: ActorContext[SpawnRemote | GetNode]) -> None:
-        if self.handle.cell is not ctx._cell:
-            self.handle.cell = ctx._cell
-            ctx._cell.on_terminate.append(self.handle.node_terminated)
+        if self.peer.cell is not ctx._cell:
+            self.peer.cell = ctx._cell
+            ctx._cell.on_terminate.append(self._terminated)
         try:
             await self._start(ctx)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self._teardown(
-                    P.NodeLost(f"node {self.handle.name!r} failed to start"), polite=False
+                    P.NodeLost(f"node {self.peer.alias!r} failed to start"), polite=False
                 )
             raise
 
+    def _terminated(self) -> None:
+        self.peer.node_terminated()
+        mesh = self.peer.mesh
+        if mesh._nursery is not None:
+            update = P.PeerUpdate(self.peer.name, self.peer.incarnation, (), up=False)
+            mesh._nursery.start_soon(mesh.broadcast, update, self.peer.name)
+
     async def _start(self, ctx: ActorContext[SpawnRemote | GetNode]) -> None:
-        name = self.handle.name
-        self.launched = launched = await self.launcher.launch(ctx, name, self.options)
+        peer = self.peer
+        mesh = peer.mesh
+        self.launched = launched = await self.launcher.launch(ctx, peer.alias, self.options)
         if launched.process is not None:
             ctx.start_soon(self._watch_process, ctx, launched.process)
-        sock = await self.stack.enter_async_context(
-            open_zmq_socket(
-                zmq.Context.instance(), zmq.DEALER, connect=launched.address, curve=launched.curve
-            )
-        )
-        link = NodeLink(
-            sock,
-            self.handle.registry,
-            node=name,
-            max_message_bytes=self.options.max_message_bytes,
-            on_gone=self.handle.on_gone,
+        elif launched.wait_exit is not None:
+            ctx.start_soon(self._watch_exit, ctx, launched.wait_exit)
+
+        def lost(error: BaseException) -> None:
+            if not self.stopping:
+                ctx.fail(error)
+
+        link, info = await mesh.open_link(
+            peer.alias,
+            launched.address,
+            curve=launched.curve,
+            options=self.options,
+            start_soon=ctx.start_soon,
+            stack=self.stack,
+            owner_token=launched.owner_token,
+            on_gone=peer.on_gone,
+            on_rejected=peer.on_rejected,
+            on_lost=lost,
         )
         self.link = link
-        ctx.start_soon(link.run)
-        info: P.NodeInfo | None = None
-        with trio.move_on_after(self.options.connect_timeout) as scope:
-            while info is None:  # say hello again every second: a node may still be starting
-                with trio.move_on_after(1.0):
-                    info = await link.request(P.HELLO)
-        if info is None or scope.cancelled_caught:
-            raise P.NodeLost(
-                f"node {name!r} at {launched.address} did not answer within "
-                f"{self.options.connect_timeout}s (down, wrong address, or CURVE refused us)"
-            )
-        for request in list(self.handle.specs.values()):
-            await self._spawn_on(link, request)
-        self.handle.attach(link, info, launched.address)
-        ctx.start_soon(self._heartbeat, ctx, link)
+        peer.name = info.name
+        mesh.adopt(peer)
+        if peer.specs:  # a restart: the actors spawned before come back (or are adopted)
+            async with trio.open_nursery() as nursery:
+                for request in list(peer.specs.values()):
+                    nursery.start_soon(self._spawn_on, link, attrs.evolve(request, adopt=True))
+        peer.attach(link, info, launched.address)
+        update = P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, up=True)
+        ctx.start_soon(mesh.broadcast, update, peer.name)
 
     async def _spawn_on(self, link: NodeLink, request: P.SpawnRequest) -> RemoteActorRef[Any]:
-        register_value_types(self.handle.registry, request.kwargs)
-        spawned: P.SpawnedInfo = await link.request(P.SPAWN, request, cls=request.target)
-        link.open_credits(spawned.name, spawned.capacity)
+        register_value_types(link.registry, request.kwargs)
+        info: P.ActorInfo = await link.request(P.SPAWN, request, cls=request.target)
         local = _import_locally(request.target)
+        accepts: tuple[type, ...] | None = None
         if local is not None:
-            register_actor_types(self.handle.registry, local)
-            from .._actor import accepted_message_types
-
-            self.handle.accepts[spawned.name] = accepted_message_types(local) or ()
-        else:
-            self.handle.accepts[spawned.name] = frozenset(spawned.accepts)
-        self.handle.gone.pop(spawned.name, None)
-        return RemoteActorRef(self.handle, spawned.name)
+            register_actor_types(link.registry, local)
+            accepts = accepted_message_types(local) or ()
+        self.peer.learn_actor(link, info, accepts)
+        return RemoteActorRef(self.peer, info.name)
 
     async def receive(
         self, msg: SpawnRemote | GetNode, ctx: ActorContext[SpawnRemote | GetNode]
     ) -> Any:
         if isinstance(msg, GetNode):
-            return Node(self.handle, ctx.self)
+            return Node(self.peer, ctx.self)
         assert self.link is not None
         request = P.SpawnRequest(
             msg.target, msg.name, dict(msg.kwargs), msg.mailbox_size, msg.restart.value
         )
-        try:
-            ref = await self._spawn_on(self.link, request)
-        except Exception as exc:  # refused, failed to start, name taken: the asker's problem
-            ctx.reply_error(exc)
-            return None
-        if msg.restart is not Restart.TEMPORARY:
-            self.handle.specs[msg.name] = request
-        return ref
+        # Spawns proceed concurrently (engines load in parallel), off this actor's loop.
+        ctx.start_soon(self._spawn, self.link, msg, request, ctx.defer_reply())
+        return None
 
-    async def _heartbeat(self, ctx: ActorContext[Any], link: NodeLink) -> None:
-        while True:
-            await trio.sleep(self.options.heartbeat_interval)
-            silent = trio.current_time() - link.last_heard
-            if silent > self.options.heartbeat_timeout:
-                ctx.fail(P.NodeLost(f"node {self.handle.name!r} silent for {silent:.1f}s"))
-                return
-            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                link.send_meta_nowait(P.PING)
+    async def _spawn(
+        self, link: NodeLink, msg: SpawnRemote, request: P.SpawnRequest, reply: Reply
+    ) -> None:
+        try:
+            ref = await self._spawn_on(link, request)
+        except Exception as exc:  # refused, failed to start, name taken: the asker's problem
+            reply.fail(exc)
+            return
+        if msg.restart is not Restart.TEMPORARY:
+            self.peer.specs[msg.name] = request
+        reply.send(ref)
 
     async def _watch_process(self, ctx: ActorContext[Any], process: trio.Process) -> None:
         code = await process.wait()
         if not self.stopping:
             ctx.fail(
-                P.NodeLost(f"node {self.handle.name!r} (pid {process.pid}) exited with code {code}")
+                P.NodeLost(f"node {self.peer.alias!r} (pid {process.pid}) exited with code {code}")
             )
+
+    async def _watch_exit(self, ctx: ActorContext[Any], wait_exit: Any) -> None:
+        reason = await wait_exit()
+        if not self.stopping:
+            ctx.fail(P.NodeLost(f"node {self.peer.alias!r} is gone: {reason}"))
 
     async def on_stop(
         self, ctx: ActorContext[SpawnRemote | GetNode], error: BaseException | None
     ) -> None:
-        lost = error if error is not None else P.NodeLost(f"node {self.handle.name!r} stopped")
+        lost = error if error is not None else P.NodeLost(f"node {self.peer.alias!r} stopped")
         await self._teardown(lost, polite=not isinstance(error, P.NodeLost))
 
     async def _teardown(self, lost: BaseException, *, polite: bool) -> None:
         """Shut the node down (``polite``: ask it, then wait; else kill it at once)."""
         self.stopping = True
-        self.handle.detach()
+        self.peer.detach()
         link, launched = self.link, self.launched
         process = launched.process if launched is not None else None
         try:
@@ -335,7 +205,7 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
                         if launched.owns_node and (process is None or process.returncode is None):
                             await link.request(P.SHUTDOWN)
                         elif not launched.owns_node:
-                            for actor in list(self.handle.specs):
+                            for actor in list(self.peer.specs):
                                 await link.request(P.STOP, target=actor)
                     nursery.cancel_scope.cancel()
             if polite and process is not None and process.returncode is None:
@@ -346,10 +216,14 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
                     with trio.move_on_after(2.0):
                         await process.wait()
         finally:
-            if process is not None and process.returncode is None:
-                process.kill()
+            if process is not None:
                 with trio.CancelScope(shield=True):
-                    await process.wait()
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+                    for pipe in (process.stdin, process.stdout):
+                        if pipe is not None:
+                            await pipe.aclose()  # not left to the garbage collector
             if link is not None:
                 link.close(lost)
             with trio.CancelScope(shield=True):
@@ -361,8 +235,6 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
 
 def _import_locally(target: str) -> type[Actor[Any]] | None:
     """The actor class, if this process can import it too (for local type checks)."""
-    import importlib
-
     module, _, qualname = target.partition(":")
     try:
         obj: Any = importlib.import_module(module)
@@ -376,22 +248,22 @@ def _import_locally(target: str) -> type[Actor[Any]] | None:
 class Node:
     """A handle on a node for user code: spawn actors on it, stop it, inspect it."""
 
-    def __init__(self, handle: NodeHandle, ref: Any) -> None:
-        self._handle = handle
+    def __init__(self, peer: Peer, ref: Any) -> None:
+        self._peer = peer
         self.ref = ref  # the local NodeActor
 
     @property
     def name(self) -> str:
-        return self._handle.name
+        return self._peer.alias
 
     @property
     def address(self) -> str:
         """The endpoint of the current incarnation (it changes when the node restarts)."""
-        return self._handle.address
+        return self._peer.address
 
     @property
     def pid(self) -> int | None:
-        return self._handle.info.pid if self._handle.info is not None else None
+        return self._peer.info.pid if self._peer.info is not None else None
 
     async def spawn(
         self,
@@ -405,10 +277,11 @@ class Node:
         """Start an actor on the node; returns once its ``on_start`` finished there.
 
         ``target`` is ``"package.module:Class"`` (or the class) and must be in the node's
-        allowlist. ``kwargs`` go to the constructor (plain data, tensors, or attrs classes of
-        the constructor's annotations). ``restart`` is applied by the node's own supervisor; a
-        non-``TEMPORARY`` actor is spawned again when the node itself restarts. Raises
-        ``SpawnRefused``, ``NameTakenError`` or ``ActorCrashed`` (it failed to start).
+        allowlist. ``kwargs`` go to the constructor (plain data, tensors, refs, or attrs classes
+        of the constructor's annotations). ``restart`` is applied by the node's own supervisor;
+        a non-``TEMPORARY`` actor is spawned again when the node itself restarts. Several
+        spawns run concurrently. Raises ``SpawnRefused``, ``NameTakenError`` or
+        ``ActorCrashed`` (it failed to start).
         """
         path = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
         msg = SpawnRemote(path, name, dict(kwargs or {}), restart, mailbox_size)
@@ -427,14 +300,65 @@ def node_spec(
     name: str,
     launcher: Launcher,
     *,
+    mesh: Any,
     restart: Restart = Restart.PERMANENT,
     options: NodeOptions | None = None,
 ) -> ChildSpec:
-    """A ``ChildSpec`` for a node, to put under any supervisor (``GetNode`` gets its handle)."""
+    """A ``ChildSpec`` for a node of ``mesh``'s system (``system.mesh``), to put under any
+    supervisor; ask the child ``GetNode()`` for the handle."""
     chosen = options if options is not None else NodeOptions()
-    handle = NodeHandle(name, P.protocol_registry())
+    peer = Peer(mesh, name)
 
     def factory() -> NodeActor:
-        return NodeActor(handle, launcher, chosen)
+        return NodeActor(peer, launcher, chosen)
 
-    return ChildSpec(factory, name, restart=restart, mailbox_size=NodeActor.mailbox_size)
+    grace = chosen.shutdown_grace + 3.0
+    return ChildSpec(
+        factory, name, restart=restart, mailbox_size=NodeActor.mailbox_size, shutdown=grace
+    )
+
+
+async def serve_node(
+    bind: str | Sequence[str],
+    *,
+    allow: Sequence[str],
+    name: str | None = None,
+    curve: CurveServer | None = None,
+    authorized_keys: Sequence[bytes] | None = None,
+    insecure: bool = False,
+    strategy: Strategy | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    peer_timeout: float = math.inf,
+    owner_token: str = "",
+    options: NodeOptions | None = None,
+    context: zmq.Context[Any] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a node until its owner asks it to shut down (or the caller cancels it).
+
+    ``bind``: endpoints (``tcp://127.0.0.1:*`` picks a port); ``task_status.started`` reports the
+    resolved ones. ``allow``: module prefixes actors may be spawned from. ``curve`` requires
+    CURVE and ``authorized_keys`` (Z85 public keys) lists the clients let in; binding beyond
+    loopback without CURVE needs ``insecure=True``. ``peer_timeout``: stop a session's actors once
+    all its connections have been gone that long. ``owner_token``: the secret of the process
+    allowed to shut the node down (its launcher).
+    """
+    from .._system import open_actor_system
+
+    chosen = strategy if strategy is not None else OneForOne(max_restarts=3, within=5.0)
+    shutdown = trio.Event()
+    async with open_actor_system(name=name, strategy=chosen, node_options=options) as system:
+        endpoints = await system.mesh.listen(
+            bind,
+            allow=allow,
+            curve=curve,
+            authorized_keys=authorized_keys,
+            insecure=insecure,
+            max_message_bytes=max_message_bytes,
+            peer_timeout=peer_timeout,
+            owner_token=owner_token,
+            on_shutdown=shutdown.set,
+            context=context,
+        )
+        task_status.started(endpoints)
+        await shutdown.wait()

@@ -1,24 +1,29 @@
 """The node protocol: envelope kinds, its own message classes, and errors across the wire.
 
-Every message between a system and a node is one wire message (``_wire``): the envelope is the
-``meta`` map (``k`` kind, ``c`` correlation id, ``t`` target actor, ``n`` a count), the payload the
-user's message. Kinds:
+Every actor system of a run listens on a ROUTER socket (its *server*) and talks to each other
+system it needs through one DEALER socket (a *link*), opened lazily. Every message is one wire
+message (``_wire``): the envelope is the ``meta`` map (``k`` kind, ``c`` correlation id, ``t``
+target actor path, ``n`` a count, ``tok`` a stop capability), the payload the user's message.
+Requests go link → server; replies, credits and notices come back on the same connection.
 
-========== ============== =========================================================
-kind       direction      meaning
-========== ============== =========================================================
-hello      system → node  open a session; reply ``welcome`` with ``NodeInfo``
-ping/pong  both           heartbeats (a node answers every ping)
-spawn      system → node  ``SpawnRequest``; reply ``ok`` with ``SpawnedInfo``
-tell       system → node  a message for actor ``t`` (consumes one credit)
-ask        system → node  a request for actor ``t`` (consumes one credit); reply ``ok``/``err``
-stop       system → node  stop actor ``t`` for good; reply ``ok``
-stats      system → node  statistics of actor ``t`` (or the node); reply ``ok``
-credit     node → system  ``n`` more messages may be sent to actor ``t``
-gone       node → system  actor ``t`` terminated (payload ``ErrorInfo`` or None)
-shutdown   system → node  stop every actor and exit; reply ``ok`` first
-ok / err   node → system  the reply to request ``c`` (``err`` carries an ``ErrorInfo``)
-========== ============== =========================================================
+========== =========================================================================
+kind       meaning (link → server unless noted)
+========== =========================================================================
+hello      open a session: ``Hello`` (who we are); reply ``ok`` with ``NodeInfo``
+ping/pong  an application-level round trip (liveness itself is ZMTP heartbeats)
+spawn      ``SpawnRequest``; reply ``ok`` with ``ActorInfo``
+resolve    actor ``t`` by path: reply ``ok`` with ``ActorInfo`` (the sender's credit window)
+tell       a message for actor ``t`` (consumes one credit of this sender)
+ask        a request for actor ``t`` (consumes one credit); reply ``ok``/``err``
+stop       stop actor ``t`` for good (its spawner, the node's owner, or ``tok``); reply ``ok``
+stats      statistics of actor ``t``; reply ``ok``
+peers      ``PeerUpdate`` (the supervisor of a node tells the others where it is now)
+shutdown   stop every actor and exit (the node's owner only); reply ``ok`` first
+credit     server → link: ``n`` more messages may be sent to actor ``t``
+reject     server → link: a tell to ``t`` was refused (payload ``ErrorInfo``); ``n`` credits back
+gone       server → link: actor ``t`` terminated (payload ``ErrorInfo`` or None)
+ok / err   server → link: the reply to request ``c`` (``err`` carries an ``ErrorInfo``)
+========== =========================================================================
 """
 
 from __future__ import annotations
@@ -43,13 +48,16 @@ TELL: Final = "tell"
 ASK: Final = "ask"
 STOP: Final = "stop"
 STATS: Final = "stats"
+RESOLVE: Final = "resolve"
+PEERS: Final = "peers"
+REJECT: Final = "reject"
 CREDIT: Final = "credit"
 GONE: Final = "gone"
 SHUTDOWN: Final = "shutdown"
 OK: Final = "ok"
 ERR: Final = "err"
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 
 class RemoteError(ActorError):
@@ -72,12 +80,33 @@ class NodeLost(ActorError):
     """A node process exited, stopped answering heartbeats, or its connection failed."""
 
 
+class MessageRejected(ActorError):
+    """A node refused a message told to one of its actors (undecodable, or past the credits).
+
+    A ``send`` cannot wait for the verdict, so it is raised by the next ``send``/``ask`` on a ref
+    to the same actor (and logged, and counted); the credit the message used came back.
+    """
+
+
+@attrs.frozen
+class Hello:
+    """Who opens a connection: its system's name, incarnation, endpoints and session."""
+
+    name: str
+    incarnation: int
+    endpoints: tuple[str, ...]
+    session: str  # the connecting system's session id (one per ``open_actor_system``)
+    owner_token: str = ""  # proves the sender started this node (shutdown rights)
+
+
 @attrs.frozen
 class NodeInfo:
     name: str
     pid: int
     protocol: int
     actors: tuple[str, ...]
+    incarnation: int = 0
+    endpoints: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -87,13 +116,27 @@ class SpawnRequest:
     kwargs: dict[str, Any]
     mailbox_size: int | None
     restart: str  # a Restart value: the node's own supervisor restarts the actor accordingly
+    adopt: bool = False  # a reconnecting session takes back the actor it spawned, if it is there
 
 
 @attrs.frozen
-class SpawnedInfo:
+class ActorInfo:
+    """What a sender needs to talk to an actor: its path, accepted types, credit window, token."""
+
     name: str
     accepts: tuple[str, ...]  # wire names of the accepted message types; () = anything
-    capacity: int  # initial credit: the mailbox capacity
+    capacity: int  # this sender's credit window: the mailbox capacity
+    token: str = ""  # the stop capability carried by refs to it
+
+
+@attrs.frozen
+class PeerUpdate:
+    """Where a node of the run is now (sent by its supervisor to the other nodes it knows)."""
+
+    name: str
+    incarnation: int
+    endpoints: tuple[str, ...]
+    up: bool
 
 
 @attrs.frozen
@@ -149,7 +192,15 @@ class RemoteStatistics:
         )
 
 
-PROTOCOL_TYPES: Final = (NodeInfo, SpawnRequest, SpawnedInfo, ErrorInfo, RemoteStatistics)
+PROTOCOL_TYPES: Final = (
+    Hello,
+    NodeInfo,
+    SpawnRequest,
+    ActorInfo,
+    PeerUpdate,
+    ErrorInfo,
+    RemoteStatistics,
+)
 
 
 def protocol_registry() -> MessageRegistry:

@@ -1,50 +1,69 @@
-"""The node side of remote actors: host actors in this process for peers over a ROUTER socket.
+"""The receiving side of a system: serve its actors to peers over one ROUTER socket.
 
-``serve_node`` runs an actor system and answers the protocol of ``_protocol``: it spawns actors
-from import paths restricted to an allowlist, forwards tells and asks to their mailboxes, sends
-replies and credits back, and reports terminated actors. It never crashes on bad input: a
-malformed or unknown message is counted in ``NodeServerStatistics`` and answered with an error
-where the sender can be addressed.
+Every actor system of a run that talks to others has a ``NodeServer`` (the driver included).
+Peers reach any of its actors by path: ``resolve`` gives them a credit window, then their tells
+and asks go straight into the actor's mailbox, and replies, credits, rejections and ``gone``
+notices go back. A node (``python -m asyncflow_actors.node``) also spawns actors for peers, from
+import paths restricted to an allowlist.
 
-Flow control: a peer may have at most ``capacity`` messages (the actor's mailbox size) in flight
-to an actor; one credit comes back each time a message entered the mailbox, in batches.
+It never crashes on bad input: a malformed or unknown message is counted in
+``NodeServerStatistics`` and answered (an error reply, or a ``reject`` that returns the sender's
+credit) wherever the sender can be addressed.
+
+Flow control is per sender: each peer may have at most ``capacity`` (the mailbox size) messages
+in flight to an actor; one credit goes back to *that* peer each time one of its messages enters
+the mailbox (in batches, or piggybacked on replies). A peer that ignores its window is refused,
+so what one actor's inbox holds is bounded by its peers' windows.
+
+Authorization: only the peer that spawned an actor, the node's owner (the process that started
+it, proven by its owner token), or a peer presenting the actor's stop token (carried by refs to
+it) may stop it; only the owner may shut the node down.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import math
 import os
+import secrets
 import typing
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import outcome
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .._actor import Actor, _class_mailbox
-from .._cell import Reply
+from .._cell import ActorCell, Reply
 from .._errors import ActorCrashed, ActorError, NameTakenError
 from .._ref import LocalActorRef
-from .._supervisor import OneForOne, Restart, Strategy
-from .._system import ActorSystem, open_actor_system
+from .._supervisor import Restart
+from .._system import ActorSystem
 from . import _protocol as P
 from ._typeinfo import register_actor_types, register_types
 from ._wire import UnknownType, WireError, decode, encode
-from ._zmq import CurveServer, TrioSocket, open_zap_authenticator, open_zmq_socket
+from ._zmq import TrioSocket, open_monitor_socket
+
+if TYPE_CHECKING:
+    from ._mesh import Mesh
 
 log = logging.getLogger("asyncflow_actors.node")
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 SEND_TIMEOUT = 30.0  # seconds a reply may wait for a peer's pipe before it is dropped
+ROUTER_RCVHWM = 8192  # messages libzmq buffers per peer before it stops reading that peer
 
 
 class SpawnRefused(ActorError):
     """A spawn request named a class outside the node's allowlist, or not an ``Actor``."""
+
+
+class NotAuthorized(ActorError):
+    """A peer asked for what only an actor's spawner, a ref holder or the node's owner may do."""
 
 
 @attrs.frozen
@@ -57,19 +76,40 @@ class NodeServerStatistics:
     wire_errors: int
     unknown_targets: int
     spawn_refusals: int
+    rejected: int = 0
+    received_bytes: int = 0
+    sent_bytes: int = 0
 
 
 @attrs.define(eq=False)
-class _Hosted:
-    name: str
+class _Window:
+    """One sender's flow-control state for one served actor."""
+
+    in_flight: int = 0  # messages received from it whose credit has not gone back yet
+    owed: int = 0  # of those, the ones already in the mailbox: credit to return
+
+
+@attrs.define(eq=False)
+class _Served:
+    path: str
     ref: LocalActorRef[Any]
-    owner: bytes
     capacity: int
     inbox_send: trio.MemorySendChannel[tuple[bytes, str, int, object]]
     inbox_recv: trio.MemoryReceiveChannel[tuple[bytes, str, int, object]]
     raw: bool = False  # decode its messages' tensors as RawTensor (the class says raw_tensors)
-    owed: int = 0  # credits to return to the owner
+    spawner: str | None = None  # the session that spawned it here (None: a local actor)
+    windows: dict[bytes, _Window] = attrs.Factory(dict)
     backlog: int = 0  # messages in the inbox or held by the forwarder
+
+
+@attrs.define(eq=False)
+class _PeerState:
+    identity: bytes
+    name: str = ""
+    session: str = ""
+    owner: bool = False
+    fd: int = -1
+    disconnected_at: float | None = None
 
 
 def _allowed(target: str, allow: Sequence[str]) -> bool:
@@ -77,65 +117,79 @@ def _allowed(target: str, allow: Sequence[str]) -> bool:
     return any(module == prefix or module.startswith(prefix + ".") for prefix in allow)
 
 
+def _credit_window(capacity: float) -> int:
+    return int(capacity) if math.isfinite(capacity) and capacity > 0 else 1024
+
+
 class NodeServer:
-    """One node: an actor system plus the ROUTER socket its peers talk to."""
+    """One system's ROUTER socket and the actors it serves (see the module docstring)."""
 
     def __init__(
         self,
-        system: ActorSystem,
+        mesh: Mesh,
         sock: TrioSocket,
         *,
-        name: str,
-        allow: Sequence[str],
-        max_message_bytes: int,
-        peer_timeout: float,
+        allow: Sequence[str] = (),
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        peer_timeout: float = math.inf,
+        owner_token: str = "",
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
-        self.system = system
+        self.mesh = mesh
+        self.system: ActorSystem = mesh.system
         self.sock = sock
-        self.name = name
+        self.name = mesh.name
         self.allow = tuple(allow)
         self.max_message_bytes = max_message_bytes
         self.peer_timeout = peer_timeout
-        self.registry = P.protocol_registry()
-        self.hosted: dict[str, _Hosted] = {}
-        self.last_seen: dict[bytes, float] = {}
-        self.received = self.sent = self.wire_errors = self.unknown_targets = self.refusals = 0
-        self.shutdown = trio.Event()
+        self.owner_token = owner_token
+        self.on_shutdown = on_shutdown
+        self.registry = mesh.registry
+        self.served: dict[str, _Served] = {}
+        self.peers: dict[bytes, _PeerState] = {}
+        self.received = self.sent = self.wire_errors = self.unknown_targets = 0
+        self.refusals = self.rejected = 0
+        self.received_bytes = self.sent_bytes = 0
         self._nursery: trio.Nursery | None = None
 
     def statistics(self) -> NodeServerStatistics:
+        connected = sum(1 for p in self.peers.values() if p.disconnected_at is None)
         return NodeServerStatistics(
             self.name,
-            len(self.hosted),
-            len(self.last_seen),
+            len(self.served),
+            connected,
             self.received,
             self.sent,
             self.wire_errors,
             self.unknown_targets,
             self.refusals,
+            self.rejected,
+            self.received_bytes,
+            self.sent_bytes,
         )
 
-    async def serve(self) -> None:
-        """Answer peers until a ``shutdown`` request (then return) or cancellation."""
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer peers until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._receive_loop)
+            nursery.start_soon(self._monitor)
             if math.isfinite(self.peer_timeout):
                 nursery.start_soon(self._reap_peers)
-            await self.shutdown.wait()
-            nursery.cancel_scope.cancel()
+            task_status.started()
+            await self._receive_loop()
 
     # -- sending -------------------------------------------------------------------------------
 
     def _encode(self, meta: dict[str, Any], payload: object) -> list[Any]:
         """Frames of a message; a reply whose value cannot be sent becomes an error reply."""
         try:
-            return encode(meta, payload, registry=self.registry)
+            return encode(meta, payload, registry=self.registry, address_of=self.mesh.address_of)
         except WireError as exc:
             if meta.get("k") != P.OK:
                 raise
             info = P.error_info(exc, self.name)
-            return encode({"k": P.ERR, "c": meta["c"]}, info, registry=self.registry)
+            error_meta = {k: v for k, v in meta.items() if k != "k"}
+            return encode({"k": P.ERR, **error_meta}, info, registry=self.registry)
 
     async def _send(self, peer: bytes, meta: dict[str, Any], payload: object = None) -> None:
         frames = self._encode(meta, payload)
@@ -144,14 +198,31 @@ class NodeServer:
             with trio.move_on_after(SEND_TIMEOUT) as scope:
                 await self.sock.send_multipart([peer, *frames])
                 self.sent += 1
+                self.sent_bytes += _nbytes(frames)
             if scope.cancelled_caught:
                 log.info("node %s: gave up sending a %s to a peer", self.name, meta.get("k"))
         except (zmq.ZMQError, trio.ClosedResourceError) as exc:  # gone (ROUTER_MANDATORY)
             log.info("node %s: cannot reach peer: %s", self.name, exc)
 
-    async def _reply_error(self, peer: bytes, corr: int, error: BaseException, actor: str) -> None:
-        self._send_nowait(peer, {"k": P.ERR, "c": corr}, P.error_info(error, actor))
-        await trio.lowlevel.checkpoint()
+    def _send_nowait(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
+        """Encode and queue a message without waiting (the ROUTER has no send high-water mark)."""
+        try:
+            frames = self._encode(meta, payload)
+            self.sock.send_multipart_nowait([peer, *frames])
+            self.sent += 1
+            self.sent_bytes += _nbytes(frames)
+        except trio.WouldBlock:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._send, peer, meta, payload)
+        except (zmq.ZMQError, trio.ClosedResourceError) as exc:
+            log.info("node %s: cannot reach peer: %s", self.name, exc)
+        except Exception:  # called from inside actors: never let it escape into them
+            log.exception("node %s: failed to send a %s", self.name, meta.get("k"))
+
+    def _reply_error(
+        self, peer: bytes, corr: int, error: BaseException, actor: str, **extra: Any
+    ) -> None:
+        self._send_nowait(peer, {"k": P.ERR, "c": corr, **extra}, P.error_info(error, actor))
 
     # -- receiving -------------------------------------------------------------------------------
 
@@ -162,23 +233,40 @@ class NodeServer:
                 self.wire_errors += 1
                 continue
             peer = frames[0].bytes
-            self.last_seen[peer] = trio.current_time()
+            state = self.peers.get(peer)
+            if state is None:
+                state = self.peers[peer] = _PeerState(peer, fd=_source_fd(frames[1]))
+            state.disconnected_at = None
             self.received += 1
+            self.received_bytes += _nbytes(frames)
             try:
                 meta, payload = self._decode(frames[1:])
             except WireError as exc:
-                self.wire_errors += 1
-                log.warning("node %s: bad message from a peer: %s", self.name, exc)
-                corr = exc.meta.get("c") if isinstance(exc.meta, dict) else None
-                if isinstance(corr, int):
-                    await self._reply_error(peer, corr, exc, self.name)
+                self._refuse(peer, exc)
                 continue
-            await self._dispatch(peer, meta, payload)
+            await self._dispatch(peer, state, meta, payload)
+
+    def _refuse(self, peer: bytes, exc: WireError) -> None:
+        """Answer an undecodable message so its sender learns, and gets its credit back."""
+        self.wire_errors += 1
+        log.warning("node %s: bad message from a peer: %s", self.name, exc)
+        meta = exc.meta if isinstance(exc.meta, dict) else {}
+        corr, kind, target = meta.get("c"), meta.get("k"), meta.get("t")
+        served = self.served.get(target) if isinstance(target, str) else None
+        credit = served is not None and kind in (P.TELL, P.ASK)  # it used one: give it back
+        extra = {"t": target, "n": 1} if credit else {}
+        if isinstance(corr, int):
+            self.rejected += 1
+            self._reply_error(peer, corr, exc, self.name, **extra)
+        elif kind == P.TELL and isinstance(target, str):
+            self.rejected += 1
+            meta_out = {"k": P.REJECT, "t": target, "n": 1 if credit else 0}
+            self._send_nowait(peer, meta_out, P.error_info(exc, target))
 
     def _raw_for(self, meta: dict[str, Any]) -> bool:
         target = meta.get("t")
-        hosted = self.hosted.get(target) if isinstance(target, str) else None
-        return hosted is not None and hosted.raw
+        served = self.served.get(target) if isinstance(target, str) else None
+        return served is not None and served.raw
 
     def _decode(self, frames: Sequence[Any]) -> tuple[dict[str, Any], object]:
         try:
@@ -187,6 +275,7 @@ class NodeServer:
                 registry=self.registry,
                 max_message_bytes=self.max_message_bytes,
                 raw_tensors=self._raw_for,
+                resolve=self.mesh.resolve,
             )
         except UnknownType as exc:
             # A spawn's kwargs may use the classes of the actor's own module: import it (within
@@ -200,59 +289,221 @@ class NodeServer:
             except SpawnRefused:
                 raise exc from None
             register_types(self.registry, *_init_hints(cls))
-            return decode(frames, registry=self.registry, max_message_bytes=self.max_message_bytes)
+            return decode(
+                frames,
+                registry=self.registry,
+                max_message_bytes=self.max_message_bytes,
+                resolve=self.mesh.resolve,
+            )
 
-    async def _dispatch(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
+    async def _dispatch(
+        self, peer: bytes, state: _PeerState, meta: dict[str, Any], payload: object
+    ) -> None:
         kind = meta.get("k")
         corr = meta.get("c", 0)
         if not isinstance(corr, int):
             self.wire_errors += 1
             return
         assert self._nursery is not None
-        if kind == P.PING:
+        if kind in (P.TELL, P.ASK):
+            self._deliver(peer, kind, corr, meta.get("t"), payload)
+        elif kind == P.PING:
             self._send_nowait(peer, {"k": P.PONG}, None)
-        elif kind in (P.TELL, P.ASK):
-            target = meta.get("t")
-            hosted = self.hosted.get(target) if isinstance(target, str) else None
-            if hosted is None:
-                self.unknown_targets += 1
-                if kind == P.ASK:
-                    error = ActorCrashed(
-                        str(target), None, detail=f"no such actor on node {self.name!r}"
-                    )
-                    await self._reply_error(peer, corr, error, str(target))
-                else:
-                    self._send_nowait(peer, {"k": P.GONE, "t": target}, None)
-                return
-            if hosted.backlog == 0:
-                try:  # fast path: straight into the mailbox, no forwarder hop
-                    self._deliver_nowait(hosted, peer, kind, corr, payload)
-                except trio.WouldBlock:
-                    pass
-                else:
-                    self._owe(hosted, 1)
-                    return
-            hosted.backlog += 1
-            hosted.inbox_send.send_nowait((peer, kind, corr, payload))
-        elif kind == P.HELLO:
-            info = P.NodeInfo(self.name, os.getpid(), P.PROTOCOL_VERSION, tuple(self.hosted))
-            self._send_nowait(peer, {"k": P.OK, "c": corr}, info)
+        elif kind == P.HELLO and isinstance(payload, P.Hello):
+            self._hello(peer, state, corr, payload)
+        elif kind == P.RESOLVE:
+            self._resolve(peer, corr, meta.get("t"))
         elif kind == P.SPAWN and isinstance(payload, P.SpawnRequest):
-            self._nursery.start_soon(self._spawn, peer, corr, payload)
+            self._nursery.start_soon(self._spawn, peer, state, corr, payload)
         elif kind == P.STOP:
-            self._nursery.start_soon(self._stop, peer, corr, meta.get("t"))
+            self._nursery.start_soon(self._stop, peer, state, corr, meta)
         elif kind == P.STATS:
-            await self._stats(peer, corr, meta.get("t"))
-        elif kind == P.SHUTDOWN:
+            self._stats(peer, corr, meta.get("t"))
+        elif kind == P.PEERS and isinstance(payload, P.PeerUpdate):
+            self.mesh.peer_update(payload)
             self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
-            self.shutdown.set()
+        elif kind == P.SHUTDOWN:
+            if not state.owner:
+                self._reply_error(
+                    peer, corr, NotAuthorized("only the node's owner may shut it down"), self.name
+                )
+                return
+            self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
+            if self.on_shutdown is not None:
+                self.on_shutdown()
         else:
             self.wire_errors += 1
-            await self._reply_error(
-                peer, corr, WireError(f"unknown request kind {kind!r}"), self.name
-            )
+            self._reply_error(peer, corr, WireError(f"unknown request kind {kind!r}"), self.name)
+        await trio.lowlevel.checkpoint()
+
+    # -- messages to actors -------------------------------------------------------------------------
+
+    def _deliver(self, peer: bytes, kind: str, corr: int, target: object, msg: object) -> None:
+        served = self.served.get(target) if isinstance(target, str) else None
+        if served is None:
+            self.unknown_targets += 1
+            error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
+            if kind == P.ASK:
+                self._reply_error(peer, corr, error, str(target))
+            else:
+                self._send_nowait(
+                    peer, {"k": P.GONE, "t": target}, P.error_info(error, str(target))
+                )
+            return
+        window = self._take(served, peer)
+        if window.in_flight > served.capacity:  # it ignored its window: refuse, bounded inbox
+            self._untake(served, peer)
+            self.rejected += 1
+            refused = P.MessageRejected(f"{served.path!r}: more messages in flight than credits")
+            if kind == P.ASK:
+                self._reply_error(peer, corr, refused, served.path, t=served.path, n=1)
+            else:
+                meta = {"k": P.REJECT, "t": served.path, "n": 1}
+                self._send_nowait(peer, meta, P.error_info(refused, served.path))
+            return
+        if served.backlog == 0:
+            try:  # fast path: straight into the mailbox, no forwarder hop
+                self._enqueue_nowait(served, peer, kind, corr, msg)
+            except trio.WouldBlock:
+                pass
+            else:
+                self._owe(served, peer, 1)
+                return
+        served.backlog += 1
+        served.inbox_send.send_nowait((peer, kind, corr, msg))
+
+    def _take(self, served: _Served, peer: bytes) -> _Window:
+        window = served.windows.get(peer)
+        if window is None:
+            window = served.windows[peer] = _Window()
+        window.in_flight += 1
+        return window
+
+    def _untake(self, served: _Served, peer: bytes) -> None:
+        window = served.windows.get(peer)
+        if window is not None:
+            window.in_flight -= 1
+
+    async def _forward(self, served: _Served) -> None:
+        """Move an actor's backlog into its mailbox in order, waiting while it is full."""
+        async for peer, kind, corr, msg in served.inbox_recv:
+            try:
+                if kind == P.TELL:
+                    await served.ref.send(msg)
+                else:
+                    reply = self._reply_slot(served, peer, corr)
+                    await served.ref._enqueue_ask(msg, reply)  # type: ignore[arg-type]
+            except (ActorError, TypeError) as exc:
+                if kind == P.ASK:
+                    self._reply_error(peer, corr, exc, served.path)
+            finally:
+                served.backlog -= 1
+            self._owe(served, peer, 1)
+
+    def _enqueue_nowait(
+        self, served: _Served, peer: bytes, kind: str, corr: int, msg: object
+    ) -> None:
+        """Put one message in the mailbox now, or raise ``trio.WouldBlock``; errors are answered."""
+        try:
+            if kind == P.TELL:
+                served.ref.send_nowait(msg)
+            else:
+                reply = self._reply_slot(served, peer, corr)
+                served.ref._enqueue_ask_nowait(msg, reply)  # type: ignore[arg-type]
+        except (ActorError, TypeError) as exc:
+            if kind == P.ASK:
+                self._reply_error(peer, corr, exc, served.path)
+
+    def _reply_slot(self, served: _Served, peer: bytes, corr: int) -> Reply:
+        """A reply slot that sends the answer from the actor's own resolution, with no task."""
+
+        def answer(result: outcome.Outcome[Any]) -> None:
+            meta: dict[str, Any] = {"k": P.OK, "c": corr}
+            payload: object
+            if isinstance(result, outcome.Error):
+                meta["k"] = P.ERR
+                payload = P.error_info(result.error, served.path)
+            else:
+                payload = result.unwrap()
+            window = served.windows.get(peer)
+            if window is not None and window.owed:  # piggyback the credits we owe this peer
+                meta["t"], meta["n"] = served.path, window.owed
+                window.in_flight -= window.owed
+                window.owed = 0
+            self._send_nowait(peer, meta, payload)
+
+        return Reply(callback=answer)
+
+    def _owe(self, served: _Served, peer: bytes, n: int) -> None:
+        window = served.windows.get(peer)
+        if window is None:
+            return  # that peer's window was dropped (it reconnected or left)
+        window.owed += n
+        if window.owed >= max(1, served.capacity // 2):
+            meta = {"k": P.CREDIT, "t": served.path, "n": window.owed}
+            window.in_flight -= window.owed
+            window.owed = 0
+            self._send_nowait(peer, meta, None)
 
     # -- requests --------------------------------------------------------------------------------
+
+    def _hello(self, peer: bytes, state: _PeerState, corr: int, hello: P.Hello) -> None:
+        state.name, state.session = hello.name, hello.session
+        state.owner = bool(self.owner_token) and secrets.compare_digest(
+            hello.owner_token, self.owner_token
+        )
+        self.mesh.peer_hello(hello)
+        info = P.NodeInfo(
+            self.name,
+            os.getpid(),
+            P.PROTOCOL_VERSION,
+            tuple(p for p, s in self.served.items() if s.spawner is not None),
+            self.mesh.incarnation,
+            self.mesh.endpoints,
+        )
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, info)
+
+    def serve_actor(
+        self, cell: ActorCell, *, spawner: str | None = None, raw: bool | None = None
+    ) -> _Served:
+        """Start serving a local actor to peers (idempotent): its inbox, forwarder and watch."""
+        served = self.served.get(cell.path)
+        if served is not None and served.ref._cell is cell:
+            return served
+        actor_cls = type(cell.actor) if cell.actor is not None else None
+        if actor_cls is not None:
+            register_actor_types(self.registry, actor_cls)
+        send, recv = trio.open_memory_channel[tuple[bytes, str, int, object]](math.inf)
+        served = _Served(
+            cell.path,
+            cell.ref,
+            _credit_window(cell.mailbox_capacity),
+            send,
+            recv,
+            raw=bool(getattr(actor_cls, "raw_tensors", False)) if raw is None else raw,
+            spawner=spawner,
+        )
+        self.served[cell.path] = served
+        assert self._nursery is not None
+        self._nursery.start_soon(self._forward, served)
+        self._nursery.start_soon(self._watch, served)
+        return served
+
+    def _actor_info(self, served: _Served) -> P.ActorInfo:
+        cell = served.ref._cell
+        actor_cls = type(cell.actor) if cell.actor is not None else None
+        accepts = register_actor_types(self.registry, actor_cls) if actor_cls is not None else ()
+        return P.ActorInfo(served.path, accepts, served.capacity, cell.token)
+
+    def _resolve(self, peer: bytes, corr: int, target: object) -> None:
+        cell = self.system._cells.get(target) if isinstance(target, str) else None
+        if cell is None or not cell.path:
+            error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
+            self._reply_error(peer, corr, error, str(target))
+            return
+        served = self.serve_actor(cell)
+        served.windows[peer] = _Window()  # a fresh window for this sender
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served))
 
     def _import(self, target: str) -> type[Actor[Any]]:
         if not isinstance(target, str) or target.count(":") != 1:
@@ -272,10 +523,27 @@ class NodeServer:
             raise SpawnRefused(f"{target!r} is not an Actor subclass")
         return obj
 
-    async def _spawn(self, peer: bytes, corr: int, request: P.SpawnRequest) -> None:
+    async def _spawn(
+        self, peer: bytes, state: _PeerState, corr: int, request: P.SpawnRequest
+    ) -> None:
         try:
+            if not state.session:
+                raise NotAuthorized("say hello before spawning")
             cls = self._import(request.target)
-            accepts = register_actor_types(self.registry, cls)
+            existing = self.served.get(request.name)
+            if existing is not None and existing.spawner is not None:
+                if request.adopt and existing.spawner == state.session:
+                    # the same session reconnected (its link blipped): adopt what it left here
+                    existing.windows[peer] = _Window()
+                    self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(existing))
+                    return
+                if not self._session_connected(existing.spawner):
+                    log.warning(
+                        "node %s: stopping %s, left by a session that is gone",
+                        self.name,
+                        request.name,
+                    )
+                    await existing.ref.stop()
             kwargs = dict(request.kwargs)
             ref = await self.system.spawn(
                 lambda: cls(**kwargs),
@@ -285,126 +553,115 @@ class NodeServer:
                 if request.mailbox_size is not None
                 else _class_mailbox(cls),
             )
-        except (SpawnRefused, NameTakenError, ActorCrashed, ValueError, TypeError) as exc:
+        except (
+            SpawnRefused,
+            NotAuthorized,
+            NameTakenError,
+            ActorCrashed,
+            ValueError,
+            TypeError,
+        ) as exc:
             if isinstance(exc, SpawnRefused):
                 self.refusals += 1
-            await self._reply_error(peer, corr, exc, request.name)
+            self._reply_error(peer, corr, exc, request.name)
             return
         assert isinstance(ref, LocalActorRef)
-        capacity = ref.statistics().mailbox_capacity
-        credit = int(capacity) if math.isfinite(capacity) and capacity > 0 else 1024
-        send, recv = trio.open_memory_channel[tuple[bytes, str, int, object]](math.inf)
-        hosted = _Hosted(request.name, ref, peer, credit, send, recv)
-        hosted.raw = bool(getattr(cls, "raw_tensors", False))
-        self.hosted[request.name] = hosted
-        assert self._nursery is not None
-        self._nursery.start_soon(self._forward, hosted)
-        self._nursery.start_soon(self._watch, hosted)
-        self._send_nowait(
-            peer, {"k": P.OK, "c": corr}, P.SpawnedInfo(request.name, accepts, credit)
-        )
+        served = self.serve_actor(ref._cell, spawner=state.session)
+        served.windows[peer] = _Window()
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served))
 
-    async def _forward(self, hosted: _Hosted) -> None:
-        """Move a hosted actor's backlog into its mailbox in order, waiting while it is full."""
-        async for peer, kind, corr, msg in hosted.inbox_recv:
-            try:
-                if kind == P.TELL:
-                    await hosted.ref.send(msg)
-                else:
-                    reply = self._reply_slot(hosted, peer, corr)
-                    await hosted.ref._enqueue_ask(msg, reply)  # type: ignore[arg-type]
-            except (ActorError, TypeError) as exc:
-                if kind == P.ASK:
-                    await self._reply_error(peer, corr, exc, hosted.name)
-            finally:
-                hosted.backlog -= 1
-            self._owe(hosted, 1)
+    def _session_connected(self, session: str) -> bool:
+        return any(p.session == session and p.disconnected_at is None for p in self.peers.values())
 
-    def _deliver_nowait(
-        self, hosted: _Hosted, peer: bytes, kind: str, corr: int, msg: object
-    ) -> None:
-        """Put one message in the mailbox now, or raise ``trio.WouldBlock``; errors are answered."""
-        try:
-            if kind == P.TELL:
-                hosted.ref.send_nowait(msg)
-            else:
-                hosted.ref._enqueue_ask_nowait(msg, self._reply_slot(hosted, peer, corr))  # type: ignore[arg-type]
-        except (ActorError, TypeError) as exc:
-            if kind == P.ASK:
-                self._send_nowait(peer, {"k": P.ERR, "c": corr}, P.error_info(exc, hosted.name))
-
-    def _reply_slot(self, hosted: _Hosted, peer: bytes, corr: int) -> Reply:
-        """A reply slot that sends the answer from the actor's own resolution, with no task."""
-
-        def answer(result: outcome.Outcome[Any]) -> None:
-            meta: dict[str, Any] = {"k": P.OK, "c": corr}
-            payload: object
-            if isinstance(result, outcome.Error):
-                meta["k"] = P.ERR
-                payload = P.error_info(result.error, hosted.name)
-            else:
-                payload = result.unwrap()
-            if hosted.owed and peer == hosted.owner:  # piggyback the credits we owe
-                meta["t"], meta["n"], hosted.owed = hosted.name, hosted.owed, 0
-            self._send_nowait(peer, meta, payload)
-
-        return Reply(callback=answer)
-
-    def _owe(self, hosted: _Hosted, n: int) -> None:
-        hosted.owed += n
-        if hosted.owed >= max(1, hosted.capacity // 2):
-            meta = {"k": P.CREDIT, "t": hosted.name, "n": hosted.owed}
-            hosted.owed = 0
-            self._send_nowait(hosted.owner, meta, None)
-
-    def _send_nowait(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
-        """Encode and queue a message without waiting (the ROUTER has no high-water mark)."""
-        try:
-            self.sock.send_multipart_nowait([peer, *self._encode(meta, payload)])
-            self.sent += 1
-        except trio.WouldBlock:
-            assert self._nursery is not None
-            self._nursery.start_soon(self._send, peer, meta, payload)
-        except (zmq.ZMQError, trio.ClosedResourceError) as exc:
-            log.info("node %s: cannot reach peer: %s", self.name, exc)
-        except Exception:  # called from inside actors: never let it escape into them
-            log.exception("node %s: failed to send a %s", self.name, meta.get("k"))
-
-    async def _watch(self, hosted: _Hosted) -> None:
-        cell = hosted.ref._cell
+    async def _watch(self, served: _Served) -> None:
+        cell = served.ref._cell
         await cell.terminated.wait()
-        if self.hosted.get(hosted.name) is hosted:
-            del self.hosted[hosted.name]
-        hosted.inbox_send.close()
-        error = cell.last_error
-        info = P.error_info(ActorCrashed(hosted.name, error), hosted.name)
-        self._send_nowait(hosted.owner, {"k": P.GONE, "t": hosted.name}, info)
+        if self.served.get(served.path) is served:
+            del self.served[served.path]
+        served.inbox_send.close()
+        info = P.error_info(ActorCrashed(served.path, cell.last_error), served.path)
+        for peer in list(served.windows):
+            self._send_nowait(peer, {"k": P.GONE, "t": served.path}, info)
 
-    async def _stop(self, peer: bytes, corr: int, target: object) -> None:
-        hosted = self.hosted.get(target) if isinstance(target, str) else None
-        if hosted is not None:
-            await hosted.ref.stop()
+    async def _stop(self, peer: bytes, state: _PeerState, corr: int, meta: dict[str, Any]) -> None:
+        target = meta.get("t")
+        served = self.served.get(target) if isinstance(target, str) else None
+        if served is not None:
+            token = meta.get("tok")
+            allowed = (
+                state.owner
+                or (served.spawner is not None and served.spawner == state.session)
+                or (
+                    isinstance(token, str)
+                    and bool(token)
+                    and secrets.compare_digest(token, served.ref._cell.token)
+                )
+            )
+            if not allowed:
+                error = NotAuthorized(
+                    f"{served.path!r} may only be stopped by its spawner, a holder of its ref, "
+                    "or the node's owner"
+                )
+                self._reply_error(peer, corr, error, served.path)
+                return
+            await served.ref.stop()
         self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
 
-    async def _stats(self, peer: bytes, corr: int, target: object) -> None:
-        hosted = self.hosted.get(target) if isinstance(target, str) else None
-        if hosted is None:
+    def _stats(self, peer: bytes, corr: int, target: object) -> None:
+        served = self.served.get(target) if isinstance(target, str) else None
+        if served is None:
             error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
-            await self._reply_error(peer, corr, error, str(target))
+            self._reply_error(peer, corr, error, str(target))
             return
-        stats = P.RemoteStatistics.of(hosted.ref.statistics())
+        stats = P.RemoteStatistics.of(served.ref.statistics())
         self._send_nowait(peer, {"k": P.OK, "c": corr}, stats)
 
+    # -- peers coming and going -----------------------------------------------------------------
+
+    async def _monitor(self) -> None:
+        """Note peers whose connection dropped (by the socket of their first message)."""
+        async with open_monitor_socket(self.sock, int(zmq.EVENT_DISCONNECTED)) as mon:
+            while True:
+                event = parse_monitor_message([f.bytes for f in await mon.recv_multipart()])
+                fd = event["value"]
+                now = trio.current_time()
+                for state in self.peers.values():
+                    if state.fd == fd and state.disconnected_at is None:
+                        state.disconnected_at = now
+                        self._drop_windows(state.identity)
+
+    def _drop_windows(self, identity: bytes) -> None:
+        for served in self.served.values():
+            served.windows.pop(identity, None)
+
     async def _reap_peers(self) -> None:
-        """Stop the actors of peers that stopped talking (their systems died or left)."""
+        """Stop the actors of sessions whose every connection has been gone for a while."""
         while True:
             await trio.sleep(self.peer_timeout / 4)
             deadline = trio.current_time() - self.peer_timeout
-            for peer in [p for p, seen in self.last_seen.items() if seen < deadline]:
-                del self.last_seen[peer]
-                for hosted in [h for h in self.hosted.values() if h.owner == peer]:
-                    log.warning("node %s: peer gone, stopping %s", self.name, hosted.name)
-                    await hosted.ref.stop()
+            gone = [
+                p
+                for p in self.peers.values()
+                if p.disconnected_at is not None and p.disconnected_at < deadline
+            ]
+            for state in gone:
+                del self.peers[state.identity]
+                if not state.session or self._session_connected(state.session):
+                    continue
+                for served in [s for s in self.served.values() if s.spawner == state.session]:
+                    log.warning("node %s: peer gone, stopping %s", self.name, served.path)
+                    await served.ref.stop()
+
+
+def _nbytes(frames: Sequence[Any]) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def _source_fd(frame: Any) -> int:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except Exception:  # inproc has no fd; older libzmq may lack the property
+        return -1
 
 
 def _init_hints(cls: type) -> list[object]:
@@ -415,54 +672,3 @@ def _init_hints(cls: type) -> list[object]:
         return list(typing.get_type_hints(init).values()) if init is not None else []
     except Exception:
         return []
-
-
-async def serve_node(
-    bind: str | Sequence[str],
-    *,
-    allow: Sequence[str],
-    name: str = "node",
-    curve: CurveServer | None = None,
-    authorized_keys: Sequence[bytes] | None = None,
-    strategy: Strategy | None = None,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    peer_timeout: float = math.inf,
-    context: zmq.Context[Any] | None = None,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run a node until a peer asks it to shut down (or the caller cancels it).
-
-    ``bind``: endpoints (``tcp://127.0.0.1:*`` picks a port); ``task_status.started`` reports the
-    resolved ones. ``allow``: module prefixes actors may be spawned from. ``curve``: require
-    CURVE; ``authorized_keys`` (Z85 public keys) limits which clients may connect (``None``:
-    any client that knows the server's public key). ``peer_timeout``: stop a peer's actors once
-    it has been silent that long (a client heartbeats; ``inf`` disables).
-    """
-    ctx = context if context is not None else zmq.Context.instance()
-    chosen = strategy if strategy is not None else OneForOne(max_restarts=3, within=5.0)
-    async with contextlib.AsyncExitStack() as stack:
-        if curve is not None:
-            auth = await stack.enter_async_context(open_zap_authenticator(ctx))
-            auth.allow(curve.domain, list(authorized_keys) if authorized_keys is not None else None)
-        system = await stack.enter_async_context(open_actor_system(strategy=chosen))
-        sock = await stack.enter_async_context(
-            open_zmq_socket(
-                ctx,
-                zmq.ROUTER,
-                bind=bind,
-                curve=curve,
-                options={zmq.ROUTER_MANDATORY: 1},
-                sndhwm=0,
-                rcvhwm=0,
-            )
-        )
-        server = NodeServer(
-            system,
-            sock,
-            name=name,
-            allow=allow,
-            max_message_bytes=max_message_bytes,
-            peer_timeout=peer_timeout,
-        )
-        task_status.started(list(sock.bound_endpoints))
-        await server.serve()

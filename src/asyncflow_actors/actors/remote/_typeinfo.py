@@ -9,6 +9,7 @@ run time (a field annotated ``object`` holding an attrs instance) must be regist
 from __future__ import annotations
 
 import enum
+import sys
 import typing
 from typing import Any
 
@@ -20,18 +21,34 @@ from ._wire import MessageRegistry
 
 
 def reply_type(request_cls: type) -> object | None:
-    """``R`` for a subclass of ``Request[R]``; ``None`` if it does not say."""
+    """``R`` for a subclass of ``Request[R]``; ``None`` if it does not say.
+
+    A forward reference (``Request["Topology"]``) is resolved in the module of the class that
+    wrote it; one that cannot be resolved counts as not saying.
+    """
     for klass in request_cls.__mro__:
         for base in getattr(klass, "__orig_bases__", ()):
             if typing.get_origin(base) is Request:
                 (arg,) = typing.get_args(base)
+                if isinstance(arg, str):
+                    arg = typing.ForwardRef(arg)
+                if isinstance(arg, typing.ForwardRef):
+                    namespace = vars(sys.modules[klass.__module__])
+                    try:
+                        arg = eval(arg.__forward_arg__, namespace)  # our own class's annotation
+                    except Exception:
+                        return None
                 return arg  # type: ignore[no-any-return]
     return None
 
 
 def register_types(registry: MessageRegistry, *annotations: object) -> None:
     """Register every attrs class and enum reachable from ``annotations`` (idempotent)."""
-    seen: set[int] = set()
+    # Keyed by id() but holding the objects: ``get_type_hints`` builds new alias objects
+    # (``list[X]``) on every call, and a freed alias's id may be reused by the next one; an
+    # id-only set would then skip a type never visited (seen under load: a node that never
+    # learned a class reachable only through such an alias).
+    seen: dict[int, object] = {}
     for annotation in annotations:
         _visit(registry, annotation, seen)
 
@@ -48,10 +65,10 @@ def register_actor_types(registry: MessageRegistry, actor_cls: type[Actor[Any]])
     return tuple(registry.name_of(t) for t in accepts if t in registry)
 
 
-def _visit(registry: MessageRegistry, tp: object, seen: set[int]) -> None:
+def _visit(registry: MessageRegistry, tp: object, seen: dict[int, object]) -> None:
     if id(tp) in seen:
         return
-    seen.add(id(tp))
+    seen[id(tp)] = tp
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         return

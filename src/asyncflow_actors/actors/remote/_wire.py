@@ -15,16 +15,24 @@ followed by its arguments. User data never contains an ext, so tagged arrays can
 with lists::
 
     tuple               [TUPLE, *items]
+    set, frozenset      [SET, *items], [FROZENSET, *items]
     attrs instance      [OBJECT, registered_name, {field_name: value, ...}]
     enum member         [ENUM, registered_name, member.value]
     torch CPU tensor    [TENSOR, dtype_name, shape, data]      dtype_name e.g. "bfloat16"
     numpy array         [NDARRAY, dtype_str, shape, data]      dtype_str e.g. "<f4"
     large bytes         [BYTES, frame_index]
+    actor ref           [REF, node, path, [endpoint, ...], incarnation, token]
 
 ``data`` is ``bin`` (the body inline in the header, when smaller than ``inline_threshold``) or an
 int, the index of a data frame in the message (1 = the first frame after the header).
 
+An ``ActorRef`` travels as its ``ActorAddress`` (the encoder asks the sending system for it);
+the receiving system turns it back into a ref that works there (``docs/remote.md``). Without a
+system on either side (plain ``encode``/``decode``), refs cannot be sent and addresses decode as
+``ActorAddress`` values.
+
 Types round-trip as themselves except: ``bytearray`` and ``memoryview`` decode as ``bytes``;
+``types.MappingProxyType`` (a frozen attrs class's dict field) as ``dict``;
 tensors decode detached, contiguous and without autograd state; tensor subclasses (e.g.
 ``nn.Parameter``) decode as plain tensors. attrs classes and enums must be registered (by name) in
 a :class:`MessageRegistry` on both sides; fields are sent by name, every ``init`` field exactly
@@ -51,12 +59,15 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import msgspec
 
+from .._ref import ActorRef
+from ._address import ActorAddress
 from ._raw_tensor import _NUMPY_KINDS, RawTensor, _torch_dtypes
 from ._raw_tensor import __getattr__ as __getattr__
 from ._wire_decode import decode as decode
@@ -64,10 +75,13 @@ from ._wire_format import (
     _BYTES,
     _BYTES_LIKE,
     _ENUM,
+    _FROZENSET,
     _INLINE,
     _NDARRAY,
     _OBJECT,
+    _REF,
     _SCALARS,
+    _SET,
     _TENSOR,
     _TUPLE,
 )
@@ -122,12 +136,19 @@ class _PathError(Exception):
         self.path: list[str] = []
 
 
-class _Encoder:
-    __slots__ = ("frames", "registry", "threshold")
+AddressOf = Callable[[ActorRef[Any]], ActorAddress]
+"""How a sending system names a ref on the wire (its ``Mesh.address_of``)."""
 
-    def __init__(self, registry: MessageRegistry, threshold: int) -> None:
+
+class _Encoder:
+    __slots__ = ("address_of", "frames", "registry", "threshold")
+
+    def __init__(
+        self, registry: MessageRegistry, threshold: int, address_of: AddressOf | None
+    ) -> None:
         self.registry = registry
         self.threshold = threshold
+        self.address_of = address_of
         self.frames: list[bytes | memoryview] = []
 
     def data(self, view: memoryview) -> memoryview | int:
@@ -144,10 +165,13 @@ class _Encoder:
             raise _PathError(f"nesting deeper than {MAX_DEPTH} levels (or a cycle)", obj)
         if t is list:
             return self.seq(obj, depth)  # type: ignore[arg-type]
-        if t is dict:
+        if t is dict or t is types.MappingProxyType:  # a frozen attrs field's dict: a map
             return self.mapping(obj, depth)  # type: ignore[arg-type]
         if t is tuple:
             return [_TUPLE.ext, *self.seq(obj, depth)]  # type: ignore[arg-type]
+        if t is frozenset or t is set:
+            tag = _FROZENSET if t is frozenset else _SET
+            return [tag.ext, *self.seq(tuple(obj), depth)]  # type: ignore[arg-type]
         if t in _BYTES_LIKE:
             return self.raw_bytes(obj)  # type: ignore[arg-type]
         spec = self.registry._by_type.get(t)
@@ -178,7 +202,25 @@ class _Encoder:
         np_mod = sys.modules.get("numpy")
         if np_mod is not None and t is np_mod.ndarray:
             return self.ndarray(obj)  # type: ignore[arg-type]
+        if isinstance(obj, ActorRef):
+            return self.ref(obj)
+        if t is ActorAddress:
+            a: ActorAddress = obj  # type: ignore[assignment]
+            return [_REF.ext, a.node, a.path, list(a.endpoints), a.incarnation, a.token]
         raise _PathError(_unsupported_reason(obj), obj)
+
+    def ref(self, ref: ActorRef[Any]) -> object:
+        if self.address_of is None:
+            raise _PathError(
+                "an ActorRef can only be sent by an actor system (over a node link): plain "
+                "encode() has no address for it",
+                ref,
+            )
+        try:
+            a = self.address_of(ref)
+        except Exception as exc:
+            raise _PathError(f"{ref!r} has no address: {exc}", ref) from exc
+        return [_REF.ext, a.node, a.path, list(a.endpoints), a.incarnation, a.token]
 
     def seq(self, seq: list[object] | tuple[object, ...], depth: int) -> list[object]:
         for x in seq:
@@ -315,15 +357,18 @@ def encode(
     *,
     registry: MessageRegistry,
     inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    address_of: AddressOf | None = None,
 ) -> list[bytes | memoryview]:
     """Encode one message as ZMQ frames: ``[header, *data]``.
+
+    ``address_of`` names the ``ActorRef``s found in the payload (a system passes its own).
 
     Data frames are memoryviews of the payload's tensors, arrays and large bytes, not copies:
     they must stay unmodified until the transport is done with them (see ``SendTracker``).
     Raises :class:`UnsupportedValue` naming the offending value's type and path
     (``payload.batch[3].mask``, ``meta['x']``) for anything that cannot be sent.
     """
-    enc = _Encoder(registry, inline_threshold)
+    enc = _Encoder(registry, inline_threshold, address_of)
     root = "meta"
     try:
         meta_dict = dict(meta)

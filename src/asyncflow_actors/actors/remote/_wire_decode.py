@@ -9,15 +9,19 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
+from ._address import ActorAddress
 from ._raw_tensor import _ITEMSIZE, RawTensor, _numpy_dtype, _torch_dtypes
 from ._wire_format import (
     _BYTES,
     _ENUM,
+    _FROZENSET,
     _INLINE,
     _MAX_DIM,
     _MAX_DIMS,
     _NDARRAY,
     _OBJECT,
+    _REF,
+    _SET,
     _TAGS,
     _TENSOR,
     _TUPLE,
@@ -54,14 +58,25 @@ def _ext_hook(code: int, data: memoryview) -> object:
 _DECODER: Final = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
-class _Decoder:
-    __slots__ = ("raw", "registry", "used", "views")
+ResolveRef = Callable[[ActorAddress], object]
+"""How a receiving system turns an address into a ref that works there (``Mesh.resolve``)."""
 
-    def __init__(self, registry: MessageRegistry, views: list[memoryview], raw: bool) -> None:
+
+class _Decoder:
+    __slots__ = ("raw", "registry", "resolve", "used", "views")
+
+    def __init__(
+        self,
+        registry: MessageRegistry,
+        views: list[memoryview],
+        raw: bool,
+        resolve: ResolveRef | None,
+    ) -> None:
         self.registry = registry
         self.views = views
         self.used = [False] * len(views)
         self.raw = raw
+        self.resolve = resolve
 
     def walk(self, obj: object, depth: int) -> object:
         t = type(obj)
@@ -95,8 +110,16 @@ class _Decoder:
         tag: _Tag = node[0]  # type: ignore[assignment]
         if tag is _TUPLE:
             return tuple(x if type(x) in _INLINE else self.walk(x, depth + 1) for x in node[1:])
+        if tag is _SET or tag is _FROZENSET:
+            items = [x if type(x) in _INLINE else self.walk(x, depth + 1) for x in node[1:]]
+            try:
+                return frozenset(items) if tag is _FROZENSET else set(items)
+            except TypeError as exc:
+                raise MalformedMessage(f"{tag.label} of unhashable items: {exc}") from None
         if tag is _OBJECT:
             return self.obj(node, depth)
+        if tag is _REF:
+            return self.ref(node)
         _expect_len(node, 2 if tag is _BYTES else 3 if tag is _ENUM else 4)
         if tag is _ENUM:
             name = node[1]
@@ -122,6 +145,26 @@ class _Decoder:
         if tag is _NDARRAY:
             return self.ndarray(node[1], node[2], node[3])
         raise MalformedMessage(f"unknown tag {tag!r}")  # unreachable: _ext_hook filters codes
+
+    def ref(self, node: list[object]) -> object:
+        _expect_len(node, 6)
+        _, name, path, endpoints, incarnation, token = node
+        if (
+            type(name) is not str
+            or type(path) is not str
+            or type(endpoints) is not list
+            or not all(type(e) is str for e in endpoints)
+            or type(incarnation) is not int
+            or type(token) is not str
+        ):
+            raise MalformedMessage("a ref is [node: str, path: str, [str...], int, str]")
+        address = ActorAddress(name, path, tuple(endpoints), incarnation, token)
+        if self.resolve is None:
+            return address
+        try:
+            return self.resolve(address)
+        except Exception as exc:
+            raise MalformedMessage(f"cannot resolve the ref {address}: {exc}") from exc
 
     def obj(self, node: list[object], depth: int) -> object:
         _expect_len(node, 3)
@@ -266,13 +309,15 @@ def decode(
     max_message_bytes: int,
     max_frames: int = DEFAULT_MAX_FRAMES,
     raw_tensors: bool | Callable[[dict[str, Any]], bool] = False,
+    resolve: ResolveRef | None = None,
 ) -> tuple[dict[str, Any], object]:
     """Decode the frames of one message into ``(meta, payload)``.
 
     ``frames`` are ``zmq.Frame``, ``bytes``, ``bytearray`` or ``memoryview``. Tensors and arrays
     whose bodies travelled as data frames are views of those frames (see the module docstring).
     With ``raw_tensors`` (or when it returns true for the message's meta), tensors decode as
-    :class:`RawTensor` (bytes, no torch) instead.
+    :class:`RawTensor` (bytes, no torch) instead. ``resolve`` turns the addresses of refs into
+    refs (without it they decode as ``ActorAddress``).
     Raises :class:`MessageTooLarge` past ``max_message_bytes`` (all frames together) or
     ``max_frames`` data frames, :class:`UnknownType` for an unregistered type name and
     :class:`MalformedMessage` for anything else wrong; never any other exception.
@@ -319,7 +364,7 @@ def decode(
         if type(nframes) is not int or nframes != n - 1:
             raise MalformedMessage(f"header announces {nframes!r} data frames; got {n - 1}")
         raw = raw_tensors(meta_obj) if callable(raw_tensors) else raw_tensors
-        dec = _Decoder(registry, views, raw)
+        dec = _Decoder(registry, views, raw, resolve)
         payload = dec.walk(body, 0)
         if not all(dec.used[1:]):
             unused = [i for i, u in enumerate(dec.used) if i and not u]

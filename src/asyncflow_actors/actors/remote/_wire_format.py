@@ -39,7 +39,12 @@ _ENUM: Final = _Tag(3, "enum")
 _TENSOR: Final = _Tag(4, "tensor")
 _NDARRAY: Final = _Tag(5, "ndarray")
 _BYTES: Final = _Tag(6, "bytes")
-_TAGS: Final = {t.code: t for t in (_TUPLE, _OBJECT, _ENUM, _TENSOR, _NDARRAY, _BYTES)}
+_REF: Final = _Tag(7, "ref")
+_SET: Final = _Tag(8, "set")
+_FROZENSET: Final = _Tag(9, "frozenset")
+_TAGS: Final = {
+    t.code: t for t in (_TUPLE, _OBJECT, _ENUM, _TENSOR, _NDARRAY, _BYTES, _REF, _SET, _FROZENSET)
+}
 
 _SCALARS: Final = frozenset({type(None), bool, int, float, str})
 _INLINE: Final = frozenset({type(None), bool, int, float, str, bytes})

@@ -42,6 +42,7 @@ delivers all parts of a message together, so once the first part is read the res
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -62,6 +63,8 @@ from trio.lowlevel import (
     wait_readable,
 )
 
+from .._ref import Tracker
+
 __all__ = [
     "DEFAULT_COPY_THRESHOLD",
     "ZAP_ENDPOINT",
@@ -72,6 +75,7 @@ __all__ = [
     "TrioSocket",
     "ZapAuthenticator",
     "curve_keypair",
+    "open_monitor_socket",
     "open_zap_authenticator",
     "open_zmq_socket",
 ]
@@ -94,7 +98,7 @@ _SNDMORE: Final = int(zmq.SNDMORE)
 _EVENTS: Final = int(zmq.EVENTS)
 
 
-class SendTracker:
+class SendTracker(Tracker):
     """Tells when libzmq has released every zero-copy frame of one sent message.
 
     Until ``done``, the buffers passed to ``send_multipart`` (tensor storage, arrays) may still be
@@ -495,6 +499,43 @@ async def open_zmq_socket(
         raise
     async with tsock:
         yield tsock
+
+
+# ----------------------------------------------------------------------------------- monitor
+
+_monitor_ids = itertools.count()
+
+
+@asynccontextmanager
+async def open_monitor_socket(sock: TrioSocket, events: int) -> AsyncIterator[TrioSocket]:
+    """A PAIR socket receiving ``sock``'s monitor events (``zmq.utils.monitor`` parses them).
+
+    Each monitor gets an inproc endpoint of its own: pyzmq's ``get_monitor_socket`` names it
+    after the socket's file descriptor, and a new socket reusing the descriptor of one just
+    closed (whose monitor endpoint libzmq releases asynchronously) then broke, silently.
+    """
+    addr = f"inproc://afa-monitor-{os.getpid()}-{next(_monitor_ids)}"
+    raw = sock.socket
+    raw.monitor(addr, events)
+    pair = raw.context.socket(zmq.PAIR)
+    try:
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(addr)
+        tpair = TrioSocket(pair)
+    except BaseException:
+        pair.close(linger=0)
+        raise
+    try:
+        yield tpair
+    finally:
+        # Stop the monitor while its PAIR is still connected: the other way round, libzmq's
+        # goodbye event has nowhere to go and disable_monitor() blocks the thread.
+        if not raw.closed:
+            try:
+                raw.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        await tpair.aclose()
 
 
 # --------------------------------------------------------------------------------------- ZAP

@@ -1,0 +1,445 @@
+"""``Mesh``: how one actor system reaches every other system of a run, and they reach it.
+
+Each system has a mesh (``system.mesh``). It names the system (``name``, and an ``incarnation``
+that is new at every start), listens on a ROUTER socket (its ``NodeServer``) so that any peer can
+reach any of its actors, and keeps one ``Peer`` per other system it talks to, with a link opened
+lazily on first use. Refs travel inside messages as ``ActorAddress``es: ``address_of`` names a
+ref for the wire, ``resolve`` turns an address back into a ref that works here — a local ref when
+it names this system, a ``RemoteActorRef`` through the right peer otherwise. Data thus goes
+straight between the processes that hold it, never through a third one.
+
+A plain system listens only once it needs to: when it starts or connects its first node, or
+when one of its refs is sent to another system (an ipc socket in a private directory and a tcp
+socket on loopback). ``system.listen(...)`` binds elsewhere (another host's peers), with CURVE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+import zmq
+
+from .._errors import ActorCrashed
+from .._ref import ActorRef, DeadActorRef, LocalActorRef
+from . import _protocol as P
+from ._address import ActorAddress
+from ._link import NodeLink
+from ._peer import Peer
+from ._ref import RemoteActorRef
+from ._server import DEFAULT_MAX_MESSAGE_BYTES, ROUTER_RCVHWM, NodeServer, NodeServerStatistics
+from ._zmq import CurveClient, CurveServer, open_zap_authenticator, open_zmq_socket
+
+if TYPE_CHECKING:
+    from .._system import ActorSystem
+    from ._launch import NodeOptions
+
+log = logging.getLogger("asyncflow_actors.node")
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def heartbeat_options(options: NodeOptions) -> dict[int, int]:
+    """ZMTP heartbeats (answered by libzmq's I/O thread, whatever Python's loop is doing)."""
+    ivl = max(1, round(options.heartbeat_interval * 1000))
+    timeout = max(ivl, round(options.heartbeat_timeout * 1000))
+    return {
+        zmq.HEARTBEAT_IVL: ivl,
+        zmq.HEARTBEAT_TIMEOUT: timeout,
+        zmq.HEARTBEAT_TTL: min(timeout, 6553500),  # the TTL is sent in units of 100 ms
+        zmq.MAXMSGSIZE: options.max_message_bytes,
+    }
+
+
+def is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return host in _LOOPBACK
+
+
+@attrs.frozen
+class LinkStatistics:
+    """This system's traffic to one peer over its link."""
+
+    peer: str
+    sent: int
+    sent_bytes: int
+    received_bytes: int
+    rejected: int
+    wire_errors: int
+
+
+@attrs.frozen
+class MeshStatistics:
+    """Where a system listens, what its server received and sent, and each link's traffic."""
+
+    name: str
+    endpoints: tuple[str, ...]
+    server: NodeServerStatistics | None
+    links: tuple[LinkStatistics, ...]
+
+    @property
+    def bytes_total(self) -> int:
+        """Every byte that crossed this system's sockets, both ways."""
+        server = self.server
+        own = server.received_bytes + server.sent_bytes if server is not None else 0
+        return own + sum(link.sent_bytes + link.received_bytes for link in self.links)
+
+
+class Mesh:
+    """One system's place in the run (see the module docstring)."""
+
+    def __init__(self, system: ActorSystem, name: str | None, options: NodeOptions) -> None:
+        self.system = system
+        self.name = name if name is not None else default_name()
+        self.incarnation = secrets.randbits(62)
+        self.session = secrets.token_hex(16)
+        self.options = options
+        self.registry = P.protocol_registry()
+        self.endpoints: tuple[str, ...] = ()
+        self.server: NodeServer | None = None
+        self.peers: dict[str, Peer] = {}
+        # CURVE for the links this mesh opens to its peers: the cluster-key model (every node
+        # listens with the same keypair and authorizes it), set when it listens with CURVE
+        self.curve: CurveClient | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._tmpdir: str | None = None
+        self._listening = trio.Event()
+
+    def statistics(self) -> MeshStatistics:
+        links = tuple(
+            LinkStatistics(
+                peer.name,
+                link.sent,
+                link.sent_bytes,
+                link.received_bytes,
+                link.rejected,
+                link.wire_errors,
+            )
+            for peer in self.peers.values()
+            if (link := peer.link) is not None
+        )
+        server = self.server.statistics() if self.server is not None else None
+        return MeshStatistics(self.name, self.endpoints, server, links)
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def run(self) -> AsyncIterator[Mesh]:
+        """Own the mesh's tasks and sockets for the life of the system (``open_actor_system``)."""
+        async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
+            self._nursery, self._stack = nursery, stack
+            try:
+                yield self
+            finally:
+                for peer in self.peers.values():
+                    if not peer.supervised and peer.link is not None:
+                        peer.link.close(P.NodeLost(f"system {self.name!r} closed"))
+                nursery.cancel_scope.cancel()
+                self._nursery = None
+                if self._tmpdir is not None:
+                    shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # -- listening ---------------------------------------------------------------------------------
+
+    @property
+    def listening(self) -> bool:
+        return self.server is not None
+
+    async def listen(
+        self,
+        bind: str | Sequence[str],
+        *,
+        allow: Sequence[str] = (),
+        curve: CurveServer | None = None,
+        authorized_keys: Sequence[bytes] | None = None,
+        insecure: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        peer_timeout: float = float("inf"),
+        owner_token: str = "",
+        on_shutdown: Any = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> list[str]:
+        """Bind this system's server; return the resolved endpoints (see ``ActorSystem.listen``)."""
+        if self.server is not None:
+            raise RuntimeError(f"system {self.name!r} already listens on {list(self.endpoints)}")
+        assert self._stack is not None and self._nursery is not None
+        binds = [bind] if isinstance(bind, str) else list(bind)
+        exposed = [b for b in binds if not is_loopback(b)]
+        if exposed and curve is None and not insecure:
+            raise ValueError(
+                f"binding {exposed} without CURVE exposes every actor of this system to the "
+                "network: pass curve=CurveServer(...) (and authorized keys), or insecure=True "
+                "if the network itself is trusted"
+            )
+        if exposed and curve is None:
+            log.warning("system %s listens on %s WITHOUT authentication", self.name, exposed)
+        if curve is not None and authorized_keys is None:
+            raise ValueError(
+                "CURVE without authorized client keys would let any client that knows the "
+                "server key in: pass authorized_keys"
+            )
+        ctx = context if context is not None else zmq.Context.instance()
+        if curve is not None:
+            auth = await self._stack.enter_async_context(open_zap_authenticator(ctx))
+            auth.allow(curve.domain, list(authorized_keys or ()))
+            self.curve = CurveClient(curve.keypair.public, curve.keypair)
+        options: dict[int, int | bytes | str] = {zmq.ROUTER_MANDATORY: 1}
+        options.update(heartbeat_options(self.options))
+        options[zmq.MAXMSGSIZE] = max_message_bytes
+        sock = await self._stack.enter_async_context(
+            open_zmq_socket(
+                ctx,
+                zmq.ROUTER,
+                bind=binds,
+                curve=curve,
+                options=options,
+                sndhwm=0,
+                rcvhwm=ROUTER_RCVHWM,
+            )
+        )
+        self.endpoints = tuple(_advertised(e) for e in sock.bound_endpoints)
+        self.server = NodeServer(
+            self,
+            sock,
+            allow=allow,
+            max_message_bytes=max_message_bytes,
+            peer_timeout=peer_timeout,
+            owner_token=owner_token,
+            on_shutdown=on_shutdown,
+        )
+        await self._nursery.start(self.server.serve)
+        self._listening.set()
+        return list(sock.bound_endpoints)
+
+    async def ensure_listening(self) -> None:
+        """Listen on the default endpoints (ipc in a private directory, tcp on loopback)."""
+        if self.server is not None:
+            await trio.lowlevel.checkpoint()
+            return
+        self._tmpdir = tempfile.mkdtemp(prefix="afa-sys-")
+        await self.listen([f"ipc://{self._tmpdir}/system.sock", "tcp://127.0.0.1:*"])
+
+    # -- refs on the wire ---------------------------------------------------------------------------
+
+    def address_of(self, ref: ActorRef[Any]) -> ActorAddress:
+        """The wire form of ``ref``; sending a local ref requires this system to listen."""
+        if isinstance(ref, LocalActorRef):
+            if self.server is None:
+                raise RuntimeError(
+                    f"system {self.name!r} does not listen: refs to its actors cannot leave "
+                    "it (it listens once it starts or connects a node, or after listen())"
+                )
+            cell = ref._cell
+            return ActorAddress(self.name, cell.path, self.endpoints, self.incarnation, cell.token)
+        if isinstance(ref, RemoteActorRef):
+            peer = ref._node
+            path = ref.path
+            return ActorAddress(
+                peer.name, path, peer.endpoints, peer.incarnation, peer.tokens.get(path, "")
+            )
+        raise TypeError(f"{type(ref).__name__} cannot be sent")
+
+    def resolve(self, address: ActorAddress) -> ActorRef[Any]:
+        """A ref that works here for ``address`` (no I/O: links open on first use)."""
+        if address.node == self.name:
+            cell = self.system._cells.get(address.path)
+            if cell is None or not cell.path:
+                return DeadActorRef(f"{self.name}/{address.path}")
+            return cell.ref
+        peer = self.peer(address.node)
+        peer.learn(address.incarnation, address.endpoints)
+        if address.token:
+            peer.tokens.setdefault(address.path, address.token)
+        return RemoteActorRef(peer, address.path)
+
+    # -- peers ---------------------------------------------------------------------------------------
+
+    def peer(self, name: str) -> Peer:
+        """The peer called ``name`` (created on first mention)."""
+        peer = self.peers.get(name)
+        if peer is None:
+            peer = self.peers[name] = Peer(self, name)
+        return peer
+
+    def adopt(self, peer: Peer) -> None:
+        """Register a supervised peer (a node's handle) under its own name once known."""
+        current = self.peers.get(peer.name)
+        if current is not None and current is not peer and current.link is not None:
+            current.link.close(P.NodeLost(f"node {peer.name!r} is supervised here now"))
+        self.peers[peer.name] = peer
+
+    def peer_hello(self, hello: P.Hello) -> None:
+        """A peer connected to our server: learn where it listens (to reach it back)."""
+        if hello.name != self.name:
+            self.peer(hello.name).learn(hello.incarnation, hello.endpoints)
+
+    def peer_update(self, update: P.PeerUpdate) -> None:
+        """The supervisor of a node says where it is now (or that it is gone for good)."""
+        peer = self.peers.get(update.name)
+        if peer is None or peer.supervised:
+            return
+        if peer.learn(update.incarnation, update.endpoints) or not update.up:
+            link = peer.detach()
+            if link is not None:
+                link.close(P.NodeLost(f"node {update.name!r} restarted or stopped"))
+        if not update.up:
+            for actor in list(peer.watchers):
+                peer.notify_watchers(actor, P.NodeLost(f"node {update.name!r} stopped"))
+
+    async def broadcast(self, update: P.PeerUpdate, skip: str) -> None:
+        """Tell the other supervised peers where node ``skip`` is now (best effort)."""
+        for peer in list(self.peers.values()):
+            link = peer.link
+            if not peer.supervised or peer.name == skip or link is None or link.closed:
+                continue
+            with trio.move_on_after(self.options.connect_timeout), contextlib.suppress(Exception):
+                await link.request(P.PEERS, update)
+
+    def hello(self, owner_token: str = "") -> P.Hello:
+        return P.Hello(self.name, self.incarnation, self.endpoints, self.session, owner_token)
+
+    async def open_link(
+        self,
+        name: str,
+        address: str,
+        *,
+        curve: CurveClient | None,
+        options: NodeOptions,
+        start_soon: Callable[..., Any],
+        stack: contextlib.AsyncExitStack,
+        owner_token: str = "",
+        on_gone: Any = None,
+        on_rejected: Any = None,
+        on_lost: Any = None,
+    ) -> tuple[NodeLink, P.NodeInfo]:
+        """Connect a DEALER to ``address``, run its link with ``start_soon``, say hello.
+
+        Raises ``NodeLost`` if the peer does not answer within ``options.connect_timeout``.
+        """
+        if self.server is None:
+            await self.ensure_listening()  # so the peer can reach our actors back
+        sock = await stack.enter_async_context(
+            open_zmq_socket(
+                zmq.Context.instance(),
+                zmq.DEALER,
+                connect=address,
+                curve=curve,
+                options=heartbeat_options(options),
+            )
+        )
+        link = NodeLink(
+            sock,
+            self.registry,
+            node=name,
+            max_message_bytes=options.max_message_bytes,
+            address_of=self.address_of,
+            resolve=self.resolve,
+            on_gone=on_gone,
+            on_rejected=on_rejected,
+            on_lost=on_lost,
+        )
+        start_soon(link.run)
+        info: P.NodeInfo | None = None
+        with trio.move_on_after(options.connect_timeout):
+            while info is None:  # say hello again every second: a node may still be starting
+                with trio.move_on_after(1.0):
+                    try:
+                        info = await link.request(P.HELLO, self.hello(owner_token))
+                    except ActorCrashed as exc:  # the link closed: CURVE refused, dropped
+                        if isinstance(exc.error, P.NodeLost):
+                            raise exc.error from None
+                        raise P.NodeLost(f"node {name!r} at {address}: {exc}") from exc
+        if info is None:
+            link.close(P.NodeLost(f"no answer from {address}"))
+            raise P.NodeLost(
+                f"node {name!r} at {address} did not answer within {options.connect_timeout}s "
+                "(down, wrong address, or CURVE refused us)"
+            )
+        return link, info
+
+    async def connect(self, peer: Peer) -> None:
+        """Open a link to a mesh peer (one connect at a time per peer); ``ActorCrashed`` if
+        it cannot be reached."""
+        while peer._connecting is not None:
+            await peer._connecting.wait()
+            if peer.link is not None and peer.link.closed is None:
+                return
+        if self._nursery is None:
+            raise ActorCrashed(peer.alias, P.NodeLost("the actor system is closed"))
+        peer._connecting = event = trio.Event()
+        try:
+            address = _pick_endpoint(peer.endpoints)
+            if address is None:
+                raise P.NodeLost(f"where node {peer.name!r} listens is not known here")
+            curve = self.curve
+            stack = contextlib.AsyncExitStack()
+            link_nursery = self._nursery
+
+            def lost(error: BaseException) -> None:
+                if peer.link is link:
+                    peer.detach()
+                link_nursery.start_soon(stack.aclose)
+
+            try:
+                link, info = await self.open_link(
+                    peer.name,
+                    address,
+                    curve=curve,
+                    options=self.options,
+                    start_soon=link_nursery.start_soon,
+                    stack=stack,
+                    on_gone=peer.on_gone,
+                    on_rejected=peer.on_rejected,
+                    on_lost=lost,
+                )
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await stack.aclose()
+                raise
+            if info.name != peer.name:
+                link.close(P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}"))
+                with trio.CancelScope(shield=True):
+                    await stack.aclose()
+                raise P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}")
+            peer.attach(link, info, address)
+        except P.NodeLost as exc:
+            raise ActorCrashed(peer.alias, exc, detail="unreachable") from exc
+        finally:
+            peer._connecting = None
+            event.set()
+
+
+def _advertised(endpoint: str) -> str:
+    """An endpoint peers can connect to (a wildcard bind advertises this host's name)."""
+    if endpoint.startswith("tcp://0.0.0.0:") or endpoint.startswith("tcp://*:"):
+        return f"tcp://{socket.gethostname()}:{endpoint.rpartition(':')[2]}"
+    return endpoint
+
+
+def _pick_endpoint(endpoints: Iterable[str]) -> str | None:
+    """ipc when its socket file is on this host, else the first tcp endpoint."""
+    candidates = list(endpoints)
+    for endpoint in candidates:
+        if endpoint.startswith("ipc://") and os.path.exists(endpoint.removeprefix("ipc://")):
+            return endpoint
+    for endpoint in candidates:
+        if endpoint.startswith("tcp://"):
+            return endpoint
+    return None

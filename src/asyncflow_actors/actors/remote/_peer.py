@@ -1,0 +1,153 @@
+"""``Peer``: this system's view of one other actor system of the run (a node, or the driver).
+
+A peer is known by its name. It holds the current link to it (``NodeLink``), where it listens,
+and what this side learned about its actors (accepted types, stop tokens, which terminated).
+Refs to its actors resolve the peer's *current* link at each call, so they stay valid when the
+link is replaced (a reconnect, a restart of the peer's process).
+
+Two kinds, one interface:
+
+- a *supervised* peer is a node this system started or connected to (``system.start_node``,
+  ``connect_node``): its ``NodeActor`` owns the link. While the node restarts, calls wait (bound
+  them with ``trio.fail_after``); once the node actor terminated for good they raise.
+- a *mesh* peer is any other system a ref pointed to: the mesh opens a link lazily on first use
+  and again after a link was lost; a peer that cannot be reached raises ``ActorCrashed`` caused by
+  ``NodeLost``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .._cell import ActorCell, ActorState
+from .._errors import ActorCrashed
+from .._message import Terminated
+from . import _protocol as P
+from ._link import NodeLink
+
+if TYPE_CHECKING:
+    from ._mesh import Mesh
+
+
+class Peer:
+    """State of one remote actor system shared by the refs to its actors (module docstring)."""
+
+    def __init__(self, mesh: Mesh, name: str, *, alias: str | None = None) -> None:
+        self.mesh = mesh
+        self.name = name  # the system's own name (how addresses name it)
+        self.alias = alias if alias is not None else name  # how local paths show it
+        self.link: NodeLink | None = None
+        self.info: P.NodeInfo | None = None
+        self.endpoints: tuple[str, ...] = ()
+        self.incarnation = -1
+        self.address = ""  # the endpoint the current link connected to
+        self.up = trio.Event()
+        self.cell: ActorCell | None = None  # the NodeActor of a supervised peer
+        # supervised: what to spawn again after a restart of the node, in spawn order
+        self.specs: dict[str, P.SpawnRequest] = {}
+        self.accepts: dict[str, tuple[type, ...] | frozenset[str]] = {}
+        self.tokens: dict[str, str] = {}
+        self.watchers: dict[str, set[ActorCell]] = {}
+        self.gone: dict[str, BaseException | None] = {}
+        self.sent: dict[str, int] = {}
+        self.rejected: dict[str, BaseException] = {}
+        self._connecting: trio.Event | None = None
+
+    @property
+    def supervised(self) -> bool:
+        return self.cell is not None
+
+    def learn(self, incarnation: int, endpoints: tuple[str, ...]) -> bool:
+        """Adopt where the peer listens if ``incarnation`` is at least as new; True if changed."""
+        if incarnation < self.incarnation or not endpoints:
+            return False
+        changed = incarnation != self.incarnation or endpoints != self.endpoints
+        self.incarnation, self.endpoints = incarnation, endpoints
+        return changed
+
+    def attach(self, link: NodeLink, info: P.NodeInfo, address: str) -> None:
+        self.link, self.info, self.address = link, info, address
+        self.learn(info.incarnation, info.endpoints or (address,))
+        self.up.set()
+
+    def detach(self) -> NodeLink | None:
+        link, self.link = self.link, None
+        if self.up.is_set():
+            self.up = trio.Event()
+        return link
+
+    @property
+    def terminated(self) -> bool:
+        return self.cell is not None and self.cell.state is ActorState.TERMINATED
+
+    async def wait_link(self, actor: str) -> NodeLink:
+        """The live link; a supervised peer's calls wait while it (re)starts, a mesh peer's
+        connect now. ``ActorCrashed`` once the actor or the peer is gone for good."""
+        while True:
+            link = self.link
+            if link is not None and link.closed is None:
+                return link  # no checkpoint here: the caller's own wait is the checkpoint
+            if self.terminated or actor in self.gone:
+                raise self.dead(actor)
+            if self.cell is None:
+                await self.mesh.connect(self)
+                continue
+            async with trio.open_nursery() as nursery:
+                for event in (self.up, self.cell.terminated):
+
+                    async def wait(event: trio.Event = event) -> None:
+                        await event.wait()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(wait)
+
+    def dead(self, actor: str) -> ActorCrashed:
+        name = f"{self.alias}/{actor}"
+        if actor in self.gone:
+            return ActorCrashed(name, self.gone[actor], detail="terminated on its node")
+        cause = self.cell.last_error if self.cell is not None else None
+        return ActorCrashed(name, cause, detail=f"node {self.alias!r} terminated")
+
+    def learn_actor(
+        self, link: NodeLink, info: P.ActorInfo, local: tuple[type, ...] | None
+    ) -> None:
+        """Record what a spawn or resolve told about an actor, and open this side's credits."""
+        link.open_credits(info.name, info.capacity)
+        self.accepts[info.name] = local if local is not None else frozenset(info.accepts)
+        if info.token:
+            self.tokens[info.name] = info.token
+        self.gone.pop(info.name, None)
+
+    def on_gone(self, actor: str, info: P.ErrorInfo | None) -> None:
+        """The node reports ``actor`` terminated for good: never respawn it, tell watchers."""
+        self.specs.pop(actor, None)
+        error = None
+        if info is not None and not info.stopped:
+            crashed = P.error_from_info(info, f"{self.alias}/{actor}")
+            error = crashed.error if isinstance(crashed, ActorCrashed) else crashed
+        self.gone[actor] = error
+        self.notify_watchers(actor, error)
+
+    def on_rejected(self, actor: str, error: BaseException) -> None:
+        self.rejected[actor] = error
+
+    def take_rejection(self, actor: str) -> None:
+        """Raise the rejection of an earlier tell to ``actor`` (once), if there was one."""
+        error = self.rejected.pop(actor, None)
+        if error is not None:
+            raise error
+
+    def notify_watchers(self, actor: str, error: BaseException | None) -> None:
+        from ._ref import RemoteActorRef
+
+        ref: RemoteActorRef[Any] = RemoteActorRef(self, actor)
+        for watcher in self.watchers.pop(actor, set()):
+            watcher.deliver_system(Terminated(ref, error))
+
+    def node_terminated(self) -> None:
+        """The node will not come back: every remote actor of it has terminated."""
+        error = self.cell.last_error if self.cell is not None else None
+        for actor in list(self.watchers):
+            self.notify_watchers(actor, error)
