@@ -124,7 +124,7 @@ class Busy(afa.Actor[Block | Count]):
     async def receive(self, msg: Block | Count, ctx: afa.ActorContext[Any]) -> int:
         self.n += 1
         if isinstance(msg, Block):
-            time.sleep(msg.seconds)  # deliberately blocking: the loop stalls
+            time.sleep(msg.seconds)  # noqa: ASYNC251 (deliberately blocking: the loop stalls)
         return self.n
 
 
