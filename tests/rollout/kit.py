@@ -10,7 +10,9 @@ VOCAB = 24
 EOS = 2
 
 
-def tiny_model(seed: int = 0, *, d_model: int = 32, n_layers: int = 2, max_seq_len: int = 96) -> TinyDecoder:
+def tiny_model(
+    seed: int = 0, *, d_model: int = 32, n_layers: int = 2, max_seq_len: int = 96
+) -> TinyDecoder:
     torch.manual_seed(seed)
     config = TinyConfig(
         vocab_size=VOCAB, d_model=d_model, n_layers=n_layers, n_heads=2, max_seq_len=max_seq_len

@@ -74,7 +74,9 @@ class Replay:
             rid
             for rid in self.requests
             if rid not in self.cancelled
-            and not any(a.finish_reason is not FinishReason.ABORTED for a in self.answers.get(rid, []))
+            and not any(
+                a.finish_reason is not FinishReason.ABORTED for a in self.answers.get(rid, [])
+            )
         }
 
     async def step(self, op: tuple[Any, ...]) -> None:
@@ -82,7 +84,11 @@ class Replay:
         engine = self.engine
         if kind == "submit":
             self.count += 1
-            await self.submit(GenerationRequest([1], SamplingConfig(op[1], seed=self.count), request_id=f"q{self.count}"))
+            await self.submit(
+                GenerationRequest(
+                    [1], SamplingConfig(op[1], seed=self.count), request_id=f"q{self.count}"
+                )
+            )
         elif kind == "pause":
             before = self.pending()
             running = engine.statistics().running
@@ -105,7 +111,9 @@ class Replay:
             self.paused = None
         elif kind == "load":
             self.version += 1
-            await engine.load_weights({"lm_head.weight": version_head(MODEL, self.version)}, self.version)
+            await engine.load_weights(
+                {"lm_head.weight": version_head(MODEL, self.version)}, self.version
+            )
             assert engine.version == self.version
         elif kind == "run":
             tokens = engine.statistics().generated_tokens

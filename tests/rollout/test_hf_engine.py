@@ -31,7 +31,9 @@ TOKENIZER = CharTokenizer("0123456789+=")
 def tiny(seed: int) -> TinyDecoder:
     torch.manual_seed(seed)
     # head size 64 (d=128, 2 heads): a shape vLLM's attention kernels also serve
-    config = TinyConfig(vocab_size=TOKENIZER.vocab_size, d_model=128, n_layers=2, n_heads=2, max_seq_len=64)
+    config = TinyConfig(
+        vocab_size=TOKENIZER.vocab_size, d_model=128, n_layers=2, n_heads=2, max_seq_len=64
+    )
     model = TinyDecoder(config)
     with torch.no_grad():  # larger than the default init, so that differences show
         for p in model.parameters():
@@ -61,14 +63,16 @@ async def test_saved_folder_loads_offline_and_matches_the_tiny_model(folder: Pat
     assert (tok.eos_token_id, tok.pad_token_id) == (TOKENIZER.eos_id, TOKENIZER.pad_id)
     ids = torch.tensor([TOKENIZER.encode("1+2=345+6789=0", add_bos=True)])
     ours = token_logprobs(tiny(0), ids).logprobs
-    theirs = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)[0, :-1].gather(1, ids[0, 1:, None])[:, 0]
+    theirs = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)[0, :-1].gather(
+        1, ids[0, 1:, None]
+    )[:, 0]
     torch.testing.assert_close(theirs, ours[0, 1:], atol=1e-4, rtol=0)
 
 
 async def test_hf_engine_generates_what_the_torch_engine_does(folder: Path) -> None:
     reqs = [
         GenerationRequest(p, SamplingConfig(20, temperature=t, seed=i), request_id=f"r{i}")
-        for i, (p, t) in enumerate(zip(prompts() * 2, [0.0] * 4 + [1.0] * 4))
+        for i, (p, t) in enumerate(zip(prompts() * 2, [0.0] * 4 + [1.0] * 4, strict=False))
     ]
 
     async def run(engine: object) -> dict[str, Completion]:
@@ -91,11 +95,16 @@ async def test_hf_engine_generates_what_the_torch_engine_does(folder: Path) -> N
     for r in reqs:
         assert hf[r.request_id].token_ids == ours[r.request_id].token_ids
         torch.testing.assert_close(
-            torch.tensor(hf[r.request_id].logprobs), torch.tensor(ours[r.request_id].logprobs), atol=1e-4, rtol=0
+            torch.tensor(hf[r.request_id].logprobs),
+            torch.tensor(ours[r.request_id].logprobs),
+            atol=1e-4,
+            rtol=0,
         )
 
 
-async def test_hf_engine_loads_mapped_tiny_weights_and_resumes_partial_rollouts(folder: Path) -> None:
+async def test_hf_engine_loads_mapped_tiny_weights_and_resumes_partial_rollouts(
+    folder: Path,
+) -> None:
     other = tiny(1)
     req = GenerationRequest(prompts()[0], SamplingConfig(40, temperature=0.0))
     async with open_hf_engine(folder) as engine:

@@ -8,6 +8,7 @@ import attrs
 import pytest
 import torch
 import trio
+import trio.lowlevel
 import trio.testing
 
 from asyncflow_actors.checkpoint import PauseMode, SyncTarget
@@ -80,7 +81,9 @@ async def test_cached_decoding_matches_full_recomputation() -> None:
         if req.sampling.greedy:
             logits = model(ids)[0, len(req.prompt_ids) - 1 : -1]
             assert done.token_ids == tuple(logits.argmax(-1).tolist())
-        assert done.finish_reason is (FinishReason.STOP if done.token_ids[-1] == EOS else FinishReason.LENGTH)
+        assert done.finish_reason is (
+            FinishReason.STOP if done.token_ids[-1] == EOS else FinishReason.LENGTH
+        )
         assert n <= req.sampling.max_new_tokens
         assert done.versions == (0,) * n
 
@@ -104,7 +107,9 @@ async def test_batched_generation_equals_one_at_a_time(config: EngineConfig) -> 
     for req in reqs:
         a, b = alone[req.request_id], together[req.request_id]
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )
 
 
 async def test_a_long_request_does_not_hold_back_short_ones() -> None:
@@ -121,7 +126,7 @@ async def test_a_long_request_does_not_hold_back_short_ones() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, long)
             while engine.statistics().running == 0:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             for req in short:
                 nursery.start_soon(one, req)
         steps = engine.statistics().steps
@@ -142,10 +147,14 @@ async def test_samples_of_a_prompt_are_reproducible_and_distinct() -> None:
 
 
 async def test_stream_deltas_add_up_to_the_completion() -> None:
-    async with open_torch_engine(tiny_model(), EngineConfig(max_run_seconds=1e-4)) as engine:
-        async with engine.open_stream(GenerationRequest([1, 3], SamplingConfig(30, seed=1))) as stream:
-            deltas = [d async for d in stream]
-            completion = stream.completion
+    config = EngineConfig(max_run_seconds=1e-4)
+    request = GenerationRequest([1, 3], SamplingConfig(30, seed=1))
+    async with (
+        open_torch_engine(tiny_model(), config) as engine,
+        engine.open_stream(request) as stream,
+    ):
+        deltas = [d async for d in stream]
+        completion = stream.completion
     assert len(deltas) > 1
     assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
     assert deltas[-1].finish_reason is completion.finish_reason
@@ -157,8 +166,11 @@ async def test_load_weights_checks_everything_before_changing_anything() -> None
     model = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     async with open_torch_engine(model) as engine:
-        bad_shape = {"norm.weight": torch.ones(3), "lm_head.weight": torch.zeros_like(before["lm_head.weight"])}
-        with pytest.raises(WeightLoadError, match="norm.weight"):
+        bad_shape = {
+            "norm.weight": torch.ones(3),
+            "lm_head.weight": torch.zeros_like(before["lm_head.weight"]),
+        }
+        with pytest.raises(WeightLoadError, match=r"norm\.weight"):
             await engine.load_weights(bad_shape, 1)
         with pytest.raises(WeightLoadError, match="nope"):
             await engine.load_weights({"nope": torch.ones(1), "norm.weight": torch.ones(32)}, 1)
@@ -174,14 +186,15 @@ async def test_load_weights_checks_everything_before_changing_anything() -> None
 
 async def test_load_while_running_swaps_between_steps() -> None:
     model = version_model()
-    async with open_torch_engine(model, EngineConfig(max_batch=4, max_run_seconds=1e-3)) as engine:
-        async with engine.open_stream(GenerationRequest([1], SamplingConfig(100, seed=0))) as stream:
-            seen = 0
-            async for delta in stream:
-                seen += len(delta.token_ids)
-                if seen >= 10 and engine.version == 0:
-                    await engine.load_weights({"lm_head.weight": version_head(model, 1)}, 1)
-            done = stream.completion
+    config = EngineConfig(max_batch=4, max_run_seconds=1e-3)
+    request = GenerationRequest([1], SamplingConfig(100, seed=0))
+    async with open_torch_engine(model, config) as engine, engine.open_stream(request) as stream:
+        seen = 0
+        async for delta in stream:
+            seen += len(delta.token_ids)
+            if seen >= 10 and engine.version == 0:
+                await engine.load_weights({"lm_head.weight": version_head(model, 1)}, 1)
+        done = stream.completion
     assert done.versions[:10] == (0,) * 10
     assert 0 < done.versions.index(1) < 100
     assert done.token_ids == tuple(version_token(v) for v in done.versions)
@@ -268,7 +281,9 @@ async def test_abort_returns_prefixes_that_resume_with_the_reduced_budget() -> N
             assert final.token_ids[: len(first.token_ids)] == first.token_ids
             assert final.logprobs[: len(first.token_ids)] == first.logprobs
             assert len(final.token_ids) == 60 and final.finish_reason is FinishReason.LENGTH
-            assert final.versions == (0,) * len(first.token_ids) + (1,) * (60 - len(first.token_ids))
+            assert final.versions == (0,) * len(first.token_ids) + (1,) * (
+                60 - len(first.token_ids)
+            )
             assert final.token_ids == tuple(version_token(v) for v in final.versions)
             assert (final.oldest_version, final.newest_version, final.resumes) == (0, 1, 1)
             assert final.staleness(1) == 1
@@ -294,7 +309,9 @@ async def test_resumed_sample_matches_an_uninterrupted_one_on_the_same_weights()
         assert part.finish_reason is FinishReason.ABORTED and 0 < len(part.token_ids) < 40
         again = await engine.generate(req.continue_from(part))
     assert again.token_ids == whole.token_ids
-    torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(whole.logprobs), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(again.logprobs), torch.tensor(whole.logprobs), atol=1e-4, rtol=0
+    )
 
 
 async def test_keep_freezes_requests_and_continues_them_on_the_new_weights() -> None:
@@ -303,7 +320,9 @@ async def test_keep_freezes_requests_and_continues_them_on_the_new_weights() -> 
         results: list[Completion] = []
 
         async def one(i: int) -> None:
-            results.append(await engine.generate(GenerationRequest([1, 3 + i], SamplingConfig(50, seed=i))))
+            results.append(
+                await engine.generate(GenerationRequest([1, 3 + i], SamplingConfig(50, seed=i)))
+            )
 
         async with trio.open_nursery() as nursery:
             for i in range(3):
@@ -344,25 +363,33 @@ async def test_requests_pending_at_close_fail_with_engine_closed() -> None:
         except EngineClosed as exc:
             failures.append(exc)
 
-    async with trio.open_nursery() as nursery:
-        async with open_torch_engine(tiny_model(), EngineConfig(max_batch=1)) as engine:
-            for _ in range(3):
-                nursery.start_soon(one, engine)
-            await trio.sleep(0.01)
+    config = EngineConfig(max_batch=1)
+    async with trio.open_nursery() as nursery, open_torch_engine(tiny_model(), config) as engine:
+        for _ in range(3):
+            nursery.start_soon(one, engine)
+        await trio.sleep(0.01)
     assert len(failures) == 3
     with pytest.raises(EngineClosed):
         await engine.generate(GenerationRequest([1, 3], SamplingConfig(3)))
 
 
 async def test_invalid_requests_are_refused_at_submission() -> None:
-    async with open_torch_engine(tiny_model(max_seq_len=32), EngineConfig(max_resumes=1, eos_id=EOS)) as engine:
+    async with open_torch_engine(
+        tiny_model(max_seq_len=32), EngineConfig(max_resumes=1, eos_id=EOS)
+    ) as engine:
         with pytest.raises(RequestError, match="max_seq_len"):
             await engine.generate(GenerationRequest([1] * 10, SamplingConfig(30)))
         with pytest.raises(RequestError, match="outside"):
             await engine.generate(GenerationRequest([1, 99], SamplingConfig(3)))
         with pytest.raises(RequestError, match="stop token"):
             await engine.generate(
-                GenerationRequest([1], SamplingConfig(5), prefix_ids=[EOS], prefix_logprobs=[0.0], prefix_versions=[0])
+                GenerationRequest(
+                    [1],
+                    SamplingConfig(5),
+                    prefix_ids=[EOS],
+                    prefix_logprobs=[0.0],
+                    prefix_versions=[0],
+                )
             )
         with pytest.raises(ResumeLimitError):
             await engine.generate(GenerationRequest([1], SamplingConfig(5), resumes=2))
@@ -375,7 +402,11 @@ async def test_generate_with_resume_rides_through_aborts() -> None:
         box: list[Completion] = []
 
         async def one() -> None:
-            box.append(await generate_with_resume(engine, GenerationRequest([1], SamplingConfig(40, seed=0))))
+            box.append(
+                await generate_with_resume(
+                    engine, GenerationRequest([1], SamplingConfig(40, seed=0))
+                )
+            )
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one)
@@ -398,15 +429,14 @@ async def test_event_loop_stays_responsive_while_decoding() -> None:
     config = EngineConfig(max_batch=32, max_run_seconds=0.3)
     reqs = [GenerationRequest([1, 3 + i % 9], SamplingConfig(120, seed=i)) for i in range(32)]
     gaps: list[float] = []
-    async with open_torch_engine(model, config) as engine:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_all, engine, reqs)
-            await trio.sleep(0.02)
-            start = last = time.perf_counter()
-            while engine.statistics().completed < len(reqs):
-                await trio.sleep(0.002)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
+    async with open_torch_engine(model, config) as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, engine, reqs)
+        await trio.sleep(0.02)
+        start = last = time.perf_counter()
+        while engine.statistics().completed < len(reqs):
+            await trio.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
     assert last - start > 0.3  # the decoding outlasted one stretch
     assert max(gaps) < 0.1, sorted(gaps)[-5:]

@@ -52,14 +52,26 @@ def test_request_expand_and_continue_from() -> None:
     with pytest.raises(RequestError, match="empty prompt"):
         GenerationRequest([], SamplingConfig(3))
     with pytest.raises(RequestError, match="leaves nothing"):
-        GenerationRequest([1], SamplingConfig(2), prefix_ids=[4, 5], prefix_logprobs=[0, 0], prefix_versions=[0, 0])
+        GenerationRequest(
+            [1],
+            SamplingConfig(2),
+            prefix_ids=[4, 5],
+            prefix_logprobs=[0, 0],
+            prefix_versions=[0, 0],
+        )
     assert Completion("x", (1,), (), (), (), FinishReason.ABORTED).oldest_version is None
 
 
 def test_values_cross_the_wire() -> None:
     registry = MessageRegistry()
     register_types(registry, GenerationRequest, Completion, EngineStatistics)
-    req = GenerationRequest([1, 2], SamplingConfig(5, stop_token_ids=[9], seed=1), prefix_ids=[4], prefix_logprobs=[-1.5], prefix_versions=[2])
+    req = GenerationRequest(
+        [1, 2],
+        SamplingConfig(5, stop_token_ids=[9], seed=1),
+        prefix_ids=[4],
+        prefix_logprobs=[-1.5],
+        prefix_versions=[2],
+    )
     done = Completion("a", (1, 2), (4, 5), (-1.5, -0.5), (2, 3), FinishReason.LENGTH, resumes=1)
     for value in (req, done):
         frames = encode({}, value, registry=registry)
@@ -80,7 +92,10 @@ def test_engine_config_from_toml(tmp_path) -> None:  # type: ignore[no-untyped-d
 def test_sampler_is_reproducible_per_row_whatever_the_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(5, 30)
-    params = [SamplingConfig(4, temperature=0.7 + 0.1 * i, top_k=i * 3, top_p=1 - 0.1 * i) for i in range(5)]
+    params = [
+        SamplingConfig(4, temperature=0.7 + 0.1 * i, top_k=i * 3, top_p=1 - 0.1 * i)
+        for i in range(5)
+    ]
     batch = sample_rows(logits, params, [new_generator(9, i, 0) for i in range(5)])
     for i in range(5):
         alone = sample_rows(logits[i : i + 1], params[i : i + 1], [new_generator(9, i, 0)])
@@ -115,6 +130,8 @@ def test_sampler_draws_from_the_filtered_distribution_and_reports_its_logprob() 
 
 def test_greedy_rows_take_the_argmax_with_its_plain_logprob() -> None:
     logits = torch.tensor([[0.1, 3.0, -1.0], [2.0, 0.0, 1.0]])
-    tokens, logprobs = sample_rows(logits, [SamplingConfig(2, temperature=0.0)] * 2, [new_generator(0, i, 0) for i in range(2)])
+    tokens, logprobs = sample_rows(
+        logits, [SamplingConfig(2, temperature=0.0)] * 2, [new_generator(0, i, 0) for i in range(2)]
+    )
     assert tokens == [1, 0]
     torch.testing.assert_close(torch.tensor(logprobs), F.log_softmax(logits, -1)[[0, 1], [1, 0]])

@@ -187,7 +187,9 @@ class KVCache:
             raise KVCacheError(f"{count} tokens do not fit in a capacity of {self.capacity}")
         for store, other in ((self.keys, source.keys), (self.values, source.values)):
             for layer, tensor in enumerate(store):
-                tensor[row, :, :count] = other[layer][source_row].index_select(1, cols).to(tensor.dtype)
+                tensor[row, :, :count] = (
+                    other[layer][source_row].index_select(1, cols).to(tensor.dtype)
+                )
         self.valid[row] = False
         self.valid[row, :count] = True
         self.num_tokens[row] = count

@@ -88,7 +88,9 @@ def prepare_module_weights(module: nn.Module, weights: Mapping[str, Tensor]) -> 
     for name, tensor in weights.items():
         target = targets[name]
         if tuple(tensor.shape) != tuple(target.shape):
-            problems.append(f"{name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            problems.append(
+                f"{name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
             continue
         if target.is_floating_point() and not tensor.is_floating_point():
             problems.append(f"{name!r} has dtype {tensor.dtype}, expected a floating dtype")

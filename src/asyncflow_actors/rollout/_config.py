@@ -68,7 +68,9 @@ class EngineConfig:
         if self.kv_capacity is not None and self.kv_capacity <= 0:
             raise EngineConfigError(f"EngineConfig.kv_capacity must be > 0, got {self.kv_capacity}")
         if self.max_resumes < 0:
-            raise EngineConfigError(f"EngineConfig.max_resumes must be >= 0, got {self.max_resumes}")
+            raise EngineConfigError(
+                f"EngineConfig.max_resumes must be >= 0, got {self.max_resumes}"
+            )
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any]) -> EngineConfig:

@@ -400,9 +400,9 @@ class EngineCore:
             for slot in slots:
                 self._finish(self._slots[slot], FinishReason.ABORTED)
                 aborted += 1
-        elif mode is PauseMode.WAIT_BATCH and self._slots:
-            return
-        elif mode is PauseMode.DRAIN and (self._slots or any(w.drain for w in self._waiting)):
+        elif (mode is PauseMode.WAIT_BATCH and self._slots) or (
+            mode is PauseMode.DRAIN and (self._slots or any(w.drain for w in self._waiting))
+        ):
             return
         assert mode is not None
         self._state = _State.PAUSED
@@ -425,7 +425,7 @@ class EngineCore:
             limit = 0
         admissions = admissible[: max(0, limit)]
         free = (s for s in range(self._backend.max_batch) if s not in self._slots)
-        for live, slot in zip(admissions, free):
+        for live, slot in zip(admissions, free, strict=False):
             self._waiting.remove(live)
             live.slot = slot
             self._slots[slot] = live
@@ -498,7 +498,9 @@ class EngineCore:
                 live.done.set()
         swap = self._swap
         if swap is not None and not swap.done.is_set():
-            swap.error = self._failure or EngineClosed("the engine closed before the weights loaded")
+            swap.error = self._failure or EngineClosed(
+                "the engine closed before the weights loaded"
+            )
             swap.done.set()
 
     def close(self) -> None:
@@ -529,7 +531,10 @@ class EngineCore:
                         self._backend.release([live.slot for live in done if live.slot is not None])
                         finished.extend(done)
                         break
-                    if self._stop.is_set() or time.monotonic() - start > self.config.max_run_seconds:
+                    if (
+                        self._stop.is_set()
+                        or time.monotonic() - start > self.config.max_run_seconds
+                    ):
                         break
             return _Outcome(steps, tokens, tuple(finished), None)
         except Exception as exc:  # reported to the event loop, which fails loudly
@@ -566,7 +571,7 @@ class EngineCore:
             assert live.generator is not None
             generators.append(live.generator)
         tokens, logprobs = sample_rows(logits, [x.request.sampling for x in order], generators)
-        for live, token, logprob in zip(order, tokens, logprobs):
+        for live, token, logprob in zip(order, tokens, logprobs, strict=False):
             live.tokens.append(token)
             live.logprobs.append(logprob)
             live.versions.append(version)

@@ -34,7 +34,7 @@ class _HFBackend:
         self.pad_id = config.pad_id
         self._max_batch = config.max_batch
         self.device = next(model.parameters()).device
-        hf_config: Any = getattr(model, "config")
+        hf_config: Any = model.config
         self._max_seq_len = int(hf_config.max_position_embeddings)
         self._vocab = int(hf_config.vocab_size)
         # transformers 5 calls the cache argument ``cache``; 4.x called it ``past_key_values``
@@ -123,7 +123,7 @@ class HFEngine(EngineCore):
 
 
 def _default_config(model: nn.Module) -> EngineConfig:
-    hf_config: Any = getattr(model, "config")
+    hf_config: Any = model.config
     eos = hf_config.eos_token_id
     pad = hf_config.pad_token_id
     return EngineConfig(

@@ -97,9 +97,8 @@ def hf_char_tokenizer(tokenizer: CharTokenizer) -> Any:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    fast: Any = PreTrainedTokenizerFast  # untyped in some transformers releases
+    return fast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def export_hf(path: str | os.PathLike[str], model: TinyDecoder, tokenizer: CharTokenizer) -> None:

@@ -61,11 +61,12 @@ class _TinyBackend:
         if self.cache is None:
             for slot, row in rows:
                 self.history[slot] = list(row)
-            return self.model(ids, attention_mask=mask)[:, -1]
+            full: Tensor = self.model(ids, attention_mask=mask)[:, -1]
+            return full
         scratch = KVCache.allocate(
             self.model.config, len(rows), ids.shape[1], dtype=self.dtype, device=self.device
         )
-        logits = self.model(ids, attention_mask=mask, kv_cache=scratch)[:, -1]
+        logits: Tensor = self.model(ids, attention_mask=mask, kv_cache=scratch)[:, -1]
         for i, (slot, _) in enumerate(rows):
             self.cache.insert(slot, scratch, i)
         return logits
@@ -77,7 +78,8 @@ class _TinyBackend:
             ids, mask = left_pad(
                 [self.history[slot] for slot, _ in rows], pad_id=self.pad_id, device=self.device
             )
-            return self.model(ids, attention_mask=mask)[:, -1]
+            recomputed: Tensor = self.model(ids, attention_mask=mask)[:, -1]
+            return recomputed
         cache = self.cache
         if cache.length >= cache.capacity:
             cache.compact()
@@ -87,7 +89,7 @@ class _TinyBackend:
         mask = torch.zeros((width, 1), dtype=torch.bool, device=self.device)
         tokens[slots, 0] = torch.tensor([t for _, t in rows], device=self.device)
         mask[slots, 0] = True
-        logits = self.model(tokens, attention_mask=mask, kv_cache=cache.view(width))[:, -1]
+        logits: Tensor = self.model(tokens, attention_mask=mask, kv_cache=cache.view(width))[:, -1]
         return logits[slots]
 
     def release(self, slots: Sequence[int]) -> None:

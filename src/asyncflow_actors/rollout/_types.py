@@ -81,9 +81,13 @@ class SamplingConfig:
 
     def __attrs_post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
-            raise RequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+            raise RequestError(
+                f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
+            )
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must lie in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
