@@ -198,7 +198,7 @@ class VLLMEngine:
         try:
             await self._drive_inner(request, send, stream)
         except Exception as exc:
-            inner = getattr(exc, "exceptions", ())  # a nursery's group of one: unwrap it
+            inner: Sequence[BaseException] = getattr(exc, "exceptions", ())  # a group of one
             stream._error = inner[0] if len(inner) == 1 else exc
             send.close()
 
