@@ -311,8 +311,16 @@ class EngineCore:
             published=len(request.prefix_ids),
         )
         self._waiting.append(live)
-        self._poke()
+        self._kick.set()
+        if self._admissible_now():
+            self._stop.set()  # a free slot: end the stretch so that the request joins
         return live
+
+    def _admissible_now(self) -> bool:
+        running = len(self._slots)
+        if self.config.batching == "static" and running:
+            return False
+        return self._backend.admission_limit(running) > 0
 
     def _cancel(self, live: _Live) -> None:
         live.cancelled = True
@@ -420,9 +428,7 @@ class EngineCore:
                 admissible = [w for w in self._waiting if w.drain]
             else:
                 admissible = list(self._waiting)
-        limit = self._backend.admission_limit(len(self._slots))
-        if self.config.batching == "static" and self._slots:
-            limit = 0
+        limit = self._backend.admission_limit(len(self._slots)) if self._admissible_now() else 0
         admissions = admissible[: max(0, limit)]
         free = (s for s in range(self._backend.max_batch) if s not in self._slots)
         for live, slot in zip(admissions, free, strict=False):
