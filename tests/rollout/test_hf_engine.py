@@ -72,7 +72,7 @@ async def test_saved_folder_loads_offline_and_matches_the_tiny_model(folder: Pat
 async def test_hf_engine_generates_what_the_torch_engine_does(folder: Path) -> None:
     reqs = [
         GenerationRequest(p, SamplingConfig(20, temperature=t, seed=i), request_id=f"r{i}")
-        for i, (p, t) in enumerate(zip(prompts() * 2, [0.0] * 4 + [1.0] * 4, strict=False))
+        for i, (p, t) in enumerate(zip(prompts() * 2, [0.0] * 4 + [1.0] * 4, strict=True))
     ]
 
     async def run(engine: object) -> dict[str, Completion]:

@@ -31,6 +31,8 @@ def test_sampling_config_refuses_bad_fields() -> None:
         {"max_new_tokens": 4, "top_k": -1},
         {"max_new_tokens": 4, "n": 0},
         {"max_new_tokens": 4, "stop_token_ids": [-3]},
+        {"max_new_tokens": 4.0},
+        {"max_new_tokens": 4, "top_k": True},
     ):
         with pytest.raises(RequestError):
             SamplingConfig(**kwargs)  # type: ignore[arg-type]
@@ -118,8 +120,8 @@ def test_sampler_draws_from_the_filtered_distribution_and_reports_its_logprob() 
     expected = F.log_softmax(logp[nucleus], -1)
     g = new_generator(0, 0, 0)
     counts: dict[int, int] = {}
-    for _ in range(3000):
-        (token,), (lp,) = sample_rows(logits, [params], [g])
+    tokens, logprobs = sample_rows(logits.expand(3000, -1), [params] * 3000, [g] * 3000)
+    for token, lp in zip(tokens, logprobs, strict=True):
         assert token in nucleus.tolist()
         assert math.isclose(lp, float(expected[nucleus.tolist().index(token)]), abs_tol=1e-5)
         counts[token] = counts.get(token, 0) + 1

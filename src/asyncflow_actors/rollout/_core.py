@@ -577,7 +577,7 @@ class EngineCore:
             assert live.generator is not None
             generators.append(live.generator)
         tokens, logprobs = sample_rows(logits, [x.request.sampling for x in order], generators)
-        for live, token, logprob in zip(order, tokens, logprobs, strict=False):
+        for live, token, logprob in zip(order, tokens, logprobs, strict=True):
             live.tokens.append(token)
             live.logprobs.append(logprob)
             live.versions.append(version)

@@ -80,7 +80,11 @@ class SamplingConfig:
     seed: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+        for name in ("max_new_tokens", "top_k", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RequestError(f"{name} must be an int, got {value!r}")
+        if self.max_new_tokens <= 0:
             raise RequestError(
                 f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}"
             )

@@ -220,10 +220,13 @@ class VLLMEngine:
                     final = out
                     new = out.outputs[0]
                     ids = [int(t) for t in new.token_ids]
-                    lps = [
-                        float(pos[tok].logprob)
-                        for tok, pos in zip(ids, new.logprobs or [], strict=False)
-                    ]
+                    positions = list(new.logprobs or [])
+                    if len(positions) != len(ids):
+                        raise EngineError(
+                            f"vLLM returned {len(positions)} logprobs for {len(ids)} tokens of "
+                            f"request {request.request_id!r}"
+                        )
+                    lps = [float(pos[tok].logprob) for tok, pos in zip(ids, positions, strict=True)]
                     tokens.extend(ids)
                     logprobs.extend(lps)
                     if ids:
