@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from ._config import EngineConfig as EngineConfig
 from ._config import EngineConfigError as EngineConfigError
 from ._core import CompletionStream as CompletionStream
-from ._core import EngineCore as EngineCore
 from ._protocol import CompletionStreamLike as CompletionStreamLike
 from ._protocol import GenerationEngine as GenerationEngine
 from ._protocol import generate_samples as generate_samples
