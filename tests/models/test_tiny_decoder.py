@@ -165,3 +165,31 @@ def test_rotary_positions_are_relative() -> None:
     base = model(tokens, positions=torch.arange(4)[None])
     shifted = model(tokens, positions=torch.arange(4)[None] + 9)
     torch.testing.assert_close(base, shifted, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_insert_and_view_for_continuous_batching() -> None:
+    model = _model()
+    cache = KVCache.allocate(model.config, 3, 16)
+    ids, mask = left_pad([[3, 4], [5, 6, 7, 8, 9]], pad_id=0)
+    model(ids, attention_mask=mask, kv_cache=cache.view(2))  # rows 0 and 1 running
+    assert cache.length == 5 and cache.valid[2].sum() == 0
+    cache.reset_rows(torch.tensor([0]))
+    # a sequence prefilled on its own joins row 0 (lower columns) and row 2 (past `length`)
+    scratch = KVCache.allocate(model.config, 2, 7)
+    ids2, mask2 = left_pad([[10, 11, 12], [6, 5, 4, 3, 2, 1, 7]], pad_id=0)
+    model(ids2, attention_mask=mask2, kv_cache=scratch)
+    cache.insert(0, scratch, 0)
+    cache.insert(2, scratch, 1)
+    assert cache.length == 7 and cache.num_tokens.tolist() == [3, 5, 7]
+    with pytest.raises(KVCacheError, match="reset_rows"):
+        cache.insert(0, scratch, 0)
+    nxt = model(torch.tensor([[9], [9], [9]]), kv_cache=cache)[:, -1]
+    for row, seq in enumerate([[10, 11, 12, 9], [5, 6, 7, 8, 9, 9], [6, 5, 4, 3, 2, 1, 7, 9]]):
+        torch.testing.assert_close(nxt[row], model(torch.tensor([seq]))[0, -1], atol=1e-4, rtol=0)
+    view = cache.view(1)
+    model(torch.tensor([[4]]), kv_cache=view)
+    assert cache.length == view.length == 9  # the view shares the write pointer
+    with pytest.raises(KVCacheError, match="view"):
+        view.compact()
+    cache.compact()
+    assert cache.length == 8

@@ -24,6 +24,10 @@ class KVCache:
     so the column order of cached tokens is irrelevant to attention; `compact` uses that to
     squeeze out columns that no row needs. `num_tokens[b]` counts the valid tokens of row `b`
     and is the next default position of that row.
+
+    For continuous batching, `insert` places a sequence prefilled in another cache into an
+    empty row, and `view(n)` gives the first `n` rows as a cache that shares storage and the
+    write pointer (decode only the rows in use).
     """
 
     def __init__(
@@ -50,7 +54,9 @@ class KVCache:
         ]
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
         self.num_tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.length = 0
+        # One-element list: views made by `view` share the write pointer with their parent.
+        self._pointer = [0]
+        self._is_view = False
 
     @classmethod
     def allocate(
@@ -72,6 +78,15 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+
+    @property
+    def length(self) -> int:
+        """The shared write pointer: columns `[0, length)` are in use by some row."""
+        return self._pointer[0]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._pointer[0] = value
 
     @property
     def batch_size(self) -> int:
@@ -120,8 +135,65 @@ class KVCache:
         new.values = [v[rows] for v in self.values]
         new.valid = self.valid[rows]
         new.num_tokens = self.num_tokens[rows]
-        new.length = self.length
+        new._pointer = [self.length]
+        new._is_view = False
         return new
+
+    def view(self, rows: int) -> KVCache:
+        """The first `rows` rows as a cache sharing this one's storage and write pointer.
+
+        A forward through the view writes the same columns of the parent, so the parent stays
+        consistent (rows outside the view get nothing at those columns, which stay invalid for
+        them). Used to decode only the rows in use when the low rows are the busy ones.
+        """
+        if not 0 < rows <= self.batch_size:
+            raise KVCacheError(f"view of {rows} rows requested from a cache of {self.batch_size}")
+        new = KVCache.__new__(KVCache)
+        new.keys = [k[:rows] for k in self.keys]
+        new.values = [v[:rows] for v in self.values]
+        new.valid = self.valid[:rows]
+        new.num_tokens = self.num_tokens[:rows]
+        new._pointer = self._pointer
+        new._is_view = True
+        return new
+
+    def insert(self, row: int, source: KVCache, source_row: int = 0) -> None:
+        """Copy the cached tokens of `source_row` of `source` into the empty `row` of this cache.
+
+        The tokens land in columns `[0, n)` of `row` (their order kept; column order is free
+        since keys are stored rotated) and `length` grows to `n` if shorter, so a sequence
+        prefilled on its own joins a running batch without a forward over the other rows.
+        Raises `KVCacheError` when `row` holds tokens (call `reset_rows` first), the shapes of
+        the two caches differ, or the tokens do not fit.
+        """
+        if not 0 <= row < self.batch_size:
+            raise KVCacheError(f"row {row} is outside a cache of {self.batch_size} rows")
+        if int(self.num_tokens[row]) != 0:
+            raise KVCacheError(
+                f"row {row} still holds {int(self.num_tokens[row])} tokens; reset_rows first"
+            )
+        src_shape, own_shape = source.keys[0].shape, self.keys[0].shape
+        if source.n_layers != self.n_layers or (src_shape[1], src_shape[3]) != (
+            own_shape[1],
+            own_shape[3],
+        ):
+            raise KVCacheError(
+                f"source cache of {source.n_layers} layers x {tuple(source.keys[0].shape)} does "
+                f"not match this cache of {self.n_layers} layers x {tuple(self.keys[0].shape)}"
+            )
+        cols = source.valid[source_row, : source.length].nonzero().squeeze(1)
+        count = int(cols.numel())
+        if count > self.capacity:
+            raise KVCacheError(f"{count} tokens do not fit in a capacity of {self.capacity}")
+        for store, other in ((self.keys, source.keys), (self.values, source.values)):
+            for layer, tensor in enumerate(store):
+                tensor[row, :, :count] = (
+                    other[layer][source_row].index_select(1, cols).to(tensor.dtype)
+                )
+        self.valid[row] = False
+        self.valid[row, :count] = True
+        self.num_tokens[row] = count
+        self.length = max(self.length, count)
 
     def reset_rows(self, rows: Tensor) -> None:
         """Forget the tokens of `rows` so new sequences can start there (continuous batching)."""
@@ -132,8 +204,11 @@ class KVCache:
         """Drop columns that no row needs; each row keeps its valid columns, in order.
 
         Afterwards `length` is the largest per-row count of valid tokens, so a long-running
-        batch whose rows finish and restart does not run out of columns.
+        batch whose rows finish and restart does not run out of columns. Not allowed on a
+        `view` (rows outside it may need the columns).
         """
+        if self._is_view:
+            raise KVCacheError("compact() the whole cache, not a view of some of its rows")
         used = self.valid[:, : self.length]
         new_length = int(used.sum(dim=1).max().item()) if self.length else 0
         # A stable sort by validity puts each row's invalid columns first and its valid columns

@@ -1,0 +1,138 @@
+"""The built-in engine: continuous batching of a ``TinyDecoder`` on its KV cache.
+
+Each request owns a row (slot) of one ``KVCache``. A new request is prefilled on its own (in
+a small cache of its prompt's width) and its keys and values are copied into its empty row
+(``KVCache.insert``), so joining costs no forward over the other rows; then every decode step
+feeds one token to each busy row, through a ``view`` of the rows up to the highest busy one.
+Free rows are reused lowest first; when the shared write pointer reaches the capacity the
+cache is compacted. ``kv_cache=False`` recomputes every sequence each step instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+
+import torch
+import trio
+from torch import Tensor
+
+from ..models import KVCache, TinyDecoder, left_pad
+from ._backend import PreparedWeights, prepare_module_weights
+from ._config import EngineConfig
+from ._core import EngineCore
+
+__all__ = ["TorchEngine", "open_torch_engine"]
+
+
+class _TinyBackend:
+    def __init__(self, model: TinyDecoder, config: EngineConfig) -> None:
+        self.model = model.eval()
+        self.pad_id = config.pad_id
+        self._max_batch = config.max_batch
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.cache: KVCache | None = None
+        if config.kv_cache:
+            capacity = config.kv_capacity or 2 * model.config.max_seq_len
+            self.cache = KVCache.allocate(
+                model.config, config.max_batch, capacity, dtype=self.dtype, device=self.device
+            )
+        self.history: dict[int, list[int]] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.config.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def admission_limit(self, running: int) -> int:
+        return self._max_batch - running
+
+    def prefill(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Tensor:
+        ids, mask = left_pad([r for _, r in rows], pad_id=self.pad_id, device=self.device)
+        if self.cache is None:
+            for slot, row in rows:
+                self.history[slot] = list(row)
+            full: Tensor = self.model(ids, attention_mask=mask)[:, -1]
+            return full
+        scratch = KVCache.allocate(
+            self.model.config, len(rows), ids.shape[1], dtype=self.dtype, device=self.device
+        )
+        logits: Tensor = self.model(ids, attention_mask=mask, kv_cache=scratch)[:, -1]
+        for i, (slot, _) in enumerate(rows):
+            self.cache.insert(slot, scratch, i)
+        return logits
+
+    def decode(self, rows: Sequence[tuple[int, int]]) -> Tensor:
+        if self.cache is None:
+            for slot, token in rows:
+                self.history[slot].append(token)
+            ids, mask = left_pad(
+                [self.history[slot] for slot, _ in rows], pad_id=self.pad_id, device=self.device
+            )
+            recomputed: Tensor = self.model(ids, attention_mask=mask)[:, -1]
+            return recomputed
+        cache = self.cache
+        if cache.length >= cache.capacity:
+            cache.compact()
+        width = max(slot for slot, _ in rows) + 1
+        slots = torch.tensor([slot for slot, _ in rows], device=self.device)
+        tokens = torch.full((width, 1), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((width, 1), dtype=torch.bool, device=self.device)
+        tokens[slots, 0] = torch.tensor([t for _, t in rows], device=self.device)
+        mask[slots, 0] = True
+        logits: Tensor = self.model(tokens, attention_mask=mask, kv_cache=cache.view(width))[:, -1]
+        return logits[slots]
+
+    def release(self, slots: Sequence[int]) -> None:
+        if self.cache is not None:
+            self.cache.reset_rows(torch.tensor(list(slots), dtype=torch.long, device=self.device))
+        for slot in slots:
+            self.history.pop(slot, None)
+
+    def kv_usage(self) -> float:
+        if self.cache is None:
+            return 0.0
+        return float(self.cache.num_tokens.sum()) / (self.cache.capacity * self.cache.batch_size)
+
+    def prepare(self, weights: Mapping[str, Tensor]) -> PreparedWeights:
+        return prepare_module_weights(self.model, weights)
+
+
+class TorchEngine(EngineCore):
+    """The built-in engine serving a ``TinyDecoder`` (CPU, or CUDA where the model is).
+
+    Implements ``GenerationEngine``; weights load by the model's state-dict names. The model
+    must not be changed by anyone else while the engine runs (load through the engine).
+    """
+
+    def __init__(self, model: TinyDecoder, config: EngineConfig | None = None) -> None:
+        cfg = config if config is not None else EngineConfig()
+        super().__init__(_TinyBackend(model, cfg), cfg)
+
+
+@asynccontextmanager
+async def open_torch_engine(
+    model: TinyDecoder, config: EngineConfig | None = None
+) -> AsyncIterator[TorchEngine]:
+    """Serve ``model`` until the block exits; pending requests then fail with ``EngineClosed``.
+
+    The decode loop runs in a worker thread, so the event loop stays free. Cancelling the
+    block abandons the decode thread at its current step (it stops at the next boundary and
+    nothing reads its results).
+    """
+    engine = TorchEngine(model, config)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine._loop)
+        try:
+            yield engine
+        finally:
+            engine.close()
