@@ -10,14 +10,16 @@ under the new weights), and its ``load_weights`` copies tensor by tensor with ch
 between, so a load racing the decode loop would be caught.
 
 ``DoubleActor`` hosts one, embedding a ``WeightReceiver`` exactly as a rollout actor would, and
-applies pending weights at the engine's batch boundaries. Fault hooks (``Faults``) let in-process
+applies pending weights at the engine's batch boundaries. Fault hooks (``World``) let in-process
 tests cancel the sender at any phase, crash the receiver at a bucket, corrupt a bucket, slow a
 pause down.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -60,18 +62,22 @@ def weights_of(
 def random_weights(
     seed: int, specs: Mapping[str, tuple[str, list[int]]] = SPECS
 ) -> dict[str, torch.Tensor]:
+    """Random bytes of every dtype (bools valid: 0 or 1)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, (dtype, shape) in specs.items():
-        raw = torch.randint(0, 256, (torch.Size(shape).numel() * getattr(torch, dtype).itemsize,),
-                            dtype=torch.uint8, generator=gen)
-        out[name] = raw.view(getattr(torch, dtype)).reshape(shape)
+    for name, (dtype_name, shape) in specs.items():
+        dtype = getattr(torch, dtype_name)
+        n = torch.Size(shape).numel() * dtype.itemsize
+        raw = torch.randint(
+            0, 2 if dtype is torch.bool else 256, (n,), dtype=torch.uint8, generator=gen
+        )
+        out[name] = raw.view(dtype).reshape(shape)
     return out
 
 
 @attrs.define
-class Faults:
-    """In-process fault injection, shared by the test and the doubles."""
+class World:
+    """In-process tests share this with their doubles: fault injection, engines, a log."""
 
     cancel_on: str | None = None  # a message class name: cancel ``scope`` when it arrives
     scope: trio.CancelScope | None = None
@@ -82,6 +88,8 @@ class Faults:
     slow_pause: float = 0.0
     slow_engine: int | None = None
     log: list[tuple[str, int]] = attrs.Factory(list)  # ("acked" | "bucket", engine)
+    engines: dict[int, EngineDouble] = attrs.Factory(dict)  # the live incarnation of each
+    receivers: dict[int, WeightReceiver] = attrs.Factory(dict)
 
 
 class EngineDouble:
@@ -110,6 +118,8 @@ class EngineDouble:
         self.loads: list[int] = []
         self.pauses: list[PauseMode] = []
         self.looping = False  # run() drives the pause; without it, pause at once
+        # ("paused",) ("resumed",) ("boundary",) ("load", v) ("token", v), in order
+        self.events: list[tuple[Any, ...]] = []
 
     @property
     def version(self) -> int:
@@ -130,6 +140,7 @@ class EngineDouble:
             self.violations.append("token while paused")
         value = int(next(iter(seen)))
         self.tokens.append(value)
+        self.events.append(("token", value))
         return value
 
     async def pause(self, mode: PauseMode) -> PauseAck:
@@ -137,6 +148,8 @@ class EngineDouble:
         if not self.paused and self.looping:
             self.request = mode
             await self.acked.wait()  # the decode loop got to a safe point and stopped
+        if not self.paused:
+            self.events.append(("paused",))
         self.paused = True
         if self.pause_delay:
             await trio.sleep(self.pause_delay)
@@ -146,6 +159,7 @@ class EngineDouble:
         await trio.lowlevel.checkpoint()
         self.request = None
         if self.paused:
+            self.events.append(("resumed",))
             self.paused = False
             self.acked = trio.Event()
             self.resumed.set()  # wakes the decode loop (if any)
@@ -160,9 +174,11 @@ class EngineDouble:
             await trio.lowlevel.checkpoint()  # a load takes time: nothing may decode meanwhile
         self._version = version
         self.loads.append(version)
+        self.events.append(("load", version))
 
     async def _stop(self) -> None:
         """Acknowledge the pause and wait for the resume."""
+        self.events.append(("paused",))
         self.paused = True
         self.resumed = trio.Event()
         self.acked.set()
@@ -174,6 +190,7 @@ class EngineDouble:
         while True:
             if self.request is not None:
                 await self._stop()
+            self.events.append(("boundary",))
             await receiver.apply_pending()  # the batch boundary
             for _ in range(self.batch_tokens):
                 if self.request is PauseMode.ABORT:
@@ -181,6 +198,7 @@ class EngineDouble:
                     break
                 if self.request is PauseMode.KEEP:
                     await self._stop()  # frozen between two tokens ...
+                    self.events.append(("boundary",))
                     await receiver.apply_pending()  # ... continued under the new weights
                 self.token()
                 await trio.sleep(self.tick)
@@ -213,8 +231,10 @@ DoubleMsg = SyncMessage | GetState | GetWeights
 class DoubleActor(afa.Actor[DoubleMsg]):
     """Hosts an ``EngineDouble`` and its ``WeightReceiver``.
 
-    ``tick=0``: no decode loop (bit-exactness tests). ``index``/``faults``: in-process fault
-    injection (``faults`` cannot cross to a node).
+    ``tick=0``: no decode loop (bit-exactness tests). ``strict``: the receiver refuses tensors
+    the engine does not have. ``stall_file``: at the first bucket, write our pid there and hang
+    (once: a restarted incarnation finds the file), so a test can kill the process mid-sync. ``index``/``world``: in-process fault injection (``world`` cannot
+    cross to a node).
     """
 
     def __init__(
@@ -225,7 +245,9 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         batch_tokens: int = 4,
         offload: bool = True,
         index: int = 0,
-        faults: Faults | None = None,
+        strict: bool = False,
+        stall_file: str | None = None,
+        world: World | None = None,
     ) -> None:
         self.specs = {k: (v[0], list(v[1])) for k, v in (specs or SPECS).items()}
         self.load = load
@@ -233,22 +255,31 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         self.batch_tokens = batch_tokens
         self.offload = offload
         self.index = index
-        self.faults = faults
+        self.strict = strict
+        self.stall_file = stall_file
+        self.world = world
 
     async def on_start(self, ctx: afa.ActorContext[DoubleMsg]) -> None:
-        f = self.faults
+        f = self.world
         delay = f.slow_pause if f is not None and f.slow_engine == self.index else 0.0
         self.engine = EngineDouble(
             self.specs, tick=self.tick, batch_tokens=self.batch_tokens, pause_delay=delay
         )
         self.receiver = WeightReceiver(
-            self.engine, load=self.load, offload=self.offload, name=ctx.name  # type: ignore[arg-type]
+            self.engine,
+            load=self.load,  # type: ignore[arg-type]
+            expected=self.engine.weights if self.strict else None,
+            offload=self.offload,
+            name=ctx.name,
         )
+        if f is not None:
+            f.engines[self.index] = self.engine
+            f.receivers[self.index] = self.receiver
         if self.tick > 0:
             ctx.start_soon(self.engine.run, self.receiver)
 
     def _inject(self, msg: Any) -> Any:
-        f = self.faults
+        f = self.world
         if f is None:
             return msg
         if f.cancel_on == type(msg).__name__ and f.scope is not None:
@@ -264,10 +295,13 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         return msg
 
     async def receive(self, msg: DoubleMsg, ctx: afa.ActorContext[DoubleMsg]) -> Any:
+        if isinstance(msg, PutBucket) and self.stall_file and not os.path.exists(self.stall_file):
+            Path(self.stall_file).write_text(str(os.getpid()))  # tell the test, once: kill us
+            await trio.sleep_forever()
         if isinstance(msg, SYNC_MESSAGES):
             reply = await self.receiver.handle(self._inject(msg), ctx)
-            if self.faults is not None and type(msg).__name__ == "SyncPause" and reply is not None:
-                self.faults.log.append(("acked", self.index))
+            if self.world is not None and type(msg).__name__ == "SyncPause" and reply is not None:
+                self.world.log.append(("acked", self.index))
             return reply
         if isinstance(msg, GetState):
             return DoubleState(

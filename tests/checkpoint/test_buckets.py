@@ -28,7 +28,9 @@ from asyncflow_actors.checkpoint._manifest import (
     tensor_bytes,
 )
 
-DTYPES = [getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)]
+DTYPES = [
+    getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+]
 
 
 @st.composite
@@ -42,7 +44,11 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
         )
     )
     n = math.prod(shape) * dtype.itemsize
-    raw = torch.tensor(list(draw(st.binary(min_size=n, max_size=n))), dtype=torch.uint8) if n else None
+    raw = (
+        torch.tensor(list(draw(st.binary(min_size=n, max_size=n))), dtype=torch.uint8)
+        if n
+        else None
+    )
     if raw is None:
         return torch.empty(shape, dtype=dtype)
     tensor = raw.view(dtype).reshape(shape)
@@ -97,7 +103,9 @@ def test_pack_unpack_round_trips_exactly(
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=12), st.integers(ALIGNMENT, 4096))
-def test_plan_fills_buckets_and_splits_only_large_tensors(sizes: list[int], bucket_bytes: int) -> None:
+def test_plan_fills_buckets_and_splits_only_large_tensors(
+    sizes: list[int], bucket_bytes: int
+) -> None:
     specs = [TensorSpec(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     manifest = plan_buckets(specs, bucket_bytes)
     manifest.check()
@@ -161,7 +169,7 @@ def test_corrupt_manifests_are_refused() -> None:
     good.check()
     b0 = good.buckets[0]
     gap = Manifest(good.tensors, (b0.__class__(0, b0.nbytes, ()), *good.buckets[1:]), 48)
-    with pytest.raises(ManifestError, match="missing|cover"):
+    with pytest.raises(ManifestError, match=r"missing|cover"):
         gap.check()
     overflow = Manifest(good.tensors, (b0.__class__(0, 8, b0.pieces), *good.buckets[1:]), 48)
     with pytest.raises(ManifestError, match="pieces need"):
@@ -176,7 +184,7 @@ def test_corrupt_manifests_are_refused() -> None:
 def test_collect_refuses_bad_weights() -> None:
     with pytest.raises(ManifestError, match="twice"):
         collect([("a", torch.zeros(1)), ("a", torch.zeros(1))])
-    with pytest.raises(ManifestError, match="not a torch.Tensor"):
+    with pytest.raises(ManifestError, match=r"not a torch\.Tensor"):
         collect({"a": [1.0]})  # type: ignore[dict-item]
     with pytest.raises(ManifestError, match="not dense"):
         collect({"s": torch.zeros(3, 3).to_sparse()})

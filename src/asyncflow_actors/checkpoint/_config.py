@@ -17,6 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ._errors import ManifestError
+from ._manifest import ALIGNMENT
 from ._target import PauseMode
 
 if sys.version_info >= (3, 11):
@@ -147,8 +148,10 @@ class CheckpointConfig:
     offload: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1024:
-            raise ManifestError(f"bucket_bytes must be an int >= 1024, got {self.bucket_bytes!r}")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < ALIGNMENT:
+            raise ManifestError(
+                f"bucket_bytes must be an int >= {ALIGNMENT}, got {self.bucket_bytes!r}"
+            )
         if self.transport not in TRANSPORTS:
             raise ManifestError(f"transport {self.transport!r} is not one of {list(TRANSPORTS)}")
         if self.checksum not in ("crc32", "none"):

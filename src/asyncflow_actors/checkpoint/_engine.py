@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import trio
 
-from ..actors import ActorRef
+from ..actors import ActorCrashed, ActorRef
 from ._buckets import PROCESS_TOKEN, BucketSource
 from ._config import PHASES, CheckpointConfig
 from ._errors import ManifestError, SyncFailed
@@ -248,7 +248,13 @@ class CheckpointEngine:
             committed = True
         except BaseException as exc:
             failure = exc
-        resumed, errors = await self._end(session, committed, timings)
+        # A receiver that crashed during the sync lost it with its incarnation (a restarted one
+        # was never paused): do not wait for it to come back just to resume nothing.
+        gone = None
+        if failure is not None:
+            cause, receiver = _root_cause(failure)
+            gone = receiver if isinstance(cause, ActorCrashed) else None
+        resumed, errors = await self._end(session, committed, timings, skip=gone)
         total = time.perf_counter() - started
         timings = {p: timings.get(p, 0.0) for p in PHASES}
         if failure is not None:
@@ -311,9 +317,10 @@ class CheckpointEngine:
         return result
 
     async def _end(
-        self, session: SyncSession, committed: bool, timings: dict[str, float]
+        self, session: SyncSession, committed: bool, timings: dict[str, float], skip: str | None
     ) -> tuple[list[Resumed | None], list[tuple[str, BaseException]]]:
-        """Close the transport and resume every target: shielded, under the resume deadline."""
+        """Close the transport and resume every target (but ``skip``): shielded, under the
+        resume deadline."""
         started = time.perf_counter()
         targets = session.receivers
         resumed: list[Resumed | None] = [None] * len(targets)
@@ -338,8 +345,11 @@ class CheckpointEngine:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(close)
                 for i in range(len(targets)):
-                    nursery.start_soon(resume, i)
+                    if targets[i].name != skip:
+                        nursery.start_soon(resume, i)
         for i, ref in enumerate(targets):
+            if ref.name == skip:
+                continue
             if resumed[i] is None and all(name != ref.name for name, _ in errors):
                 errors.append((ref.name, trio.TooSlowError("no answer within the resume deadline")))
         timings["resume"] = time.perf_counter() - started
