@@ -228,11 +228,17 @@ class GetWeights(afa.Request[dict[str, torch.Tensor]]):
 DoubleMsg = SyncMessage | GetState | GetWeights
 
 
+def _corrupt(msg: PutBucket) -> PutBucket:
+    data = msg.data.clone()
+    data[len(data) // 2] ^= 0x10
+    return PutBucket(msg.sync_id, msg.index, data)
+
+
 class DoubleActor(afa.Actor[DoubleMsg]):
     """Hosts an ``EngineDouble`` and its ``WeightReceiver``.
 
     ``tick=0``: no decode loop (bit-exactness tests). ``strict``: the receiver refuses tensors
-    the engine does not have. ``stall_file``: at the first bucket, write our pid there and hang
+    the engine does not have. ``corrupt_bucket``: flip a bit of that bucket. ``stall_file``: at the first bucket, write our pid there and hang
     (once: a restarted incarnation finds the file), so a test can kill the process mid-sync. ``index``/``world``: in-process fault injection (``world`` cannot
     cross to a node).
     """
@@ -247,6 +253,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         index: int = 0,
         strict: bool = False,
         stall_file: str | None = None,
+        corrupt_bucket: int | None = None,
         world: World | None = None,
     ) -> None:
         self.specs = {k: (v[0], list(v[1])) for k, v in (specs or SPECS).items()}
@@ -257,6 +264,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         self.index = index
         self.strict = strict
         self.stall_file = stall_file
+        self.corrupt_bucket = corrupt_bucket
         self.world = world
 
     async def on_start(self, ctx: afa.ActorContext[DoubleMsg]) -> None:
@@ -279,6 +287,8 @@ class DoubleActor(afa.Actor[DoubleMsg]):
             ctx.start_soon(self.engine.run, self.receiver)
 
     def _inject(self, msg: Any) -> Any:
+        if isinstance(msg, PutBucket) and msg.index == self.corrupt_bucket:
+            return _corrupt(msg)
         f = self.world
         if f is None:
             return msg
@@ -289,9 +299,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
             if f.crash_engine == self.index and f.crash_on_bucket == msg.index:
                 raise RuntimeError(f"engine {self.index} killed at bucket {msg.index}")
             if f.corrupt_engine == self.index and f.corrupt_bucket == msg.index:
-                data = msg.data.clone()
-                data[len(data) // 2] ^= 0x10
-                return PutBucket(msg.sync_id, msg.index, data)
+                return _corrupt(msg)
         return msg
 
     async def receive(self, msg: DoubleMsg, ctx: afa.ActorContext[DoubleMsg]) -> Any:

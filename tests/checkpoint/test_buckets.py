@@ -20,6 +20,7 @@ from asyncflow_actors.checkpoint import (
     TensorSpec,
     plan_buckets,
 )
+from asyncflow_actors.checkpoint._buckets import checksum
 from asyncflow_actors.checkpoint._manifest import (
     ALIGNMENT,
     DTYPE_NAMES,
@@ -70,8 +71,12 @@ def roundtrip(
     cache = HostCache(manifest, copy=copy, with_checksum=True)
     sums = []
     for bucket in reversed(manifest.buckets):  # arrival order does not matter
-        out = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
-        sums.append(source.pack(bucket.index, out))
+        out = source.direct(bucket.index, "cpu")
+        if out is None:
+            out = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
+            sums.append(source.pack(bucket.index, out))
+        else:
+            sums.append(checksum(out))
         cache.stage_bucket(bucket.index, out)
     cache.verify(list(reversed(sums)))
     return manifest, cache.tensors()
@@ -120,6 +125,21 @@ def test_plan_fills_buckets_and_splits_only_large_tensors(
             need = manifest.tensors[first.tensor].nbytes
             aligned = -(-a.nbytes // ALIGNMENT) * ALIGNMENT
             assert aligned + min(need, bucket_bytes) > bucket_bytes
+
+
+def test_a_bucket_of_one_whole_contiguous_tensor_is_sent_from_the_tensor() -> None:
+    big, small = torch.arange(64, dtype=torch.float32), torch.arange(3, dtype=torch.int16)
+    named = [("small", small), ("big", big), ("t", big.reshape(8, 8).t())]
+    manifest = plan_buckets([spec_of(n, t) for n, t in named], 256)
+    source = BucketSource([t for _, t in named], manifest, with_checksum=True)
+    assert [len(b.pieces) for b in manifest.buckets] == [1, 1, 1]
+    assert source.direct(0, "cpu") is not None  # "small" alone (the next does not fit)
+    view = source.direct(1, "cpu")
+    assert view is not None and view.data_ptr() == big.data_ptr()  # no copy
+    assert source.direct(2, "cpu") is None  # not contiguous: packed
+    assert source.direct(1, "cuda") is None  # another device: packed there
+    split = plan_buckets([spec_of("big", big)], 128)
+    assert BucketSource([big], split, with_checksum=False).direct(0, "cpu") is None
 
 
 def test_unsplit_plan_keeps_every_tensor_whole() -> None:

@@ -15,6 +15,7 @@ import asyncflow_actors as afa
 from asyncflow_actors.checkpoint import (
     CheckpointConfig,
     CheckpointEngine,
+    ChecksumMismatch,
     CollectiveTransport,
     ManifestError,
     PhaseDeadlines,
@@ -99,6 +100,19 @@ async def test_bit_exact_to_node_processes_over_zmq_ipc_and_tcp_gloo_and_files(
         assert exact(read_weights(tmp_path)[1], sent)  # the published files hold the last version
         assert read_weights(tmp_path)[0] == 2
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial left
+        # a bit flipped in a bucket a remote receiver acknowledged on arrival: caught at finalize
+        corrupter = await nodes[0].spawn(
+            "tests.checkpoint.doubles:DoubleActor",
+            name="corrupter",
+            kwargs={**kwargs, "corrupt_bucket": 2},
+        )
+        with pytest.raises(SyncFailed) as info:
+            await CheckpointEngine([*refs, corrupter], configs[0]).sync(3, random_weights(3, SPECS_BIG))
+        assert info.value.phase == "finalize" and info.value.receiver == "ipc/corrupter"
+        assert isinstance(info.value.__cause__, ChecksumMismatch)
+        for ref in refs:
+            assert exact(await ref.ask(GetWeights()), sent)  # still version 2 everywhere
+            assert (await ref.ask(GetState())).version == 2
 
 
 async def test_a_receiver_node_killed_mid_broadcast(tmp_path: Path) -> None:

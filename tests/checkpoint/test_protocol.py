@@ -405,19 +405,19 @@ async def test_sync_target_actor_hosts_a_plain_target() -> None:
 
 async def test_copies_and_checksums_run_off_the_event_loop(monkeypatch: Any) -> None:
     threads: list[str] = []
-    stage, pack = HostCache.stage_bucket, BucketSource.pack
+    digest, pack = HostCache.digest, BucketSource.pack
 
-    def staged(self: HostCache, index: int, data: torch.Tensor) -> int:
-        threads.append(f"stage {threading.current_thread() is threading.main_thread()}")
-        return stage(self, index, data)
+    def digested(self: HostCache, index: int, data: torch.Tensor) -> int:
+        threads.append(f"digest {threading.current_thread() is threading.main_thread()}")
+        return digest(self, index, data)
 
     def packed(self: BucketSource, index: int, out: torch.Tensor) -> int:
         threads.append(f"pack {threading.current_thread() is threading.main_thread()}")
         return pack(self, index, out)
 
-    monkeypatch.setattr(HostCache, "stage_bucket", staged)
+    monkeypatch.setattr(HostCache, "digest", digested)
     monkeypatch.setattr(BucketSource, "pack", packed)
     async with afa.open_actor_system() as system:
         refs = await spawn(system, World(), n=1, tick=0, offload=True)
         await CheckpointEngine(refs, config(offload=True)).sync(0, random_weights(0))
-    assert threads and set(threads) == {"stage False", "pack False"}
+    assert set(threads) == {"digest False", "pack False"}

@@ -53,6 +53,25 @@ class BucketSource:
                 self._flat[index] = flat  # made by a copy: keep it for the tensor's other pieces
         return flat
 
+    def direct(self, index: int, device: str) -> torch.Tensor | None:
+        """Bucket ``index`` as a view of its tensor's own bytes, when it holds exactly one whole
+        contiguous tensor on ``device``: such a bucket is sent without packing (zero-copy)."""
+        bucket = self.manifest.buckets[index]
+        if len(bucket.pieces) != 1:
+            return None
+        piece = bucket.pieces[0]
+        tensor = self.tensors[piece.tensor]
+        if (
+            piece.nbytes != bucket.nbytes
+            or piece.nbytes != tensor.numel() * tensor.element_size()
+            or not tensor.is_contiguous()
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or tensor.device.type != device.split(":")[0]
+        ):
+            return None
+        return tensor_bytes(tensor)
+
     def pack(self, index: int, out: torch.Tensor) -> int:
         """Copy bucket ``index`` into ``out`` (flat uint8, exactly its size); return its CRC-32
         (0 without checksums). Padding between pieces is zeroed, so a bucket's bytes and
@@ -105,9 +124,10 @@ class HostCache:
         if self.received[index]:
             raise ManifestError(f"bucket {index} received twice")
 
-    def stage_bucket(self, index: int, data: torch.Tensor) -> int:
-        """Take the bytes of bucket ``index`` (flat uint8); return how many. Thread-safe for
-        distinct buckets; raises ``ManifestError`` for a bucket of the wrong size or index."""
+    def take(self, index: int, data: torch.Tensor) -> None:
+        """Claim bucket ``index`` for ``data`` (flat uint8), checking index and size; cheap.
+        ``digest`` must follow. Raises ``ManifestError`` for a bucket of the wrong size or
+        index, or one received twice."""
         import torch
 
         self._claim(index)
@@ -117,6 +137,13 @@ class HostCache:
                 f"bucket {index}: expected {spec.nbytes} bytes as a flat uint8 tensor, got "
                 f"{data.dtype} {tuple(data.shape)}"
             )
+        self.received[index] = True
+        self.bytes += spec.nbytes
+
+    def digest(self, index: int, data: torch.Tensor) -> int:
+        """Checksum a taken bucket, copy its split pieces out, keep it (a copy of it when it is
+        not ours, or on a device); return its size. Thread-safe for distinct buckets."""
+        spec = self.manifest.buckets[index]
         if data.device.type != "cpu":
             data = data.cpu()
         elif self.copy:
@@ -131,9 +158,12 @@ class HostCache:
                 src = data[piece.start : piece.start + piece.nbytes]
                 dest[piece.offset : piece.offset + piece.nbytes].copy_(src)
         self.buckets[index] = data if keep else None
-        self.received[index] = True
-        self.bytes += spec.nbytes
         return spec.nbytes
+
+    def stage_bucket(self, index: int, data: torch.Tensor) -> int:
+        """``take`` then ``digest``."""
+        self.take(index, data)
+        return self.digest(index, data)
 
     def stage_tensors(self, index: int, tensors: dict[str, torch.Tensor], crc: int) -> int:
         """Take bucket ``index`` as whole tensors (a file shard), after checking that they are

@@ -136,6 +136,11 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def max_bucket(self) -> int:
+        """Bytes of the largest bucket."""
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    @property
     def bucket_total(self) -> int:
         """Bytes of all buckets (padding included): what each receiver gets."""
         return sum(b.nbytes for b in self.buckets)

@@ -62,6 +62,23 @@ LoadMode = Literal["lazy", "eager"]
 
 
 @attrs.define(eq=False)
+class _Digests:
+    """Checksums of buckets acknowledged on arrival, running in worker threads."""
+
+    running: int = 0
+    idle: trio.Event = attrs.Factory(trio.Event)
+    error: BaseException | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.idle.set()
+
+    async def wait(self) -> None:
+        await self.idle.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@attrs.define(eq=False)
 class _Sync:
     """The receiver's side of the sync in progress."""
 
@@ -73,6 +90,7 @@ class _Sync:
     verified: dict[str, torch.Tensor] | None = None
     group: Group | None = None
     scopes: list[trio.CancelScope] = attrs.Factory(list)  # lease, broadcast receive
+    digests: _Digests = attrs.Factory(_Digests)
 
 
 class WeightReceiver:
@@ -111,6 +129,7 @@ class WeightReceiver:
         self._pending: dict[str, torch.Tensor] | None = None
         self._pending_version: int | None = None
         self._load_lock = trio.Lock()
+        self._limiter = trio.CapacityLimiter(2)  # background checksums at a time
         self._committed = self._aborted = self._expired = 0
         self._bytes = self._loads = self._load_errors = 0
         self._last_load = 0.0
@@ -194,9 +213,7 @@ class WeightReceiver:
         if cache is None:
             raise StaleSync(f"{self._who()}: sync {msg.sync_id} was not prepared")
         if isinstance(msg, PutBucket):
-            staged = await run_sync(self.offload, cache.stage_bucket, msg.index, msg.data)
-            self._bytes += staged
-            return staged
+            return await self._put_bucket(sync, cache, msg, ctx)
         if isinstance(msg, ReadShard):
             from ._file import read_shard
 
@@ -213,6 +230,7 @@ class WeightReceiver:
             self._start_broadcast(sync, cache, ctx)
             return None
         if isinstance(msg, SyncFinalize):
+            await sync.digests.wait()
             await run_sync(self.offload, cache.verify, msg.checksums)
             sync.verified = await run_sync(self.offload, cache.tensors)
             sync.cache = None
@@ -288,6 +306,42 @@ class WeightReceiver:
             ),
         )
         return manifest.bucket_total
+
+    async def _put_bucket(
+        self, sync: _Sync, cache: HostCache, msg: PutBucket, ctx: ActorContext[Any]
+    ) -> int:
+        """Stage a bucket and acknowledge it (the sender then reuses its buffer).
+
+        Bytes another process sent are ours from the moment they arrived: acknowledge at once
+        and checksum them in the background (finalize waits). Bytes shared with the sender (same
+        process) are copied before the acknowledgement.
+        """
+        cache.take(msg.index, msg.data)
+        size = cache.manifest.buckets[msg.index].nbytes
+        self._bytes += size
+        if cache.copy or msg.data.device.type != "cpu":
+            await run_sync(self.offload, cache.digest, msg.index, msg.data)
+            return size
+        digests = sync.digests
+        if digests.running == 0:
+            digests.idle = trio.Event()
+        digests.running += 1
+
+        async def digest() -> None:
+            try:
+                await run_sync(
+                    self.offload, cache.digest, msg.index, msg.data, limiter=self._limiter
+                )
+            except Exception as exc:
+                digests.error = digests.error or exc
+            finally:
+                digests.running -= 1
+                if digests.running == 0:
+                    digests.idle.set()
+
+        ctx.start_soon(digest)
+        await trio.lowlevel.checkpoint()
+        return size
 
     def _start_broadcast(self, sync: _Sync, cache: HostCache, ctx: ActorContext[Any]) -> None:
         """Receive by collective in a helper task, so the host stays responsive (a

@@ -24,7 +24,7 @@ import attrs
 import trio
 
 from ..actors import ActorRef, Request
-from ._buckets import BucketSource
+from ._buckets import BucketSource, checksum
 from ._config import CheckpointConfig
 from ._manifest import Manifest
 from ._messages import PutBucket
@@ -66,10 +66,12 @@ async def ask_all(refs: Sequence[ActorRef[Any]], make: Callable[[int], Request[A
     return results
 
 
-async def run_sync(offload: bool, fn: Callable[..., T], *args: Any) -> T:
+async def run_sync(
+    offload: bool, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter | None = None
+) -> T:
     """Run ``fn(*args)`` in a worker thread (``offload``) or inline; a checkpoint either way."""
     if offload:
-        return await trio.to_thread.run_sync(fn, *args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
     await trio.lowlevel.checkpoint()
     return fn(*args)
 
@@ -89,8 +91,18 @@ class SyncSession:
     def __attrs_post_init__(self) -> None:
         self.checksums = [0] * len(self.manifest.buckets)
 
-    async def pack(self, index: int, out: torch.Tensor) -> None:
-        self.checksums[index] = await run_sync(self.config.offload, self.source.pack, index, out)
+    async def bucket(self, index: int, buffers: DoubleBuffer, slot: int) -> torch.Tensor:
+        """The bytes of bucket ``index``: a view of its tensor when it is one whole tensor (no
+        copy), else packed into buffer ``slot``; its checksum is recorded."""
+        source, offload = self.source, self.config.offload
+        data = source.direct(index, buffers.device)
+        if data is not None:
+            if source.with_checksum:
+                self.checksums[index] = await run_sync(offload, checksum, data)
+            return data
+        data = buffers.take(self.manifest.max_bucket)[slot][: self.manifest.buckets[index].nbytes]
+        self.checksums[index] = await run_sync(offload, source.pack, index, data)
+        return data
 
 
 class Transport(Protocol):
@@ -148,14 +160,10 @@ async def pipelined(
     issue: Callable[[int, torch.Tensor], Any],
     complete: Callable[[Any], Awaitable[None]],
 ) -> None:
-    """Send every bucket, double-buffered: pack bucket *k* into buffer *k* mod 2 while bucket
-    *k-1* is in flight. ``issue(k, data)`` starts sending bucket *k* (called in bucket order) and
-    returns a handle; ``complete(handle)`` returns once its buffer may be refilled."""
-    manifest = session.manifest
-    if not manifest.buckets:
-        await trio.lowlevel.checkpoint()
-        return
-    pair = buffers.take(max(b.nbytes for b in manifest.buckets))
+    """Send every bucket, double-buffered: bucket *k* is packed into buffer *k* mod 2 while
+    bucket *k-1* is in flight (at most two in flight, packed or sent from their tensor).
+    ``issue(k, data)`` starts sending bucket *k* (called in bucket order) and returns a handle;
+    ``complete(handle)`` returns once the bytes it sent may be overwritten."""
     free = [trio.Event(), trio.Event()]
     for event in free:
         event.set()
@@ -167,13 +175,12 @@ async def pipelined(
     completed = False
     try:
         async with trio.open_nursery() as nursery:
-            for bucket in manifest.buckets:
+            for bucket in session.manifest.buckets:
                 slot = bucket.index % 2
                 await free[slot].wait()
-                view = pair[slot][: bucket.nbytes]
-                await session.pack(bucket.index, view)
+                data = await session.bucket(bucket.index, buffers, slot)
                 free[slot] = trio.Event()
-                nursery.start_soon(finish, issue(bucket.index, view), free[slot])
+                nursery.start_soon(finish, issue(bucket.index, data), free[slot])
         completed = True
     finally:
         if not completed:
