@@ -40,7 +40,7 @@ from asyncflow_actors.checkpoint import CheckpointConfig, CheckpointEngine, Sync
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit
-from sync_targets import GetStall, StartRaw, Stall
+from sync_targets import GetStall, Stall, StartRaw
 
 MiB = 1 << 20
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
@@ -70,8 +70,14 @@ def raw_round(socks: list[Any], acks: list[Any], tensors: list[torch.Tensor]) ->
     return time.perf_counter() - started
 
 
-async def sync_round(engine: CheckpointEngine, version: int, state: dict[str, torch.Tensor]) -> SyncResult:
-    return await engine.sync(version, state)
+async def timed(
+    engine: CheckpointEngine, version: int, state: dict[str, torch.Tensor]
+) -> tuple[SyncResult, list[Stall]]:
+    """One sync, then wait until every receiver has loaded it (a lazy one at its next batch
+    boundary), so the next sync starts on idle receivers."""
+    result = await engine.sync(version, state)
+    stalls = [await ref.ask(GetStall()) for ref in engine.targets]
+    return result, stalls
 
 
 async def main() -> None:
@@ -89,9 +95,14 @@ async def main() -> None:
             await system.start_node(f"rx{i}", allow=["sync_targets"], env=env, options=OPTIONS)
             for i in range(2)
         ]
-        lazy = [await n.spawn("sync_targets:BenchReceiver", name="lazy", kwargs={"specs": specs}) for n in nodes]
+        lazy = [
+            await n.spawn("sync_targets:BenchReceiver", name="lazy", kwargs={"specs": specs})
+            for n in nodes
+        ]
         eager = [
-            await n.spawn("sync_targets:BenchReceiver", name="eager", kwargs={"specs": specs, "load": "eager"})
+            await n.spawn(
+                "sync_targets:BenchReceiver", name="eager", kwargs={"specs": specs, "load": "eager"}
+            )
             for n in nodes
         ]
         for i, ref in enumerate(lazy):
@@ -108,7 +119,10 @@ async def main() -> None:
         default = CheckpointEngine(lazy)
         gloo = CheckpointEngine(lazy, CheckpointConfig(transport="gloo"))
         eager_engine = CheckpointEngine(eager)
-        sweep = {size: CheckpointEngine(lazy, CheckpointConfig(bucket_bytes=size * MiB)) for size in SWEEP}
+        sweep = {
+            size: CheckpointEngine(lazy, CheckpointConfig(bucket_bytes=size * MiB))
+            for size in SWEEP
+        }
         raw: list[float] = []
         ours: list[float] = []
         gloo_bw: list[float] = []
@@ -121,21 +135,19 @@ async def main() -> None:
         for _ in range(ROUNDS):
             raw.append(total / raw_round(raw_socks, raw_acks, tensors) / 1e9)
             version += 1
-            result = await default.sync(version, state)
+            result, stalls = await timed(default, version, state)
             ours.append(total / result.total_s / 1e9)
             for key, value in result.metrics().items():
                 phases.setdefault(key, []).append(value)
-            stalls: list[Stall] = [await ref.ask(GetStall()) for ref in lazy]
             stall_lazy += [s.blocked / s.window for s in stalls]
             lazy_load += [s.load for s in stalls]
-            await eager_engine.sync(version, state)
-            stalls = [await ref.ask(GetStall()) for ref in eager]
+            _, stalls = await timed(eager_engine, version, state)
             stall_eager += [s.blocked / s.window for s in stalls]
             version += 1
-            gloo_bw.append(total / (await gloo.sync(version, state)).total_s / 1e9)
+            gloo_bw.append(total / (await timed(gloo, version, state))[0].total_s / 1e9)
             for size, engine in sweep.items():
                 version += 1
-                swept[size].append(total / (await engine.sync(version, state)).total_s / 1e9)
+                swept[size].append(total / (await timed(engine, version, state))[0].total_s / 1e9)
         for sock in raw_socks:
             sock.send(b"quit")
         med = statistics.median
@@ -148,9 +160,11 @@ async def main() -> None:
         for phase in ("pause", "prepare", "topology", "broadcast", "finalize", "resume"):
             emit(f"weight_sync_phase_{phase}", med(phases[f"sync_{phase}"]), "s")
         spread = (min(ours), max(ours), min(raw), max(raw))
-        print(f"# {ROUNDS} rounds, default bucket {DEFAULT_BUCKET} MiB; ours min/max "
-              f"{spread[0]:.2f}/{spread[1]:.2f} GB/s, raw {spread[2]:.2f}/{spread[3]:.2f}",
-              file=sys.stderr)
+        print(
+            f"# {ROUNDS} rounds, default bucket {DEFAULT_BUCKET} MiB; ours min/max "
+            f"{spread[0]:.2f}/{spread[1]:.2f} GB/s, raw {spread[2]:.2f}/{spread[3]:.2f}",
+            file=sys.stderr,
+        )
     for sock in raw_socks + raw_acks:
         sock.close(0)
     ctx.term()

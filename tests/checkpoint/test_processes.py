@@ -107,7 +107,9 @@ async def test_bit_exact_to_node_processes_over_zmq_ipc_and_tcp_gloo_and_files(
             kwargs={**kwargs, "corrupt_bucket": 2},
         )
         with pytest.raises(SyncFailed) as info:
-            await CheckpointEngine([*refs, corrupter], configs[0]).sync(3, random_weights(3, SPECS_BIG))
+            await CheckpointEngine([*refs, corrupter], configs[0]).sync(
+                3, random_weights(3, SPECS_BIG)
+            )
         assert info.value.phase == "finalize" and info.value.receiver == "ipc/corrupter"
         assert isinstance(info.value.__cause__, ChecksumMismatch)
         for ref in refs:

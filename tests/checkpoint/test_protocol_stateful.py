@@ -124,7 +124,9 @@ class Fault:
 
 FAULTS = st.one_of(
     st.just(Fault("none")),
-    st.builds(Fault, st.just("cancel"), message=st.sampled_from([*CANCEL_BEFORE_COMMIT, "SyncResume"])),
+    st.builds(
+        Fault, st.just("cancel"), message=st.sampled_from([*CANCEL_BEFORE_COMMIT, "SyncResume"])
+    ),
     st.builds(Fault, st.just("kill"), st.integers(0, 2), st.integers(0, 6)),
     st.builds(Fault, st.just("slow"), st.integers(0, 2)),
     st.builds(Fault, st.just("corrupt"), st.integers(0, 2), st.integers(0, 6)),
@@ -222,7 +224,13 @@ class SyncMachine(RuleBasedStateMachine):
         async def inspect() -> list[Any]:
             await trio.lowlevel.checkpoint()
             return [
-                (e.paused, e.version, list(e.violations), len(e.tokens), world.receivers[i].statistics())
+                (
+                    e.paused,
+                    e.version,
+                    list(e.violations),
+                    len(e.tokens),
+                    world.receivers[i].statistics(),
+                )
                 for i, e in sorted(world.engines.items())
             ]
 
