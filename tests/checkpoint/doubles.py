@@ -238,7 +238,8 @@ class DoubleActor(afa.Actor[DoubleMsg]):
     """Hosts an ``EngineDouble`` and its ``WeightReceiver``.
 
     ``tick=0``: no decode loop (bit-exactness tests). ``strict``: the receiver refuses tensors
-    the engine does not have. ``corrupt_bucket``: flip a bit of that bucket. ``stall_file``: at the first bucket, write our pid there and hang
+    the engine does not have. ``corrupt_bucket``: flip a bit of that bucket. ``device``: where collectives
+    receive (``"cuda:1"`` for nccl). ``stall_file``: at the first bucket, write our pid there and hang
     (once: a restarted incarnation finds the file), so a test can kill the process mid-sync. ``index``/``world``: in-process fault injection (``world`` cannot
     cross to a node).
     """
@@ -254,6 +255,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         strict: bool = False,
         stall_file: str | None = None,
         corrupt_bucket: int | None = None,
+        device: str = "cpu",
         world: World | None = None,
     ) -> None:
         self.specs = {k: (v[0], list(v[1])) for k, v in (specs or SPECS).items()}
@@ -265,6 +267,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         self.strict = strict
         self.stall_file = stall_file
         self.corrupt_bucket = corrupt_bucket
+        self.device = device
         self.world = world
 
     async def on_start(self, ctx: afa.ActorContext[DoubleMsg]) -> None:
@@ -277,6 +280,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
             self.engine,
             load=self.load,  # type: ignore[arg-type]
             expected=self.engine.weights if self.strict else None,
+            device=self.device,
             offload=self.offload,
             name=ctx.name,
         )

@@ -160,14 +160,65 @@ async def test_a_receiver_node_killed_mid_broadcast(tmp_path: Path) -> None:
             assert exact(got, sent)
 
 
-def test_device_collectives_skip_where_their_backend_is_missing() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA machine: the nccl path needs two GPUs and its own test run")
+async def test_in_process_node_receivers_copy_before_acknowledging() -> None:
+    # Over inproc:// libzmq hands the receiver the sender's own buffer (frames of 512 KiB and
+    # more): a receiver that kept it without copying would see it refilled with later buckets.
+    specs = {f"w{i}": ("float32", [75_000]) for i in range(21)}  # 3 per 1 MiB bucket
+    async with afa.open_actor_system() as system:
+        node = await system.start_node("here", allow=ALLOW, transport="inproc")
+        kwargs = {"specs": specs, "tick": 0, "load": "eager"}
+        ref = await node.spawn("tests.checkpoint.doubles:DoubleActor", name="engine", kwargs=kwargs)
+        config = CheckpointConfig(bucket_bytes=1 << 20, deadlines=DEADLINES)
+        engine = CheckpointEngine([ref], config)
+        for version in range(2):
+            sent = random_weights(version, specs)
+            result = await engine.sync(version, sent)
+            assert result.buckets == 7
+            assert exact(await ref.ask(GetWeights()), sent)
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _npus() -> int:
     try:
         import torch_npu  # noqa: F401
     except ImportError:
-        transport = CollectiveTransport("hccl")
-        with pytest.raises(ManifestError, match="torch_npu"):
-            transport.check(None)  # type: ignore[arg-type]
-    else:  # pragma: no cover
-        pytest.skip("an Ascend machine: run the hccl sync there")
+        return 0
+    return int(torch.npu.device_count())  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(_gpus() < 3, reason="nccl needs a CUDA device per rank (3: sender + 2)")
+async def test_nccl_broadcast_to_two_receivers_on_their_own_gpus() -> None:  # pragma: no cover
+    await _device_sync("nccl", "cuda")
+
+
+@pytest.mark.skipif(_npus() < 3, reason="hccl needs torch_npu and an Ascend NPU per rank (3)")
+async def test_hccl_broadcast_to_two_receivers_on_their_own_npus() -> None:  # pragma: no cover
+    await _device_sync("hccl", "npu")
+
+
+async def _device_sync(backend: str, device: str) -> None:  # pragma: no cover
+    async with afa.open_actor_system() as system:
+        nodes = [
+            await system.start_node(f"{backend}{i}", allow=ALLOW, options=FAST) for i in (1, 2)
+        ]
+        kwargs = [
+            {"specs": SPECS_BIG, "tick": 0, "load": "eager", "device": f"{device}:{i}"}
+            for i in (1, 2)
+        ]
+        refs = await spawn_all(nodes, kwargs)
+        transport = CollectiveTransport(backend, device=f"{device}:0")  # type: ignore[arg-type]
+        config = CheckpointConfig(bucket_bytes=256 << 10, deadlines=DEADLINES, transport=backend)  # type: ignore[arg-type]
+        sent = {k: v.to(f"{device}:0") for k, v in random_weights(0, SPECS_BIG).items()}
+        await CheckpointEngine(refs, config, transport=transport).sync(0, sent)
+        for ref in refs:
+            assert exact(await ref.ask(GetWeights()), {k: v.cpu() for k, v in sent.items()})
+
+
+def test_the_hccl_transport_refuses_to_start_without_torch_npu() -> None:
+    if _npus():
+        pytest.skip("torch_npu is importable here")
+    with pytest.raises(ManifestError, match="torch_npu"):
+        CollectiveTransport("hccl").check(None)  # type: ignore[arg-type]
