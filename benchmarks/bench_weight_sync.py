@@ -15,7 +15,7 @@ own 400 MB model. Prints JSON lines (medians over rounds; baseline rounds interl
   lazy load; baseline: the same receivers loading eagerly (on the loop, before resuming). Lower is
   better; target <= 0.1. ``weight_sync_lazy_load_s``: the load at the batch boundary, outside.
 - ``weight_sync_gloo_bandwidth`` (GB/s): the same sync over a gloo broadcast (baseline: the raw
-  zmq figure of the same run, for scale).
+  zmq figure of the same run, for scale); ``weight_sync_gloo_topology_s``: building its group.
 - ``weight_sync_phase_<phase>`` (s): phase timings of the default sync.
 
 Run: ``nox -s bench -- bench_weight_sync`` or ``PYTHONPATH=benchmarks python
@@ -126,6 +126,7 @@ async def main() -> None:
         raw: list[float] = []
         ours: list[float] = []
         gloo_bw: list[float] = []
+        gloo_topology: list[float] = []
         swept: dict[int, list[float]] = {size: [] for size in SWEEP}
         stall_lazy: list[float] = []
         stall_eager: list[float] = []
@@ -144,7 +145,9 @@ async def main() -> None:
             _, stalls = await timed(eager_engine, version, state)
             stall_eager += [s.blocked / s.window for s in stalls]
             version += 1
-            gloo_bw.append(total / (await timed(gloo, version, state))[0].total_s / 1e9)
+            gloo_result = (await timed(gloo, version, state))[0]
+            gloo_bw.append(total / gloo_result.total_s / 1e9)
+            gloo_topology.append(gloo_result.topology_s)
             for size, engine in sweep.items():
                 version += 1
                 swept[size].append(total / (await timed(engine, version, state))[0].total_s / 1e9)
@@ -157,6 +160,7 @@ async def main() -> None:
         emit("weight_sync_receiver_stall", med(stall_lazy), "fraction", med(stall_eager))
         emit("weight_sync_lazy_load_s", med(lazy_load), "s")
         emit("weight_sync_gloo_bandwidth", med(gloo_bw), "GB/s", med(raw))
+        emit("weight_sync_gloo_topology_s", med(gloo_topology), "s")
         for phase in ("pause", "prepare", "topology", "broadcast", "finalize", "resume"):
             emit(f"weight_sync_phase_{phase}", med(phases[f"sync_{phase}"]), "s")
         spread = (min(ours), max(ours), min(raw), max(raw))

@@ -56,18 +56,22 @@ class BucketSource:
     def direct(self, index: int, device: str) -> torch.Tensor | None:
         """Bucket ``index`` as a view of its tensor's own bytes, when it holds exactly one whole
         contiguous tensor on ``device``: such a bucket is sent without packing (zero-copy)."""
+        import torch
+
         bucket = self.manifest.buckets[index]
         if len(bucket.pieces) != 1:
             return None
         piece = bucket.pieces[0]
         tensor = self.tensors[piece.tensor]
+        want = torch.device(device)
         if (
             piece.nbytes != bucket.nbytes
             or piece.nbytes != tensor.numel() * tensor.element_size()
             or not tensor.is_contiguous()
             or tensor.is_conj()
             or tensor.is_neg()
-            or tensor.device.type != device.split(":")[0]
+            or tensor.device.type != want.type
+            or (want.index is not None and tensor.device.index != want.index)
         ):
             return None
         return tensor_bytes(tensor)

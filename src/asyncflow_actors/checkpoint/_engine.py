@@ -203,51 +203,63 @@ class CheckpointEngine:
         finally:
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
 
+    def _plan(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    ) -> SyncSession:
+        """Check and plan the weights (raises ``ManifestError``: nothing is paused yet)."""
+        config = self.config
+        keep = config.tensor_filter()
+        named = [(name, tensor) for name, tensor in collect(weights) if keep(name)]
+        if not named:
+            raise ManifestError(f"no tensor to sync: none matched {keep}")
+        specs = [spec_of(name, tensor) for name, tensor in named]
+        manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
+        self.transport.check(manifest)
+        checksum = config.checksum == "crc32"
+        source = BucketSource([t for _, t in named], manifest, with_checksum=checksum)
+        sync_id = f"{version}-{secrets.token_hex(4)}"
+        return SyncSession(sync_id, version, manifest, self._targets, config, source)
+
+    async def _converse(
+        self, session: SyncSession, timings: dict[str, float], progress: list[str]
+    ) -> list[PauseAck]:
+        """Pause, prepare, topology, broadcast, finalize; ``progress[0]`` names the phase."""
+        sync_id, targets, config = session.sync_id, session.receivers, self.config
+        checksum = config.checksum == "crc32"
+        pause = SyncPause(sync_id, config.pause_mode, config.lease)
+        acks: list[PauseAck] = await self._phase(
+            "pause", timings, ask_all, targets, lambda _: pause
+        )
+        progress[0] = "prepare"
+        prepare = SyncPrepare(sync_id, session.version, session.manifest, PROCESS_TOKEN, checksum)
+        await self._phase("prepare", timings, ask_all, targets, lambda _: prepare)
+        progress[0] = "topology"
+        await self._phase("topology", timings, self.transport.open, session)
+        progress[0] = "broadcast"
+        await self._phase("broadcast", timings, self.transport.broadcast, session)
+        progress[0] = "finalize"
+        finalize = SyncFinalize(sync_id, tuple(session.checksums) if checksum else ())
+        await self._phase("finalize", timings, ask_all, targets, lambda _: finalize)
+        return acks
+
     async def _sync(
         self,
         version: int,
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     ) -> SyncResult:
-        config, targets = self.config, self._targets
         started = time.perf_counter()
-        keep = config.tensor_filter()
-        named = [(name, tensor) for name, tensor in collect(weights) if keep(name)]
-        if not named:
-            raise ManifestError(f"no tensor to sync: none matched {keep}")
-        manifest = plan_buckets(
-            [spec_of(name, t) for name, t in named], config.bucket_bytes, split=self.transport.split
-        )
-        self.transport.check(manifest)
-        checksum = config.checksum == "crc32"
-        sync_id = f"{version}-{secrets.token_hex(4)}"
-        source = BucketSource([t for _, t in named], manifest, with_checksum=checksum)
-        session = SyncSession(sync_id, version, manifest, targets, config, source)
+        session = self._plan(version, weights)
         timings = {"prepare": time.perf_counter() - started}
-        phase, committed = "pause", False
+        progress = ["pause"]
         acks: list[PauseAck] = []
         failure: BaseException | None = None
         try:
-            acks = await self._phase(
-                "pause",
-                timings,
-                ask_all,
-                targets,
-                lambda _: SyncPause(sync_id, config.pause_mode, config.lease),
-            )
-            phase = "prepare"
-            prepare = SyncPrepare(sync_id, version, manifest, PROCESS_TOKEN, checksum)
-            await self._phase("prepare", timings, ask_all, targets, lambda _: prepare)
-            phase = "topology"
-            await self._phase("topology", timings, self.transport.open, session)
-            phase = "broadcast"
-            await self._phase("broadcast", timings, self.transport.broadcast, session)
-            phase = "finalize"
-            sums = tuple(session.checksums) if checksum else ()
-            finalize = SyncFinalize(sync_id, sums)
-            await self._phase("finalize", timings, ask_all, targets, lambda _: finalize)
-            committed = True
+            acks = await self._converse(session, timings, progress)
         except BaseException as exc:
             failure = exc
+        committed = failure is None
         # A receiver that crashed during the sync lost it with its incarnation (a restarted one
         # was never paused): do not wait for it to come back just to resume nothing.
         gone = None
@@ -257,52 +269,56 @@ class CheckpointEngine:
         resumed, errors = await self._end(session, committed, timings, skip=gone)
         total = time.perf_counter() - started
         timings = {p: timings.get(p, 0.0) for p in PHASES}
+        unresumed = ""
+        if errors:
+            name, error = errors[0]
+            unresumed = (
+                f"{len(errors)} target(s) did not confirm the resume (first: {name!r}: "
+                f"{type(error).__name__}: {error})"
+            )
         if failure is not None:
             self._failed += 1
             if _cancelled(failure) or not isinstance(failure, Exception):
                 raise failure
+            phase = progress[0]
             cause, receiver = _root_cause(failure)
             if isinstance(cause, trio.TooSlowError):
-                detail = f"deadline of {getattr(config.deadlines, phase)} s passed"
+                detail = f"deadline of {getattr(self.config.deadlines, phase)} s passed"
             else:
                 detail = f"{type(cause).__name__}: {cause}"
             where = f" at receiver {receiver!r}" if receiver else ""
-            log.warning(
-                "sync %s (version %d) failed in %s%s: %s", sync_id, version, phase, where, detail
-            )
+            log.warning("sync %s failed in %s%s: %s", session.sync_id, phase, where, detail)
             raise SyncFailed(
                 f"weight sync of version {version} failed in {phase}{where}: {detail}; every "
-                "target kept its weights and was resumed",
+                f"target kept its weights{'; ' + unresumed if unresumed else ' and was resumed'}",
                 phase=phase,
                 version=version,
                 receiver=receiver,
                 timings=timings,
             ) from cause
+        manifest = session.manifest
         self._syncs += 1
         self._last_version = version
-        moved = manifest.bucket_total * len(targets)
-        self._bytes += moved
+        self._bytes += manifest.bucket_total * len(session.receivers)
         if errors:
-            receiver, cause = errors[0]
             self._failed += 1
             raise SyncFailed(
-                f"weight sync of version {version} committed, but {len(errors)} target(s) did "
-                f"not confirm the resume (first: {receiver!r}: {type(cause).__name__}: {cause})",
+                f"weight sync of version {version} committed, but {unresumed}",
                 phase="resume",
                 version=version,
-                receiver=receiver,
+                receiver=errors[0][0],
                 committed=True,
                 timings=timings,
-            ) from cause
+            ) from errors[0][1]
         result = SyncResult(
             version=version,
-            sync_id=sync_id,
+            sync_id=session.sync_id,
             transport=self.transport.kind,
-            receivers=len(targets),
+            receivers=len(session.receivers),
             tensors=len(manifest.tensors),
             buckets=len(manifest.buckets),
             payload_bytes=manifest.payload_bytes,
-            bytes_moved=moved,
+            bytes_moved=manifest.bucket_total * len(session.receivers),
             pause_s=timings["pause"],
             prepare_s=timings["prepare"],
             topology_s=timings["topology"],
@@ -313,7 +329,7 @@ class CheckpointEngine:
             acks=tuple(acks),
             resumed=tuple(r for r in resumed if r is not None),
         )
-        log.info("sync %s: %s", sync_id, result.metrics())
+        log.info("sync %s: %s", session.sync_id, result.metrics())
         return result
 
     async def _end(

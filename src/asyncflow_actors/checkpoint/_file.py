@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+# models is a leaf (pure torch, no library imports): its safetensors codec is shared here.
 from ..models import deserialize_safetensors, serialize_safetensors
 from ._errors import ChecksumMismatch, ManifestError
 from ._manifest import Manifest, dtype_of

@@ -285,7 +285,8 @@ class WeightReceiver:
     async def _prepare(self, sync: _Sync, msg: SyncPrepare) -> int:
         manifest = msg.manifest
         manifest.check()
-        newest = max(self.target.version, self._pending_version or -1)
+        pending = self._pending_version
+        newest = max(self.target.version, pending if pending is not None else -1)
         if msg.version < newest:
             raise StaleSync(f"{self._who()}: version {msg.version} is older than {newest}")
         for spec in manifest.tensors:
