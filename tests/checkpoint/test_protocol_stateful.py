@@ -245,8 +245,8 @@ class SyncMachine(RuleBasedStateMachine):
 
 
 SyncMachine.TestCase.settings = settings(
-    max_examples=25,
-    stateful_step_count=8,
+    max_examples=50,
+    stateful_step_count=10,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
