@@ -76,17 +76,17 @@ def _new_group(backend: str, store: Any, rank: int, size: int, timeout: float, h
     raise ValueError(f"unknown collective backend {backend!r}")
 
 
-def _wait(backend: str, work: Any) -> None:
+def _wait(backend: str, work: Any, device: str) -> None:
     """Block until a collective completed (device backends: until its stream finished too)."""
     work.wait()
     if backend == "nccl":
         import torch
 
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(device).synchronize()
     elif backend == "hccl":
         import torch
 
-        torch.npu.current_stream().synchronize()  # type: ignore[attr-defined]
+        torch.npu.current_stream(device).synchronize()  # type: ignore[attr-defined]
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -100,15 +100,18 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
 class Group:
     """One rank's process group of one sync; ``close`` aborts whatever is in flight."""
 
-    def __init__(self, backend: str, group: Any, store: Any) -> None:
+    def __init__(self, backend: str, group: Any, store: Any, device: str) -> None:
         self.backend = backend
         self.group = group
         self.store = store
+        self.device = device
 
     async def wait(self, work: Any) -> None:
         # abandon_on_cancel: a cancelled sync does not wait; the group's timeout (or close)
         # ends the abandoned thread.
-        await trio.to_thread.run_sync(_wait, self.backend, work, abandon_on_cancel=True)
+        await trio.to_thread.run_sync(
+            _wait, self.backend, work, self.device, abandon_on_cancel=True
+        )
 
     def close(self) -> None:
         group, self.group, self.store = self.group, None, None
@@ -122,8 +125,9 @@ class Group:
                 log.debug("process group %s(): %s", method, exc)
 
 
-async def join_group(msg: JoinGroup) -> Group:
-    """A receiver joins the sync's group as ``msg.rank`` (the blocking rendezvous in a thread)."""
+async def join_group(msg: JoinGroup, device: str) -> Group:
+    """A receiver joins the sync's group as ``msg.rank`` (the blocking rendezvous in a thread);
+    ``device``: where it receives."""
 
     def build() -> Group:
         import torch.distributed as dist
@@ -134,12 +138,12 @@ async def join_group(msg: JoinGroup) -> Group:
         )
         prefixed = dist.PrefixStore(f"afa-sync/{msg.sync_id}", store)  # type: ignore[attr-defined]
         group = _new_group(msg.backend, prefixed, msg.rank, msg.world_size, msg.timeout, msg.host)
-        return Group(msg.backend, group, store)
+        return Group(msg.backend, group, store, device)
 
     return await trio.to_thread.run_sync(build, abandon_on_cancel=True)
 
 
-async def receive_broadcast(group: Group, cache: HostCache, device: str, offload: bool) -> int:
+async def receive_broadcast(group: Group, cache: HostCache, offload: bool) -> int:
     """Receive every bucket of ``cache``'s manifest from rank 0 into fresh buffers, staging
     bucket *k* into the cache while bucket *k+1* arrives. Returns the bytes staged."""
     import torch
@@ -151,7 +155,7 @@ async def receive_broadcast(group: Group, cache: HostCache, device: str, offload
         staged = trio.Event()
         staged.set()
         for bucket in cache.manifest.buckets:
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
             await group.wait(_broadcast(group.group, buffer))
             await staged.wait()  # at most one bucket being staged while the next arrives
             staged = trio.Event()
@@ -233,7 +237,7 @@ class CollectiveTransport:
                     timeout,
                 ),
             )
-        self._groups[session.sync_id] = Group(self.backend, holder[0], store)
+        self._groups[session.sync_id] = Group(self.backend, holder[0], store, self.device)
 
     async def broadcast(self, session: SyncSession) -> None:
         group = self._groups[session.sync_id]

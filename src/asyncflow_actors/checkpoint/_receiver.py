@@ -224,7 +224,7 @@ class WeightReceiver:
         if isinstance(msg, JoinGroup):
             from ._collective import join_group
 
-            sync.group = await join_group(msg)
+            sync.group = await join_group(msg, self.device)
             return None
         if isinstance(msg, ReceiveBroadcast):
             self._start_broadcast(sync, cache, ctx)
@@ -359,7 +359,7 @@ class WeightReceiver:
         async def run() -> None:
             try:
                 with scope:
-                    received = await receive_broadcast(group, cache, self.device, self.offload)
+                    received = await receive_broadcast(group, cache, self.offload)
                     self._bytes += received
                     reply.send(received)
                     return
