@@ -48,8 +48,9 @@ class BucketSource:
     def _bytes_of(self, index: int) -> torch.Tensor:
         flat = self._flat.get(index)
         if flat is None:
-            flat = tensor_bytes(self.tensors[index])
-            if not self.tensors[index].is_contiguous():
+            tensor = self.tensors[index]
+            flat = tensor_bytes(tensor)
+            if tensor.numel() and flat.data_ptr() != tensor.data_ptr():
                 self._flat[index] = flat  # made by a copy: keep it for the tensor's other pieces
         return flat
 

@@ -87,7 +87,8 @@ class SyncResult:
 
 @attrs.frozen
 class CheckpointEngineStatistics:
-    """Counters of a ``CheckpointEngine``."""
+    """Counters of a ``CheckpointEngine``: ``syncs`` committed, ``failed`` syncs that raised
+    (``SyncFailed`` or a cancellation), whether one is ``syncing`` now."""
 
     syncs: int
     failed: int

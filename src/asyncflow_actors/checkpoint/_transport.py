@@ -8,10 +8,11 @@ was started). The collective and file transports live in ``_collective`` and ``_
 
 Double buffering, and why reuse is safe by construction: the sender owns two buffers of
 ``bucket_bytes``. Bucket *k* is packed into buffer *k* mod 2 (in a worker thread) while bucket
-*k-1* is on its way; a buffer is refilled only after **every** receiver acknowledged the bucket
-it carried, and a receiver acknowledges only once it has copied the bytes out or owns them (a
-frame its own process received). A sync that fails leaves its buffers to whoever may still read
-them: the next sync allocates fresh ones.
+*k-1* is on its way (a bucket that is one whole tensor is sent from the tensor, unpacked); a
+buffer is refilled only after **every** receiver acknowledged the bucket it carried, and a
+receiver acknowledges only once it has copied the bytes out or owns them (a frame its own
+process received: every byte of it was read out of the sender's buffer). A sync that fails
+leaves its buffers to whoever may still read them: the next sync allocates fresh ones.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class ActorTransport:
     """Buckets as ``PutBucket`` asks to each receiver's ref (module docstring).
 
     In-process for local refs; zmq (the node's ipc or tcp link, zero-copy) for remote refs;
-    refs of both kinds may be mixed. ``statistics``-free: the engine reports bytes and timings.
+    refs of both kinds may be mixed, and the sender may live in any process that holds them.
     """
 
     kind = "actor"
@@ -208,8 +209,9 @@ class ActorTransport:
 
     async def broadcast(self, session: SyncSession) -> None:
         async def complete(handle: tuple[int, torch.Tensor]) -> None:
-            # The buffer is reusable once every receiver has acknowledged (module docstring);
-            # a remote receiver's ack implies libzmq has read every byte of the frame.
+            # The buffer is reusable once every receiver has acknowledged (module docstring).
+            # When the runtime exposes the SendTracker of a remote send, waiting on it here
+            # too would also release the buffer's last reference before reuse.
             index, data = handle
             await ask_all(session.receivers, lambda _: PutBucket(session.sync_id, index, data))
 
