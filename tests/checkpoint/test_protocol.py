@@ -15,6 +15,7 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors.checkpoint import (
+    BucketSource,
     CheckpointConfig,
     CheckpointEngine,
     ChecksumMismatch,
@@ -30,7 +31,6 @@ from asyncflow_actors.checkpoint import (
     SyncPause,
     SyncTargetActor,
 )
-from asyncflow_actors.checkpoint._buckets import BucketSource
 from asyncflow_actors.checkpoint._manifest import tensor_bytes
 from tests.checkpoint.doubles import (
     SPECS,
