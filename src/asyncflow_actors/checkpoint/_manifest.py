@@ -128,7 +128,6 @@ class Manifest:
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=_tensors)
     buckets: tuple[BucketSpec, ...] = attrs.field(converter=_buckets)
     bucket_bytes: int
-    split: bool = True
 
     @property
     def payload_bytes(self) -> int:
@@ -231,7 +230,7 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, *, split: bool 
             used = start + n
             offset += n
     close()
-    return Manifest(tuple(specs), tuple(buckets), bucket_bytes, split)
+    return Manifest(tuple(specs), tuple(buckets), bucket_bytes)
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
@@ -270,7 +269,10 @@ def collect(
             raise ManifestError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise ManifestError(f"tensor {name!r} is not dense ({tensor.layout}); densify it")
-        dtype_name(tensor.dtype)
+        try:
+            dtype_name(tensor.dtype)
+        except ManifestError as exc:
+            raise ManifestError(f"tensor {name!r}: {exc}") from None
         seen.add(name)
         out.append((name, tensor))
     return out
