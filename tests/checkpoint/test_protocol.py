@@ -74,7 +74,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-async def settle(world: World, seconds: float = 20.0) -> None:
+async def settle(seconds: float = 20.0) -> None:
     """Let the doubles decode past a batch boundary (virtual time)."""
     await trio.sleep(seconds)
 
@@ -132,7 +132,7 @@ async def test_lazy_load_applies_exactly_at_the_batch_boundary(
         result = await engine.sync(0, weights_of(0))
         assert [r.pending for r in result.resumed] == [0, 0]  # committed, not loaded yet
         assert [r.version for r in result.resumed] == [-1, -1]
-        await settle(world)
+        await settle()
         check_engines(world, 0)
         for engine_double in world.engines.values():
             events = engine_double.events
@@ -156,7 +156,7 @@ async def test_eager_load_happens_before_the_resume(autojump_clock: Any) -> None
         assert [(r.version, r.pending) for r in result.resumed] == [(3, None), (3, None)]
         events = world.engines[0].events
         assert events.index(("paused",)) < events.index(("load", 3)) < events.index(("resumed",))
-        await settle(world)
+        await settle()
         check_engines(world, 3)
 
 
@@ -181,12 +181,12 @@ async def test_a_pause_past_its_deadline_fails_the_sync_and_everyone_resumes(
         assert info.value.phase == "pause" and not info.value.committed
         assert isinstance(info.value.__cause__, trio.TooSlowError)
         assert "deadline of 10" in str(info.value)
-        await settle(world, 120)  # the slow pause ends; the queued resume follows it
+        await settle(120)  # the slow pause ends; the queued resume follows it
         check_engines(world, -1)
         world.slow_engine = None
         world.engines[0].pause_delay = 0.0
         await engine.sync(1, weights_of(1))
-        await settle(world)
+        await settle()
         check_engines(world, 1)
         assert engine.statistics().failed == 1
 
@@ -204,14 +204,14 @@ async def test_a_sync_cancelled_in_any_phase_leaves_the_old_weights(
         with trio.CancelScope() as world.scope:
             await engine.sync(1, weights_of(1))
         assert world.scope.cancelled_caught
-        await settle(world)
+        await settle()
         check_engines(world, 0)
         for ref in refs:
             stats = await ref.ask(GetReceiverStatistics())
             assert stats.pending_version is None and stats.sync_id is None and not stats.paused
         world.cancel_on = None
         await engine.sync(2, weights_of(2))
-        await settle(world)
+        await settle()
         check_engines(world, 2)
 
 
@@ -222,7 +222,7 @@ async def test_a_cancel_during_the_resume_still_completes_the_sync(autojump_cloc
         with trio.CancelScope() as world.scope:
             result = await CheckpointEngine(refs, config()).sync(0, weights_of(0))
         assert result.version == 0  # committed before the cancel: it completed
-        await settle(world)
+        await settle()
         check_engines(world, 0)
 
 
@@ -235,11 +235,11 @@ async def test_a_receiver_killed_mid_broadcast(autojump_clock: Any) -> None:
             await engine.sync(0, weights_of(0))
         assert info.value.phase == "broadcast" and info.value.receiver == "engine-1"
         assert isinstance(info.value.__cause__, afa.ActorCrashed)
-        await settle(world)
+        await settle()
         check_engines(world, -1)  # engine 0 kept its weights; engine 1 is a fresh incarnation
         world.crash_engine = None
         await engine.sync(1, weights_of(1))
-        await settle(world)
+        await settle()
         check_engines(world, 1)
 
 
@@ -253,7 +253,7 @@ async def test_a_corrupted_bucket_fails_the_checksum_at_finalize(autojump_clock:
         assert info.value.phase == "finalize"
         assert isinstance(info.value.__cause__, ChecksumMismatch)
         assert "bucket 0" in str(info.value.__cause__)
-        await settle(world)
+        await settle()
         check_engines(world, -1)
 
 
@@ -344,7 +344,7 @@ async def test_a_load_refused_after_the_commit_is_reported_and_keeps_old_weights
             await engine.sync(1, bad)
         assert info.value.phase == "resume" and info.value.committed
         assert "cannot load 'unknown'" in str(info.value.__cause__)
-        await settle(world)
+        await settle()
         check_engines(world, 0)
 
 
