@@ -10,7 +10,10 @@ The contract a target promises, which the protocol relies on:
   weights any more (under ``KEEP``: nothing advances until the swap). It is idempotent.
 - ``load_weights(weights, version)`` switches the model whole or not at all: after it returns the
   target holds exactly ``version``; if it raises, the target still holds its old, complete
-  weights. A target never produces a token from a mix of two versions.
+  weights. A target never produces a token from a mix of two versions. The tensors it is given
+  (host memory) are its own from then on: the receiver never writes them again, so it may keep
+  them instead of copying. A lazy receiver calls it from the target's own batch boundary
+  (``WeightReceiver.apply_pending``), an eager one while the target is paused.
 - ``resume()`` undoes ``pause`` (idempotent; a no-op when not paused). The protocol calls it in a
   ``finally``, whatever happened, so a target is never left paused.
 """

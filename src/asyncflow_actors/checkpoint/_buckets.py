@@ -1,0 +1,250 @@
+"""Bucket bytes on both sides: the sender packs them, the receiver's host cache takes them in.
+
+``BucketSource`` (sender) copies the pieces of bucket *k* from the named tensors into a buffer
+and checksums it. ``HostCache`` (receiver) takes each bucket's bytes as they arrive: it keeps the
+bucket itself (the tensors lying whole in it are viewed in place at the end, no copy) and copies
+the pieces of split tensors into their own allocation. Both are plain synchronous code meant to
+run in a worker thread (``trio.to_thread``), so neither side's event loop blocks on a copy.
+"""
+
+from __future__ import annotations
+
+import secrets
+import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+from ._errors import ChecksumMismatch, IncompleteSync, ManifestError
+from ._manifest import Manifest, dtype_of, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+#: Identifies this process: a receiver given a bucket by a sender with the same token shares
+#: the sender's memory (a local ref, an in-process node) and must copy it before acknowledging.
+PROCESS_TOKEN: Final = secrets.token_hex(8)
+
+
+def checksum(data: torch.Tensor) -> int:
+    """CRC-32 of a flat uint8 tensor's bytes (copied to host memory first if on a device)."""
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if data.numel() == 0:
+        return 0
+    return zlib.crc32(data.numpy().data)
+
+
+class BucketSource:
+    """The sender's view of a sync's tensors: packs any bucket of ``manifest`` into a buffer."""
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], manifest: Manifest, *, with_checksum: bool
+    ) -> None:
+        self.tensors = list(tensors)
+        self.manifest = manifest
+        self.with_checksum = with_checksum
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def _bytes_of(self, index: int) -> torch.Tensor:
+        flat = self._flat.get(index)
+        if flat is None:
+            tensor = self.tensors[index]
+            flat = tensor_bytes(tensor)
+            if tensor.numel() and flat.data_ptr() != tensor.data_ptr():
+                self._flat[index] = flat  # made by a copy: keep it for the tensor's other pieces
+        return flat
+
+    def direct(self, index: int, device: str) -> torch.Tensor | None:
+        """Bucket ``index`` as a view of its tensor's own bytes, when it holds exactly one whole
+        contiguous tensor on ``device``: such a bucket is sent without packing (zero-copy)."""
+        import torch
+
+        bucket = self.manifest.buckets[index]
+        if len(bucket.pieces) != 1:
+            return None
+        piece = bucket.pieces[0]
+        tensor = self.tensors[piece.tensor]
+        want = torch.device(device)
+        if (
+            piece.nbytes != bucket.nbytes
+            or piece.nbytes != tensor.numel() * tensor.element_size()
+            or not tensor.is_contiguous()
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or tensor.device.type != want.type
+            or (want.index is not None and tensor.device.index != want.index)
+        ):
+            return None
+        return tensor_bytes(tensor)
+
+    def pack(self, index: int, out: torch.Tensor) -> int:
+        """Copy bucket ``index`` into ``out`` (flat uint8, exactly its size); return its CRC-32
+        (0 without checksums). Padding between pieces is zeroed, so a bucket's bytes and
+        checksum depend on the weights alone."""
+        bucket = self.manifest.buckets[index]
+        if out.numel() != bucket.nbytes:
+            raise ValueError(f"bucket {index} is {bucket.nbytes} bytes, buffer {out.numel()}")
+        end = 0
+        for piece in bucket.pieces:
+            if piece.start > end:
+                out[end : piece.start].zero_()
+            src = self._bytes_of(piece.tensor)[piece.offset : piece.offset + piece.nbytes]
+            out[piece.start : piece.start + piece.nbytes].copy_(src)
+            end = piece.start + piece.nbytes
+        if end < bucket.nbytes:
+            out[end:].zero_()
+        return checksum(out) if self.with_checksum else 0
+
+
+class HostCache:
+    """A receiver's staging area for one sync: received buckets, verified, then named tensors.
+
+    ``copy``: the bucket tensors handed in belong to someone else (same process as the sender):
+    copy them before keeping them. ``with_checksum``: compute each bucket's CRC-32 on arrival.
+    """
+
+    def __init__(self, manifest: Manifest, *, copy: bool, with_checksum: bool) -> None:
+        import torch
+
+        self.manifest = manifest
+        self.copy = copy
+        self.with_checksum = with_checksum
+        self.pieces = manifest.pieces_of()
+        n = len(manifest.buckets)
+        self.buckets: list[torch.Tensor | None] = [None] * n
+        self.received: list[bool] = [False] * n
+        self.crcs: list[int] = [0] * n
+        self.whole: dict[str, torch.Tensor] = {}  # tensors staged whole (the file transport)
+        # tensors split across buckets are assembled in their own memory, piece by piece
+        self.assembled = {
+            i: torch.empty(manifest.tensors[i].nbytes, dtype=torch.uint8)
+            for i, pieces in enumerate(self.pieces)
+            if len(pieces) > 1
+        }
+        self.bytes = 0
+
+    def _claim(self, index: int) -> None:
+        if not 0 <= index < len(self.buckets):
+            raise ManifestError(f"bucket {index} is not in the manifest ({len(self.buckets)})")
+        if self.received[index]:
+            raise ManifestError(f"bucket {index} received twice")
+
+    def take(self, index: int, data: torch.Tensor) -> None:
+        """Claim bucket ``index`` for ``data`` (flat uint8), checking index and size; cheap.
+        ``digest`` must follow. Raises ``ManifestError`` for a bucket of the wrong size or
+        index, or one received twice."""
+        import torch
+
+        self._claim(index)
+        spec = self.manifest.buckets[index]
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != spec.nbytes:
+            raise ManifestError(
+                f"bucket {index}: expected {spec.nbytes} bytes as a flat uint8 tensor, got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        self.received[index] = True
+        self.bytes += spec.nbytes
+
+    def digest(self, index: int, data: torch.Tensor) -> int:
+        """Checksum a taken bucket, copy its split pieces out, keep it (a copy of it when it is
+        not ours, or on a device); return its size. Thread-safe for distinct buckets."""
+        spec = self.manifest.buckets[index]
+        if data.device.type != "cpu":
+            data = data.cpu()
+        elif self.copy:
+            data = data.clone()
+        self.crcs[index] = checksum(data) if self.with_checksum else 0
+        keep = False
+        for piece in spec.pieces:
+            dest = self.assembled.get(piece.tensor)
+            if dest is None:
+                keep = True  # a whole tensor lies in this bucket: keep it and view it later
+            else:
+                src = data[piece.start : piece.start + piece.nbytes]
+                dest[piece.offset : piece.offset + piece.nbytes].copy_(src)
+        self.buckets[index] = data if keep else None
+        return spec.nbytes
+
+    def stage_bucket(self, index: int, data: torch.Tensor) -> int:
+        """``take`` then ``digest``."""
+        self.take(index, data)
+        return self.digest(index, data)
+
+    def stage_tensors(self, index: int, tensors: dict[str, torch.Tensor], crc: int) -> int:
+        """Take bucket ``index`` as whole tensors (a file shard), after checking that they are
+        exactly the ones the manifest puts there, with their dtypes and shapes."""
+        self._claim(index)
+        spec = self.manifest.buckets[index]
+        expected = {self.manifest.tensors[p.tensor].name: p.tensor for p in spec.pieces}
+        if set(tensors) != set(expected):
+            raise ManifestError(
+                f"shard {index}: holds {sorted(tensors)}, the manifest says {sorted(expected)}"
+            )
+        for name, i in expected.items():
+            want, got = self.manifest.tensors[i], tensors[name]
+            if got.dtype != dtype_of(want.dtype) or tuple(got.shape) != want.shape:
+                raise ManifestError(
+                    f"shard {index}: {name!r} is {got.dtype} {tuple(got.shape)}, the manifest "
+                    f"says {want.dtype} {want.shape}"
+                )
+        self.whole.update(tensors)
+        self.crcs[index] = crc
+        self.received[index] = True
+        self.bytes += sum(t.nbytes for t in tensors.values())
+        return spec.nbytes
+
+    def missing(self) -> list[int]:
+        return [i for i, got in enumerate(self.received) if not got]
+
+    def verify(self, checksums: Sequence[int]) -> None:
+        """Raise unless every bucket arrived and (with checksums) matches the sender's CRC."""
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise IncompleteSync(
+                f"{len(missing)} of {len(self.received)} buckets never arrived: {shown}"
+            )
+        if not self.with_checksum:
+            return
+        if len(checksums) != len(self.crcs):
+            raise ChecksumMismatch(
+                f"sender sent {len(checksums)} checksums for {len(self.crcs)} buckets"
+            )
+        for index, (want, got) in enumerate(zip(checksums, self.crcs, strict=True)):
+            if want != got:
+                names = sorted(
+                    {
+                        self.manifest.tensors[p.tensor].name
+                        for p in self.manifest.buckets[index].pieces
+                    }
+                )
+                raise ChecksumMismatch(
+                    f"bucket {index} ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}): "
+                    f"CRC-32 {got:#010x} received, {want:#010x} sent"
+                )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The named tensors (call after ``verify``): views into kept buckets where aligned."""
+        import torch
+
+        out: dict[str, torch.Tensor] = {}
+        for i, spec in enumerate(self.manifest.tensors):
+            dtype = dtype_of(spec.dtype)
+            if spec.name in self.whole:
+                out[spec.name] = self.whole[spec.name]
+                continue
+            pieces = self.pieces[i]
+            if not pieces:
+                out[spec.name] = torch.empty(spec.shape, dtype=dtype)
+                continue
+            if i in self.assembled:
+                raw = self.assembled[i]
+            else:
+                bucket_index, piece = pieces[0]
+                bucket = self.buckets[bucket_index]
+                assert bucket is not None
+                raw = bucket[piece.start : piece.start + piece.nbytes]
+                if raw.data_ptr() % dtype.itemsize:
+                    raw = raw.clone()  # a misaligned frame: torch kernels want aligned data
+            out[spec.name] = raw.view(dtype).reshape(spec.shape)
+        return out

@@ -1,0 +1,373 @@
+"""``CheckpointEngine``: the sender of weight syncs, and the sync protocol it runs.
+
+One ``await engine.sync(version, weights)`` is one conversation with every target (rollout
+engines and forward workers, each hosting a ``WeightReceiver``), each phase under its deadline::
+
+    pause     every target acknowledges that nothing runs on the old weights
+    prepare   every receiver gets the manifest and sets up its host cache
+    topology  the transport builds its channel (a process group, a directory, nothing)
+    broadcast the buckets, double-buffered
+    finalize  every receiver verifies what it got                 <- the commit point
+    resume    shielded, under its own deadline, ALWAYS: commit or drop, then resume
+
+Before the commit point nothing any target holds changes: a failed or cancelled sync drops the
+staged copies and every target resumes on its old, complete weights. After it, every receiver
+switches (at once, or lazily at its next batch boundary) and resumes. The next sync starts from
+scratch, so it succeeds whatever the last one left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+import trio
+
+from ..actors import ActorCrashed, ActorRef
+from ._buckets import PROCESS_TOKEN, BucketSource
+from ._config import PHASES, CheckpointConfig
+from ._errors import ManifestError, SyncFailed
+from ._manifest import collect, plan_buckets, spec_of
+from ._messages import Resumed, SyncFinalize, SyncPause, SyncPrepare, SyncResume
+from ._target import PauseAck
+from ._transport import ActorTransport, ReceiverFailed, SyncSession, Transport, ask_all
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("asyncflow_actors.checkpoint")
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class SyncResult:
+    """What one sync did and how long each phase took (seconds, wall clock).
+
+    ``payload_bytes``: tensor bytes sent to each receiver; ``bytes_moved``: bucket bytes
+    (padding included) times receivers. ``acks``: each target's pause acknowledgement,
+    ``resumed``: what each holds afterwards, both in target order.
+    """
+
+    version: int
+    sync_id: str
+    transport: str
+    receivers: int
+    tensors: int
+    buckets: int
+    payload_bytes: int
+    bytes_moved: int
+    pause_s: float
+    prepare_s: float
+    topology_s: float
+    broadcast_s: float
+    finalize_s: float
+    resume_s: float
+    total_s: float
+    acks: tuple[PauseAck, ...]
+    resumed: tuple[Resumed, ...]
+
+    @property
+    def bandwidth(self) -> float:
+        """Payload bytes per second of the whole sync (pause to resume)."""
+        return self.payload_bytes / self.total_s if self.total_s > 0 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """``sync_pause`` ... ``sync_resume``, ``sync_total`` (s), ``sync_bytes``, ``sync_version``."""
+        out = {f"sync_{phase}": float(getattr(self, f"{phase}_s")) for phase in PHASES}
+        out["sync_total"] = self.total_s
+        out["sync_bytes"] = float(self.bytes_moved)
+        out["sync_version"] = float(self.version)
+        return out
+
+
+@attrs.frozen
+class CheckpointEngineStatistics:
+    """Counters of a ``CheckpointEngine``: ``syncs`` committed, ``failed`` syncs that raised
+    (``SyncFailed`` or a cancellation), whether one is ``syncing`` now."""
+
+    syncs: int
+    failed: int
+    syncing: bool
+    last_version: int | None
+    bytes_moved: int
+    targets: int
+
+
+def make_transport(config: CheckpointConfig) -> Transport:
+    """The transport ``config.transport`` names."""
+    if config.transport == "actor":
+        return ActorTransport()
+    if config.transport == "file":
+        from ._file import FileTransport
+
+        assert config.directory is not None
+        return FileTransport(config.directory, keep_versions=config.keep_versions)
+    from ._collective import CollectiveTransport
+
+    return CollectiveTransport(config.transport)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[exc]``."""
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for e in inner for leaf in _leaves(e)]
+
+
+def _cancelled(exc: BaseException) -> bool:
+    return any(isinstance(leaf, trio.Cancelled) for leaf in _leaves(exc))
+
+
+def _root_cause(exc: BaseException) -> tuple[BaseException, str | None]:
+    """The first error inside trio's exception groups, and the receiver it came from."""
+    first = _leaves(exc)[0]
+    if isinstance(first, ReceiverFailed) and first.__cause__ is not None:
+        return first.__cause__, first.receiver
+    return first, None
+
+
+class CheckpointEngine:
+    """Sends weights to ``targets`` (refs to actors hosting a ``WeightReceiver``).
+
+    ``transport`` defaults to the one ``config.transport`` names. One sync runs at a time
+    (a second call waits). See the module docstring for the protocol and failure semantics.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[ActorRef[Any]] = (),
+        config: CheckpointConfig | None = None,
+        *,
+        transport: Transport | None = None,
+    ) -> None:
+        self.config = config if config is not None else CheckpointConfig()
+        self.transport = transport if transport is not None else make_transport(self.config)
+        self._targets = tuple(targets)
+        self._lock = trio.Lock()
+        self._syncs = self._failed = self._bytes = 0
+        self._last_version: int | None = None
+
+    @property
+    def targets(self) -> tuple[ActorRef[Any], ...]:
+        return self._targets
+
+    def set_targets(self, targets: Sequence[ActorRef[Any]]) -> None:
+        """Replace the targets (a sync in progress keeps its own)."""
+        self._targets = tuple(targets)
+
+    def statistics(self) -> CheckpointEngineStatistics:
+        return CheckpointEngineStatistics(
+            syncs=self._syncs,
+            failed=self._failed,
+            syncing=self._lock.locked(),
+            last_version=self._last_version,
+            bytes_moved=self._bytes,
+            targets=len(self._targets),
+        )
+
+    async def sync(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    ) -> SyncResult:
+        """Pause every target, send ``weights`` tagged ``version``, commit, resume them all.
+
+        ``weights``: a state dict or ``(name, tensor)`` pairs (filtered by the config: e.g.
+        LoRA only); the tensors must not change until this returns. Raises ``ManifestError``
+        for weights that cannot be sent (before anything is paused) and ``SyncFailed`` (its
+        ``__cause__`` says why) for a sync that failed. If cancelled before the commit point it
+        raises ``Cancelled`` with every target back on its old weights; after it, the sync
+        completes (shielded) and returns.
+        """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ManifestError(f"version must be an int >= 0, got {version!r}")
+        async with self._lock:
+            return await self._sync(version, weights)
+
+    async def _phase(
+        self,
+        name: str,
+        timings: dict[str, float],
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+    ) -> T:
+        started = time.perf_counter()
+        try:
+            with trio.fail_after(getattr(self.config.deadlines, name)):
+                return await fn(*args)
+        finally:
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - started
+
+    def _plan(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    ) -> SyncSession:
+        """Check and plan the weights (raises ``ManifestError``: nothing is paused yet)."""
+        config = self.config
+        keep = config.tensor_filter()
+        named = [(name, tensor) for name, tensor in collect(weights) if keep(name)]
+        if not named:
+            raise ManifestError(f"no tensor to sync: none matched {keep}")
+        specs = [spec_of(name, tensor) for name, tensor in named]
+        manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
+        self.transport.check(manifest)
+        checksum = config.checksum == "crc32"
+        source = BucketSource([t for _, t in named], manifest, with_checksum=checksum)
+        sync_id = f"{version}-{secrets.token_hex(4)}"
+        return SyncSession(sync_id, version, manifest, self._targets, config, source)
+
+    async def _converse(
+        self, session: SyncSession, timings: dict[str, float], progress: list[str]
+    ) -> list[PauseAck]:
+        """Pause, prepare, topology, broadcast, finalize; ``progress[0]`` names the phase."""
+        sync_id, targets, config = session.sync_id, session.receivers, self.config
+        checksum = config.checksum == "crc32"
+        pause = SyncPause(sync_id, config.pause_mode, config.lease)
+        acks: list[PauseAck] = await self._phase(
+            "pause", timings, ask_all, targets, lambda _: pause
+        )
+        progress[0] = "prepare"
+        prepare = SyncPrepare(sync_id, session.version, session.manifest, PROCESS_TOKEN, checksum)
+        await self._phase("prepare", timings, ask_all, targets, lambda _: prepare)
+        progress[0] = "topology"
+        await self._phase("topology", timings, self.transport.open, session)
+        progress[0] = "broadcast"
+        await self._phase("broadcast", timings, self.transport.broadcast, session)
+        progress[0] = "finalize"
+        finalize = SyncFinalize(sync_id, tuple(session.checksums) if checksum else ())
+        await self._phase("finalize", timings, ask_all, targets, lambda _: finalize)
+        return acks
+
+    async def _sync(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    ) -> SyncResult:
+        started = time.perf_counter()
+        session = self._plan(version, weights)
+        timings = {"prepare": time.perf_counter() - started}
+        progress = ["pause"]
+        acks: list[PauseAck] = []
+        failure: BaseException | None = None
+        try:
+            acks = await self._converse(session, timings, progress)
+        except BaseException as exc:
+            failure = exc
+        committed = failure is None
+        # A receiver that crashed during the sync lost it with its incarnation (a restarted one
+        # was never paused): do not wait for it to come back just to resume nothing.
+        gone = None
+        if failure is not None:
+            cause, receiver = _root_cause(failure)
+            gone = receiver if isinstance(cause, ActorCrashed) else None
+        resumed, errors = await self._end(session, committed, timings, skip=gone)
+        total = time.perf_counter() - started
+        timings = {p: timings.get(p, 0.0) for p in PHASES}
+        unresumed = ""
+        if errors:
+            name, error = errors[0]
+            unresumed = (
+                f"{len(errors)} target(s) did not confirm the resume (first: {name!r}: "
+                f"{type(error).__name__}: {error})"
+            )
+        if failure is not None:
+            self._failed += 1
+            if _cancelled(failure) or not isinstance(failure, Exception):
+                raise failure
+            phase = progress[0]
+            cause, receiver = _root_cause(failure)
+            if isinstance(cause, trio.TooSlowError):
+                detail = f"deadline of {getattr(self.config.deadlines, phase)} s passed"
+            else:
+                detail = f"{type(cause).__name__}: {cause}"
+            where = f" at receiver {receiver!r}" if receiver else ""
+            log.warning("sync %s failed in %s%s: %s", session.sync_id, phase, where, detail)
+            raise SyncFailed(
+                f"weight sync of version {version} failed in {phase}{where}: {detail}; every "
+                f"target kept its weights{'; ' + unresumed if unresumed else ' and was resumed'}",
+                phase=phase,
+                version=version,
+                receiver=receiver,
+                timings=timings,
+            ) from cause
+        manifest = session.manifest
+        self._syncs += 1
+        self._last_version = version
+        self._bytes += manifest.bucket_total * len(session.receivers)
+        if errors:
+            self._failed += 1
+            raise SyncFailed(
+                f"weight sync of version {version} committed, but {unresumed}",
+                phase="resume",
+                version=version,
+                receiver=errors[0][0],
+                committed=True,
+                timings=timings,
+            ) from errors[0][1]
+        result = SyncResult(
+            version=version,
+            sync_id=session.sync_id,
+            transport=self.transport.kind,
+            receivers=len(session.receivers),
+            tensors=len(manifest.tensors),
+            buckets=len(manifest.buckets),
+            payload_bytes=manifest.payload_bytes,
+            bytes_moved=manifest.bucket_total * len(session.receivers),
+            pause_s=timings["pause"],
+            prepare_s=timings["prepare"],
+            topology_s=timings["topology"],
+            broadcast_s=timings["broadcast"],
+            finalize_s=timings["finalize"],
+            resume_s=timings["resume"],
+            total_s=total,
+            acks=tuple(acks),
+            resumed=tuple(r for r in resumed if r is not None),
+        )
+        log.info("sync %s: %s", session.sync_id, result.metrics())
+        return result
+
+    async def _end(
+        self, session: SyncSession, committed: bool, timings: dict[str, float], skip: str | None
+    ) -> tuple[list[Resumed | None], list[tuple[str, BaseException]]]:
+        """Close the transport and resume every target (but ``skip``): shielded, under the
+        resume deadline."""
+        started = time.perf_counter()
+        targets = session.receivers
+        resumed: list[Resumed | None] = [None] * len(targets)
+        errors: list[tuple[str, BaseException]] = []
+        end = SyncResume(session.sync_id, committed, self.config.eager)
+
+        async def close() -> None:
+            try:
+                await self.transport.close(session, failed=not committed)
+            except Exception:
+                log.exception(
+                    "sync %s: closing the %s transport failed", session.sync_id, self.transport.kind
+                )
+
+        async def resume(i: int) -> None:
+            try:
+                resumed[i] = await targets[i].ask(end)
+            except Exception as exc:
+                errors.append((targets[i].name, exc))
+
+        with trio.CancelScope(shield=True), trio.move_on_after(self.config.deadlines.resume):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close)
+                for i in range(len(targets)):
+                    if targets[i].name != skip:
+                        nursery.start_soon(resume, i)
+        for i, ref in enumerate(targets):
+            if ref.name == skip:
+                continue
+            if resumed[i] is None and all(name != ref.name for name, _ in errors):
+                errors.append((ref.name, trio.TooSlowError("no answer within the resume deadline")))
+        timings["resume"] = time.perf_counter() - started
+        return resumed, errors

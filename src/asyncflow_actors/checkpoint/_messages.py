@@ -1,0 +1,160 @@
+"""The messages of the sync conversation between the sender and each receiver.
+
+Every message names its sync (``sync_id``); a receiver refuses (``StaleSync``) messages of a
+sync it is not part of. In order, for one receiver::
+
+    SyncPause      -> PauseAck          pause the target; arm the lease
+    SyncPrepare    -> int               the manifest: allocate the host cache (bytes expected)
+    (transport)                         PutBucket* | JoinGroup + ReceiveBroadcast | ReadShard*
+    SyncFinalize   -> int               verify every bucket against the sender's checksums
+    SyncResume     -> Resumed           commit (or drop) the staged weights, resume the target
+
+``SyncResume`` is sent whatever happened before, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ..actors import Request
+from ._manifest import Manifest
+from ._target import PauseAck, PauseMode
+
+
+@attrs.frozen
+class SyncPause(Request[PauseAck]):
+    """Pause the target (``mode``); resume on your own after ``lease`` seconds without the
+    sync's ``SyncResume`` (the sender died)."""
+
+    sync_id: str
+    mode: PauseMode
+    lease: float
+
+
+@attrs.frozen
+class SyncPrepare(Request[int]):
+    """The sync's version and manifest. ``sender`` is the sender's process token;
+    ``checksum``: compute each bucket's CRC-32."""
+
+    sync_id: str
+    version: int
+    manifest: Manifest
+    sender: str
+    checksum: bool
+
+
+@attrs.frozen
+class PutBucket(Request[int]):
+    """Bucket ``index``'s bytes (the actor transport); acknowledged once they are staged."""
+
+    sync_id: str
+    index: int
+    data: torch.Tensor
+
+
+@attrs.frozen
+class JoinGroup(Request[None]):
+    """Join the sync's process group: ``backend`` rank ``rank`` of ``world_size``, rendezvous
+    at the sender's TCPStore ``host:port``; ``timeout`` bounds every collective of it."""
+
+    sync_id: str
+    backend: str
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout: float
+
+
+@attrs.frozen
+class ReceiveBroadcast(Request[int]):
+    """Receive every bucket of the manifest by broadcast from rank 0; reply with the bytes."""
+
+    sync_id: str
+
+
+@attrs.frozen
+class ReadShard(Request[int]):
+    """Read bucket ``index`` from the safetensors file ``path`` (the file transport)."""
+
+    sync_id: str
+    index: int
+    path: str
+
+
+@attrs.frozen
+class SyncFinalize(Request[int]):
+    """Verify the staged buckets (``checksums``: the sender's, empty without checksums)."""
+
+    sync_id: str
+    checksums: tuple[int, ...]
+
+
+@attrs.frozen
+class Resumed:
+    """What a receiver holds after ``SyncResume``: the target's version, and the version
+    waiting in the host cache for the next batch boundary (``None``: nothing pending)."""
+
+    version: int
+    pending: int | None
+
+
+@attrs.frozen
+class SyncResume(Request[Resumed]):
+    """End of the sync: ``commit`` the verified weights (load now if ``eager``, else at the
+    next batch boundary) or drop them; then resume the target."""
+
+    sync_id: str
+    commit: bool
+    eager: bool
+
+
+@attrs.frozen
+class ReceiverStatistics:
+    """A receiver's counters (``WeightReceiver.statistics``)."""
+
+    name: str
+    version: int
+    pending_version: int | None
+    paused: bool
+    sync_id: str | None
+    committed: int
+    aborted: int
+    leases_expired: int
+    bytes_received: int
+    loads: int
+    load_errors: int
+    last_load_seconds: float
+
+
+@attrs.frozen
+class GetReceiverStatistics(Request[ReceiverStatistics]):
+    """Ask a receiver for its ``ReceiverStatistics``."""
+
+
+SyncMessage = (
+    SyncPause
+    | SyncPrepare
+    | PutBucket
+    | JoinGroup
+    | ReceiveBroadcast
+    | ReadShard
+    | SyncFinalize
+    | SyncResume
+    | GetReceiverStatistics
+)
+"""Every message a receiver answers: put it in your actor's ``Actor[M]`` union."""
+
+SYNC_MESSAGES = (
+    SyncPause,
+    SyncPrepare,
+    PutBucket,
+    JoinGroup,
+    ReceiveBroadcast,
+    ReadShard,
+    SyncFinalize,
+    SyncResume,
+    GetReceiverStatistics,
+)
+"""The same, as a tuple for ``isinstance(msg, SYNC_MESSAGES)``."""

@@ -1,0 +1,431 @@
+"""The receiving half of weight sync: what a rollout engine or a forward worker embeds.
+
+``WeightReceiver`` wraps one ``SyncTarget``. The actor that hosts the target hands it every sync
+message (``await receiver.handle(msg, ctx)``, or use ``SyncTargetActor``), and — when it loads
+lazily — calls ``await receiver.apply_pending()`` at each batch boundary.
+
+What it promises:
+
+- Received bytes land in a host cache (copies and checksums in worker threads: the hosting
+  process's event loop keeps running); the target's weights are untouched until the commit.
+- A target switches whole or not at all: ``load_weights`` gets every tensor of a verified
+  version at once. Before the sender's commit nothing changes; a dropped sync leaves the old
+  weights in place.
+- ``lazy`` receivers keep the committed weights pending until ``apply_pending()`` (the next
+  batch boundary); ``eager`` ones (or a sync with ``eager=True``) load before resuming. Pending
+  weights of a sync that sent a subset (LoRA) are merged with any still pending before.
+- The target is resumed by ``SyncResume`` whatever happened, and on its own once the pause's
+  lease runs out (the sender died), so no target stays paused.
+- Bad input is answered with an error (``ctx.reply_error``), never a crash of the host actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+import trio
+
+from ..actors import Actor, ActorContext, Reply
+from ._buckets import PROCESS_TOKEN, HostCache
+from ._errors import ManifestError, StaleSync
+from ._manifest import TensorSpec, spec_of
+from ._messages import (
+    GetReceiverStatistics,
+    JoinGroup,
+    PutBucket,
+    ReadShard,
+    ReceiveBroadcast,
+    ReceiverStatistics,
+    Resumed,
+    SyncFinalize,
+    SyncMessage,
+    SyncPause,
+    SyncPrepare,
+    SyncResume,
+)
+from ._target import PauseAck, SyncTarget
+from ._transport import run_sync
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._collective import Group
+
+log = logging.getLogger("asyncflow_actors.checkpoint")
+
+LoadMode = Literal["lazy", "eager"]
+
+
+@attrs.define(eq=False)
+class _Digests:
+    """Checksums of buckets acknowledged on arrival, running in worker threads."""
+
+    running: int = 0
+    idle: trio.Event = attrs.Factory(trio.Event)
+    error: BaseException | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.idle.set()
+
+    async def wait(self) -> None:
+        await self.idle.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@attrs.define(eq=False)
+class _Sync:
+    """The receiver's side of the sync in progress."""
+
+    sync_id: str
+    paused: bool = False  # the target acknowledged the pause
+    pausing: trio.Event = attrs.Factory(trio.Event)  # set once the pause ended, either way
+    version: int = -1
+    cache: HostCache | None = None
+    verified: dict[str, torch.Tensor] | None = None
+    group: Group | None = None
+    scopes: list[trio.CancelScope] = attrs.Factory(list)  # lease, broadcast receive
+    digests: _Digests = attrs.Factory(_Digests)
+
+
+class WeightReceiver:
+    """Receives weights for ``target`` (see the module docstring).
+
+    ``load``: ``"lazy"`` (the host calls ``apply_pending()`` at its batch boundaries) or
+    ``"eager"``. ``expected``: the tensors the target holds (a state dict or ``TensorSpec``s);
+    a sync naming another tensor, dtype or shape is refused before any byte moves (without it,
+    the specs of each committed sync are remembered and checked the same way). ``device``: where
+    collective transports receive (``"cuda:0"`` for nccl); the host cache is always in host
+    memory. ``offload``: run copies and checksums in worker threads.
+    """
+
+    def __init__(
+        self,
+        target: SyncTarget,
+        *,
+        load: LoadMode = "lazy",
+        expected: Mapping[str, torch.Tensor | TensorSpec] | None = None,
+        device: str = "cpu",
+        offload: bool = True,
+        name: str = "",
+    ) -> None:
+        if load not in ("lazy", "eager"):
+            raise ValueError(f"load must be 'lazy' or 'eager', got {load!r}")
+        self.target = target
+        self.load = load
+        self.device = device
+        self.offload = offload
+        self.name = name
+        self._strict = expected is not None
+        self._known: dict[str, TensorSpec] = {}
+        for key, value in (expected or {}).items():
+            self._known[key] = value if isinstance(value, TensorSpec) else spec_of(key, value)
+        self._sync: _Sync | None = None
+        self._pending: dict[str, torch.Tensor] | None = None
+        self._pending_version: int | None = None
+        self._load_lock = trio.Lock()
+        self._limiter = trio.CapacityLimiter(2)  # background checksums at a time
+        self._committed = self._aborted = self._expired = 0
+        self._bytes = self._loads = self._load_errors = 0
+        self._last_load = 0.0
+
+    # -- what the host calls -------------------------------------------------------------------
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version waiting for ``apply_pending()``, or ``None``."""
+        return self._pending_version
+
+    async def apply_pending(self) -> int | None:
+        """Load the pending weights into the target, if any; return their version (else None).
+
+        Call it at a batch boundary. If the target refuses them (``load_weights`` raises), it
+        keeps its old weights, the pending ones are dropped and the error is raised.
+        """
+        await trio.lowlevel.checkpoint()
+        if self._pending is None:
+            return None
+        return await self._apply()
+
+    async def _apply(self) -> int | None:
+        async with self._load_lock:
+            weights, version = self._pending, self._pending_version
+            if weights is None or version is None:
+                return None
+            self._pending = self._pending_version = None
+            started = time.perf_counter()
+            try:
+                await self.target.load_weights(weights, version)
+            except BaseException:
+                self._load_errors += 1
+                raise
+            self._loads += 1
+            self._last_load = time.perf_counter() - started
+            return version
+
+    def statistics(self) -> ReceiverStatistics:
+        sync = self._sync
+        return ReceiverStatistics(
+            name=self.name,
+            version=self.target.version,
+            pending_version=self._pending_version,
+            paused=sync is not None and sync.paused,
+            sync_id=sync.sync_id if sync is not None else None,
+            committed=self._committed,
+            aborted=self._aborted,
+            leases_expired=self._expired,
+            bytes_received=self._bytes,
+            loads=self._loads,
+            load_errors=self._load_errors,
+            last_load_seconds=self._last_load,
+        )
+
+    async def handle(self, msg: SyncMessage, ctx: ActorContext[Any]) -> Any:
+        """Answer one sync message (the host actor returns this from ``receive``).
+
+        Errors are answered to the sender (``ctx.reply_error``); the host never crashes on them.
+        """
+        try:
+            return await self._dispatch(msg, ctx)
+        except Exception as exc:
+            ctx.reply_error(exc)
+            return None
+
+    # -- the conversation ------------------------------------------------------------------------
+
+    async def _dispatch(self, msg: SyncMessage, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, SyncPause):
+            return await self._pause(msg, ctx)
+        if isinstance(msg, SyncResume):
+            return await self._resume(msg)
+        if isinstance(msg, GetReceiverStatistics):
+            await trio.lowlevel.checkpoint()
+            return self.statistics()
+        sync = self._current(msg.sync_id)
+        if isinstance(msg, SyncPrepare):
+            return await self._prepare(sync, msg)
+        cache = sync.cache
+        if cache is None:
+            raise StaleSync(f"{self._who()}: sync {msg.sync_id} was not prepared")
+        if isinstance(msg, PutBucket):
+            return await self._put_bucket(sync, cache, msg, ctx)
+        if isinstance(msg, ReadShard):
+            from ._file import read_shard
+
+            tensors, crc = await run_sync(self.offload, read_shard, msg.path, cache.with_checksum)
+            staged = cache.stage_tensors(msg.index, tensors, crc)
+            self._bytes += staged
+            return staged
+        if isinstance(msg, JoinGroup):
+            from ._collective import join_group
+
+            sync.group = await join_group(msg, self.device)
+            return None
+        if isinstance(msg, ReceiveBroadcast):
+            self._start_broadcast(sync, cache, ctx)
+            return None
+        if isinstance(msg, SyncFinalize):
+            await sync.digests.wait()
+            await run_sync(self.offload, cache.verify, msg.checksums)
+            sync.verified = await run_sync(self.offload, cache.tensors)
+            sync.cache = None
+            return cache.bytes
+        raise TypeError(f"{self._who()}: not a sync message: {msg!r}")
+
+    def _who(self) -> str:
+        return f"receiver {self.name!r}" if self.name else "receiver"
+
+    def _current(self, sync_id: str) -> _Sync:
+        sync = self._sync
+        if sync is None or sync.sync_id != sync_id:
+            now = sync.sync_id if sync is not None else "none"
+            raise StaleSync(f"{self._who()}: sync {sync_id} is not in progress (current: {now})")
+        return sync
+
+    async def _pause(self, msg: SyncPause, ctx: ActorContext[Any]) -> PauseAck:
+        sync = self._sync
+        if sync is None or sync.sync_id != msg.sync_id:
+            if sync is not None:
+                # A new sync supersedes one whose sender vanished; the target stays paused.
+                log.warning("%s: sync %s superseded by %s", self._who(), sync.sync_id, msg.sync_id)
+                self._drop(sync, count=True)
+            sync = self._sync = _Sync(msg.sync_id)
+            if math.isfinite(msg.lease):
+                scope = trio.CancelScope(deadline=trio.current_time() + msg.lease)
+                sync.scopes.append(scope)
+                ctx.start_soon(self._watch_lease, sync, scope)
+        try:
+            ack = await self.target.pause(msg.mode)
+            sync.paused = True
+        finally:
+            sync.pausing.set()
+        return ack
+
+    async def _watch_lease(self, sync: _Sync, scope: trio.CancelScope) -> None:
+        with scope:
+            await trio.sleep_forever()
+        if self._sync is not sync or trio.current_time() < scope.deadline:
+            return  # the sync ended: its end cancelled this scope
+        self._expired += 1
+        log.warning("%s: lease of sync %s ran out: resuming on our own", self._who(), sync.sync_id)
+        await sync.pausing.wait()  # never resume under a pause that is still going on
+        if self._sync is sync:
+            try:
+                await self._end(sync, commit=False, eager=False)
+            except Exception:
+                log.exception(
+                    "%s: resuming after the lease of %s failed", self._who(), sync.sync_id
+                )
+
+    async def _prepare(self, sync: _Sync, msg: SyncPrepare) -> int:
+        manifest = msg.manifest
+        manifest.check()
+        pending = self._pending_version
+        newest = max(self.target.version, pending if pending is not None else -1)
+        if msg.version < newest:
+            raise StaleSync(f"{self._who()}: version {msg.version} is older than {newest}")
+        for spec in manifest.tensors:
+            known = self._known.get(spec.name)
+            if known is None and self._strict:
+                raise ManifestError(f"{self._who()}: tensor {spec.name!r} is not a weight here")
+            if known is not None and (known.dtype, known.shape) != (spec.dtype, spec.shape):
+                raise ManifestError(
+                    f"{self._who()}: tensor {spec.name!r} is {spec.dtype} {spec.shape}, "
+                    f"expected {known.dtype} {known.shape}"
+                )
+        sync.version = msg.version
+        sync.verified = None
+        sync.cache = await run_sync(
+            self.offload,
+            lambda: HostCache(
+                manifest, copy=msg.sender == PROCESS_TOKEN, with_checksum=msg.checksum
+            ),
+        )
+        return manifest.bucket_total
+
+    async def _put_bucket(
+        self, sync: _Sync, cache: HostCache, msg: PutBucket, ctx: ActorContext[Any]
+    ) -> int:
+        """Stage a bucket and acknowledge it (the sender then reuses its buffer).
+
+        Bytes another process sent are ours from the moment they arrived: acknowledge at once
+        and checksum them in the background (finalize waits). Bytes shared with the sender (same
+        process) are copied before the acknowledgement.
+        """
+        cache.take(msg.index, msg.data)
+        size = cache.manifest.buckets[msg.index].nbytes
+        self._bytes += size
+        if cache.copy or msg.data.device.type != "cpu":
+            await run_sync(self.offload, cache.digest, msg.index, msg.data)
+            return size
+        digests = sync.digests
+        if digests.running == 0:
+            digests.idle = trio.Event()
+        digests.running += 1
+
+        async def digest() -> None:
+            try:
+                await run_sync(
+                    self.offload, cache.digest, msg.index, msg.data, limiter=self._limiter
+                )
+            except Exception as exc:
+                digests.error = digests.error or exc
+            finally:
+                digests.running -= 1
+                if digests.running == 0:
+                    digests.idle.set()
+
+        ctx.start_soon(digest)
+        await trio.lowlevel.checkpoint()
+        return size
+
+    def _start_broadcast(self, sync: _Sync, cache: HostCache, ctx: ActorContext[Any]) -> None:
+        """Receive by collective in a helper task, so the host stays responsive (a
+        ``SyncResume`` that drops the sync cancels it); the reply is deferred to its end."""
+        from ._collective import receive_broadcast
+
+        group = sync.group
+        if group is None:
+            raise StaleSync(f"{self._who()}: sync {sync.sync_id} has no process group")
+        reply: Reply = ctx.defer_reply()
+        scope = trio.CancelScope()
+        sync.scopes.append(scope)
+
+        async def run() -> None:
+            try:
+                with scope:
+                    received = await receive_broadcast(group, cache, self.offload)
+                    self._bytes += received
+                    reply.send(received)
+                    return
+                reply.fail(StaleSync(f"{self._who()}: sync {sync.sync_id} was dropped"))
+            except Exception as exc:
+                reply.fail(exc)
+
+        ctx.start_soon(run)
+
+    async def _resume(self, msg: SyncResume) -> Resumed:
+        sync = self._sync
+        if sync is not None and sync.sync_id == msg.sync_id:
+            await self._end(sync, commit=msg.commit, eager=msg.eager)
+        else:
+            await trio.lowlevel.checkpoint()  # a repeated or stale resume: nothing to do
+        return Resumed(self.target.version, self._pending_version)
+
+    def _drop(self, sync: _Sync, *, count: bool) -> None:
+        for scope in sync.scopes:
+            scope.cancel()
+        if sync.group is not None:
+            sync.group.close()
+            sync.group = None
+        sync.cache = sync.verified = None
+        if count:
+            self._aborted += 1
+
+    async def _end(self, sync: _Sync, *, commit: bool, eager: bool) -> None:
+        """Commit (or drop) the staged weights, then resume the target whatever happens."""
+        self._sync = None
+        weights = sync.verified
+        self._drop(sync, count=not commit)
+        try:
+            if commit:
+                if weights is None:
+                    raise StaleSync(f"{self._who()}: sync {sync.sync_id} was never verified")
+                merged = dict(self._pending or {})
+                merged.update(weights)
+                self._pending, self._pending_version = merged, sync.version
+                for name, tensor in weights.items():
+                    self._known.setdefault(name, spec_of(name, tensor))
+                self._committed += 1
+                if eager or self.load == "eager":
+                    await self._apply()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.target.resume()  # idempotent: also after a pause that failed
+
+
+class SyncTargetActor(Actor[SyncMessage]):
+    """An actor hosting one ``SyncTarget`` and its ``WeightReceiver``: a ready-made receiver.
+
+    Subclass it and implement ``make_target``. Its ``load`` (class attribute) is ``"eager"``:
+    a target that calls ``apply_pending()`` at its batch boundaries may set ``"lazy"``. An actor
+    with messages of its own embeds a ``WeightReceiver`` instead (``docs/weight_sync.md``).
+    """
+
+    load: LoadMode = "eager"
+    offload: bool = True
+
+    async def make_target(self, ctx: ActorContext[SyncMessage]) -> SyncTarget:
+        raise NotImplementedError(f"{type(self).__name__} must implement make_target()")
+
+    async def on_start(self, ctx: ActorContext[SyncMessage]) -> None:
+        target = await self.make_target(ctx)
+        self.receiver = WeightReceiver(target, load=self.load, offload=self.offload, name=ctx.name)
+
+    async def receive(self, msg: SyncMessage, ctx: ActorContext[SyncMessage]) -> Any:
+        return await self.receiver.handle(msg, ctx)

@@ -1,0 +1,226 @@
+"""Transports: how bucket bytes get from the sender to the receivers (one interface).
+
+The control conversation (pause, prepare, finalize, resume) always goes by actor messages; a
+transport owns only the topology and broadcast phases. ``ActorTransport`` sends every bucket as a
+``PutBucket`` ask to each receiver's ref: for a local ref that is an in-process hand-over of the
+buffer, for a remote ref a zero-copy zmq message over the runtime's link (ipc or tcp, as the node
+was started). The collective and file transports live in ``_collective`` and ``_file``.
+
+Double buffering, and why reuse is safe by construction: the sender owns two buffers of
+``bucket_bytes``. Bucket *k* is packed into buffer *k* mod 2 (in a worker thread) while bucket
+*k-1* is on its way (a bucket that is one whole tensor is sent from the tensor, unpacked); a
+buffer is refilled only after **every** receiver acknowledged the bucket it carried, and a
+receiver acknowledges only once it has copied the bytes out or owns them (a frame its own
+process received: every byte of it was read out of the sender's buffer). A sync that fails
+leaves its buffers to whoever may still read them: the next sync allocates fresh ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import attrs
+import trio
+
+from ..actors import ActorRef, Request
+from ._buckets import BucketSource, checksum
+from ._config import CheckpointConfig
+from ._manifest import Manifest
+from ._messages import PutBucket
+
+if TYPE_CHECKING:
+    import torch
+
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class ReceiverFailed(Exception):
+    """Internal: a receiver's ask failed; ``receiver`` names it, ``__cause__`` is why."""
+
+    def __init__(self, receiver: str) -> None:
+        super().__init__(f"receiver {receiver!r} failed")
+        self.receiver = receiver
+
+
+async def ask(ref: ActorRef[Any], request: Request[R]) -> R:
+    """``ref.ask(request)``, its failure wrapped in ``ReceiverFailed`` naming the receiver."""
+    try:
+        return await ref.ask(request)
+    except Exception as exc:
+        raise ReceiverFailed(ref.name) from exc
+
+
+async def ask_all(refs: Sequence[ActorRef[Any]], make: Callable[[int], Request[Any]]) -> list[Any]:
+    """Ask every ref concurrently (``make(i)`` builds the i-th request); the first failure
+    cancels the others and is raised (inside trio's exception group)."""
+    results: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        results[i] = await ask(refs[i], make(i))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(refs)):
+            nursery.start_soon(one, i)
+    return results
+
+
+async def run_sync(
+    offload: bool, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter | None = None
+) -> T:
+    """Run ``fn(*args)`` in a worker thread (``offload``) or inline; a checkpoint either way."""
+    if offload:
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
+@attrs.define(eq=False)
+class SyncSession:
+    """One sync as the transports see it. ``checksums`` are filled in while packing."""
+
+    sync_id: str
+    version: int
+    manifest: Manifest
+    receivers: tuple[ActorRef[Any], ...]
+    config: CheckpointConfig
+    source: BucketSource
+    checksums: list[int] = attrs.Factory(list)
+
+    def __attrs_post_init__(self) -> None:
+        self.checksums = [0] * len(self.manifest.buckets)
+
+    async def bucket(self, index: int, buffers: DoubleBuffer, slot: int) -> torch.Tensor:
+        """The bytes of bucket ``index``: a view of its tensor when it is one whole tensor (no
+        copy), else packed into buffer ``slot``; its checksum is recorded."""
+        source, offload = self.source, self.config.offload
+        data = source.direct(index, buffers.device)
+        if data is not None:
+            if source.with_checksum:
+                self.checksums[index] = await run_sync(offload, checksum, data)
+            return data
+        data = buffers.take(self.manifest.max_bucket)[slot][: self.manifest.buckets[index].nbytes]
+        self.checksums[index] = await run_sync(offload, source.pack, index, data)
+        return data
+
+
+class Transport(Protocol):
+    """Moves a sync's buckets to its receivers (see the module docstring).
+
+    ``check`` refuses, before anything is paused, a manifest the transport cannot carry.
+    ``open`` builds the topology, ``broadcast`` returns once every receiver has every bucket,
+    ``close`` tears the topology down; it runs after every sync (``failed``: the sync did not
+    commit), shielded, under the resume deadline.
+    """
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def split(self) -> bool:
+        """Whether large tensors may be split across buckets."""
+        ...
+
+    def check(self, manifest: Manifest) -> None: ...
+
+    async def open(self, session: SyncSession) -> None: ...
+
+    async def broadcast(self, session: SyncSession) -> None: ...
+
+    async def close(self, session: SyncSession, *, failed: bool) -> None: ...
+
+
+class DoubleBuffer:
+    """The sender's two bucket buffers, kept across syncs while every sync ends cleanly."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> list[torch.Tensor]:
+        import torch
+
+        if not self._buffers or self._buffers[0].numel() < nbytes:
+            self._buffers = [
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)
+            ]
+            self.allocations += 1
+        return self._buffers
+
+    def discard(self) -> None:
+        """Forget the buffers: a failed sync's receivers may still read them."""
+        self._buffers = []
+
+
+async def pipelined(
+    session: SyncSession,
+    buffers: DoubleBuffer,
+    issue: Callable[[int, torch.Tensor], Any],
+    complete: Callable[[Any], Awaitable[None]],
+) -> None:
+    """Send every bucket, double-buffered: bucket *k* is packed into buffer *k* mod 2 while
+    bucket *k-1* is in flight (at most two in flight, packed or sent from their tensor).
+    ``issue(k, data)`` starts sending bucket *k* (called in bucket order) and returns a handle;
+    ``complete(handle)`` returns once the bytes it sent may be overwritten."""
+    free = [trio.Event(), trio.Event()]
+    for event in free:
+        event.set()
+
+    async def finish(handle: Any, done: trio.Event) -> None:
+        await complete(handle)
+        done.set()
+
+    completed = False
+    try:
+        async with trio.open_nursery() as nursery:
+            for bucket in session.manifest.buckets:
+                slot = bucket.index % 2
+                await free[slot].wait()
+                data = await session.bucket(bucket.index, buffers, slot)
+                free[slot] = trio.Event()
+                nursery.start_soon(finish, issue(bucket.index, data), free[slot])
+        completed = True
+    finally:
+        if not completed:
+            buffers.discard()
+
+
+class ActorTransport:
+    """Buckets as ``PutBucket`` asks to each receiver's ref (module docstring).
+
+    In-process for local refs; zmq (the node's ipc or tcp link, zero-copy) for remote refs;
+    refs of both kinds may be mixed, and the sender may live in any process that holds them.
+    """
+
+    kind = "actor"
+    split = True
+
+    def __init__(self) -> None:
+        self.buffers = DoubleBuffer()
+
+    def check(self, manifest: Manifest) -> None:
+        """Every dtype in ``DTYPE_NAMES`` travels; nothing to refuse."""
+
+    async def open(self, session: SyncSession) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def broadcast(self, session: SyncSession) -> None:
+        async def complete(handle: tuple[int, torch.Tensor]) -> None:
+            # The buffer is reusable once every receiver has acknowledged (module docstring).
+            # When the runtime exposes the SendTracker of a remote send, waiting on it here
+            # too would also release the buffer's last reference before reuse.
+            index, data = handle
+            await ask_all(session.receivers, lambda _: PutBucket(session.sync_id, index, data))
+
+        await pipelined(session, self.buffers, lambda index, data: (index, data), complete)
+
+    async def close(self, session: SyncSession, *, failed: bool) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def deadline_seconds(value: float) -> float:
+    """A deadline usable as a ``timedelta`` (torch.distributed wants a finite one)."""
+    return value if math.isfinite(value) else 365 * 24 * 3600.0
