@@ -71,7 +71,7 @@ def _graph_beside(jsonl: str) -> tuple[GraphEdge, ...]:
 
 async def _follow(path: str, feed: SnapshotFeed, poll: float) -> None:
     """Publish every snapshot of the JSONL file at ``path``, then those appended to it."""
-    while not os.path.exists(path):
+    while not await trio.Path(path).exists():  # noqa: ASYNC110 (a file has no event to wait on)
         await trio.sleep(poll)
     async with await trio.open_file(path, encoding="utf-8") as f:
         pending = ""
@@ -89,7 +89,7 @@ async def _follow(path: str, feed: SnapshotFeed, poll: float) -> None:
 
 async def _dashboard(args: argparse.Namespace) -> None:
     path = args.path
-    if os.path.isdir(path):
+    if await trio.Path(path).is_dir():
         path = os.path.join(path, "metrics.jsonl")
     feed = SnapshotFeed(_graph_beside(path))
     async with trio.open_nursery() as nursery:

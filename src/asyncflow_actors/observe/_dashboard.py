@@ -1,7 +1,8 @@
 """The live dashboard: a page served by hypercorn on trio, updates pushed over trio-websocket.
 
 ``serve(feed)`` runs two listeners on the same host: hypercorn (its trio worker) serves the page,
-``/api/view`` (the current view as JSON), ``/api/trace`` (the trace so far) and ``/metrics``
+``/trace`` (a timeline of the last seconds of spans, with the samples' flows), ``/api/view`` (the
+current view as JSON), ``/api/trace[?last=SECONDS]`` (the trace as Chrome JSON) and ``/metrics``
 (Prometheus text); trio-websocket pushes each new view to every open page. Both bind to loopback
 unless told otherwise; bound elsewhere they require an access token (``?token=`` on every URL,
 or ``Authorization: Bearer``), generated when not given. The page is a single static file with
@@ -51,8 +52,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _page() -> bytes:
-    return importlib.resources.files(__package__).joinpath("dashboard.html").read_bytes()
+def _page(name: str) -> bytes:
+    return importlib.resources.files(__package__).joinpath(name).read_bytes()
 
 
 def _token_ok(expected: str | None, query: str, authorization: str | None) -> bool:
@@ -71,7 +72,8 @@ class DashboardApp:
         self.feed = feed
         self.token = token
         self.ws_port = ws_port
-        self.page = _page().replace(b"__WS_PORT__", str(ws_port).encode())
+        self.page = _page("dashboard.html").replace(b"__WS_PORT__", str(ws_port).encode())
+        self.trace_page = _page("trace.html")
         self._prometheus: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,9 +97,10 @@ class DashboardApp:
             await self._respond(send, 200, self.page, "text/html; charset=utf-8")
         elif path == "/api/view":
             await self._json(send, self._view(query))
+        elif path == "/trace":
+            await self._respond(send, 200, self.trace_page, "text/html; charset=utf-8")
         elif path == "/api/trace":
-            trace = self.feed.trace() if self.feed.trace is not None else {"traceEvents": []}
-            await self._json(send, trace)
+            await self._json(send, await self._trace(query))
         elif path == "/metrics":
             await self._metrics(scope, receive, send)
         else:
@@ -111,6 +114,17 @@ class DashboardApp:
             except (KeyError, ValueError):
                 return None
         return self.feed.view
+
+    async def _trace(self, query: str) -> dict[str, Any]:
+        if self.feed.trace is None:
+            return {"traceEvents": []}
+        last = urllib.parse.parse_qs(query).get("last")
+        try:
+            seconds = float(last[0]) if last else None
+        except ValueError:
+            seconds = None
+        # Building a long trace takes a while: off the event loop.
+        return await trio.to_thread.run_sync(self.feed.trace, seconds)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._prometheus is None:

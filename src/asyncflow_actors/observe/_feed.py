@@ -18,7 +18,8 @@ class SnapshotFeed:
 
     An observer publishes after each collection; ``asyncflow dashboard`` publishes what it reads
     from a JSONL file. Readers call ``await wait_after(seq)`` to get the next one. ``trace``, when
-    set, returns the run's trace so far (the dashboard serves it at ``/api/trace``).
+    set, returns the run's trace so far, or of its last ``seconds`` (the dashboard serves it at
+    ``/api/trace``); it is called in a worker thread.
     """
 
     def __init__(self, graph: Sequence[GraphEdge] = (), *, keep: int = 64) -> None:
@@ -28,7 +29,7 @@ class SnapshotFeed:
             collections.deque(maxlen=keep)
         )
         self._changed = trio.Event()
-        self.trace: Callable[[], dict[str, Any]] | None = None
+        self.trace: Callable[[float | None], dict[str, Any]] | None = None
 
     @property
     def seq(self) -> int:

@@ -261,6 +261,12 @@ class MetricsRegistry:
         for key in [k for k in self._series if k[0] == name and want <= set(k[1])]:
             del self._series[key]
 
+    def clear(self) -> None:
+        """Forget every series (not the declarations) and take a new token: what a process
+        starting a new run, or a test, does. Observers treat it like a restarted process."""
+        self._series.clear()
+        self.token = uuid.uuid4().hex
+
     def snapshot(self) -> MetricsSnapshot:
         series = []
         for (name, labels), metric in self._series.items():

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import ActorCrashed, ActorRef, ActorSystem, Node, Restart
+from ..actors import ActorCrashed, ActorRef, ActorSystem, Node, Restart, WireError
 from ..transfer_queue import FlowControl, TransferQueueClient
 from ._agent import AGENT_TARGET, Collect, Collected, collect_local
 from ._config import ObserveConfig
@@ -48,6 +48,8 @@ class ObserverStatistics:
 
     ``spans_dropped``: lost in the processes' own buffers (their ``trace_capacity`` overflowed
     between pulls); ``spans_discarded``: dropped by the observer past ``max_spans``.
+    ``clock_error_ns``: per node process, the bound on the error of its clock offset (half the
+    fastest pull's round trip): its spans are placed on the trace within that much.
     """
 
     collections: int
@@ -58,6 +60,7 @@ class ObserverStatistics:
     pull_failures: int
     poll_failures: int
     exporter_errors: int
+    clock_error_ns: dict[str, int] = attrs.field(factory=dict, hash=False)
 
 
 class Observer:
@@ -82,6 +85,7 @@ class Observer:
         self._token_of: dict[str, str] = {}  # agent label -> its process's current token
         self._retired: list[MetricsSnapshot] = []
         self._dropped: dict[str, int] = {}
+        self._names: dict[str, str] = {}  # token -> process label
         self._lock = trio.Lock()
         self._collections = self._pull_failures = self._poll_failures = 0
         self._exporter_errors = self._discarded = 0
@@ -166,7 +170,9 @@ class Observer:
         try:
             with trio.fail_after(self.config.collect_timeout):
                 got = await ref.ask(Collect(self.config.trace_capacity))
-        except (ActorCrashed, trio.TooSlowError) as exc:
+        except (ActorCrashed, trio.TooSlowError, WireError) as exc:
+            # WireError: the node could not encode its answer (a span argument that is not
+            # plain data); those spans are lost, the next pull starts afresh.
             self._pull_failures += 1
             log.warning("observe: agent %r did not answer: %r", label, exc)
             return
@@ -176,6 +182,7 @@ class Observer:
             got.process.token, collections.deque(maxlen=_OFFSET_SAMPLES)
         )
         estimates.append((end - start, got.now_ns - (start + end) // 2))
+        self._names[got.process.token] = got.process.name
         self._accept(label, got, min(estimates)[1])
 
     def _accept(self, label: str, got: Collected, offset: int) -> None:
@@ -219,13 +226,33 @@ class Observer:
             pull_failures=self._pull_failures,
             poll_failures=self._poll_failures,
             exporter_errors=self._exporter_errors,
+            clock_error_ns={
+                self._names[token]: min(estimates)[0] // 2
+                for token, estimates in self._offsets.items()
+            },
         )
 
-    def trace(self) -> dict[str, Any]:
-        """The trace of the spans collected so far (Chrome trace-event JSON object)."""
+    def trace(self, last: float | None = None) -> dict[str, Any]:
+        """The trace of the spans collected so far (Chrome trace-event JSON object), or of
+        those that ended in the ``last`` seconds. Safe to call from a worker thread."""
+        # Copying a deque of tuples runs in C under the GIL: atomic against the event loop.
+        chunks = list(self._chunks)
+        counters = list(self._counters)
+        if last is not None:
+            cutoff = clock_ns() - int(last * 1e9)
+            horizon = cutoff - int(2e9 * self.config.interval)  # chunks are at most this stale
+            recent: list[SpanChunk] = []
+            for process, offset, records in reversed(chunks):
+                kept = [r for r in records if r[4] - offset >= cutoff]
+                if kept:
+                    recent.append((process, offset, kept))
+                elif all(r[4] - offset < horizon for r in records):
+                    break  # chunks arrive in collection order: the older ones are older still
+            chunks = recent[::-1]
+            counters = [c for c in counters if c[0] >= cutoff]
         return chrome_trace(
-            list(self._chunks),
-            counters=list(self._counters),
+            chunks,
+            counters=counters,
             role_order=self.config.role_order(),
             max_flows=self.config.max_flows,
             metadata={
@@ -272,6 +299,27 @@ class Observer:
                     log.exception("observe: closing exporter %r failed", exporter)
 
 
+def _file_exporters(config: ObserveConfig) -> list[Exporter]:
+    """Create ``run_dir`` with ``observe.json`` (what ``asyncflow dashboard`` reads besides the
+    metrics) and the file exporters the config asks for."""
+    assert config.run_dir is not None
+    os.makedirs(config.run_dir, exist_ok=True)
+    meta = {"graph": [attrs.asdict(e) for e in config.graph], "interval": config.interval}
+    with open(os.path.join(config.run_dir, "observe.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    out: list[Exporter] = []
+    try:
+        if config.tensorboard:
+            out.append(TensorBoardExporter(os.path.join(config.run_dir, "tensorboard")))
+        if config.jsonl:
+            out.append(JsonlExporter(os.path.join(config.run_dir, "metrics.jsonl")))
+    except BaseException:
+        for exporter in out:
+            exporter.close()
+        raise
+    return out
+
+
 @asynccontextmanager
 async def open_observer(
     system: ActorSystem,
@@ -288,15 +336,7 @@ async def open_observer(
     config = config if config is not None else ObserveConfig()
     chosen = list(exporters)
     if config.run_dir is not None:
-        os.makedirs(config.run_dir, exist_ok=True)
-        with open(os.path.join(config.run_dir, "observe.json"), "w", encoding="utf-8") as f:
-            # what ``asyncflow dashboard RUN_DIR`` needs besides the metrics
-            meta = {"graph": [attrs.asdict(e) for e in config.graph], "interval": config.interval}
-            json.dump(meta, f)
-        if config.jsonl:
-            chosen.append(JsonlExporter(os.path.join(config.run_dir, "metrics.jsonl")))
-        if config.tensorboard:
-            chosen.append(TensorBoardExporter(os.path.join(config.run_dir, "tensorboard")))
+        chosen = await trio.to_thread.run_sync(_file_exporters, config) + chosen
     observer = Observer(system, config, chosen)
     tracer = get_tracer()
     if config.trace:

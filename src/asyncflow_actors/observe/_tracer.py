@@ -33,11 +33,12 @@ SpanRecord = tuple[str, str, str, int, int, "Ids | None", "Ids | None", "int | N
 
 
 def _ids(value: int | str | Iterable[int | str] | None) -> Ids | None:
-    if value is None:
-        return None
+    # Hot path: a batch's indexes are already a tuple of ints (``Batch.indexes``).
+    if value is None or type(value) is tuple:
+        return value
     if isinstance(value, (int, str)):
         return (value,)
-    return tuple(int(v) if not isinstance(v, str) else v for v in value)
+    return tuple(value)
 
 
 class Span:
@@ -191,6 +192,8 @@ class Tracer:
             if not isinstance(capacity, int) or capacity < 1:
                 raise ValueError(f"trace capacity must be an int >= 1, got {capacity!r}")
             self.capacity = max(capacity, self.capacity) if self._users else capacity
+        if self._users == 0:
+            self._buffer.clear()  # leftovers of an earlier session that nobody will collect
         self._users += 1
         self.enabled = True
 

@@ -223,10 +223,10 @@ async def _forward(
 ) -> None:
     import torch
 
-    cfg, w = run.config, _Worker("forward", worker)
+    w = _Worker("forward", worker)
     while True:
         start = clock_ns()
-        batch = await client.get(TOPIC, "forward", ["response"], cfg.batch_size)
+        batch = await client.get(TOPIC, "forward", ["response"], run.config.batch_size)
         assert batch is not None
         w.waited("get", "tq.get", start, samples=batch.indexes)
         version = min(batch.versions)
@@ -234,8 +234,6 @@ async def _forward(
             busy = clock_ns()
             responses = tuple(tuple(int(t) for t in r.tolist()) for r in batch["response"])
             got = await engine.ask(ComputeLogprobs(batch.indexes, responses, version))
-            if cfg.forward_delay:
-                await trio.sleep(cfg.forward_delay)
             logprobs = [torch.tensor(v, dtype=torch.float32) for v in got.values]
             w.busy.inc((clock_ns() - busy) / 1e9)
             await client.put_columns(batch, {"old_logprob": logprobs})
@@ -365,10 +363,14 @@ async def run_demo(
         engine: ActorRef[ComputeLogprobs]
         if engine_node is not None:
             engine = await engine_node.spawn(
-                ENGINE_TARGET, name="forward-engine", kwargs={"worker": "engine-0"}
+                ENGINE_TARGET,
+                name="forward-engine",
+                kwargs={"worker": "engine-0", "delay": cfg.forward_delay},
             )
         else:
-            engine = await system.spawn(lambda: ForwardEngine("engine-0"), name="forward-engine")
+            engine = await system.spawn(
+                partial(ForwardEngine, "engine-0", cfg.forward_delay), name="forward-engine"
+            )
         bodies: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("train-0", lambda: _train(run, client, flow, "train-0")),
             ("advantage-0", lambda: _advantage(run, client, "advantage-0")),
