@@ -38,7 +38,7 @@ MiB = 1 << 20
 
 TRIO_SERVER = r"""
 import sys, trio, zmq
-from asyncflow_actors.actors import open_zmq_socket
+from asyncflow_actors.actors.remote import open_zmq_socket
 async def main():
     async with open_zmq_socket(zmq.Context.instance(), zmq.ROUTER, bind=sys.argv[1]) as s:
         while True:
@@ -85,7 +85,7 @@ def raw_rtts() -> list[float]:
 
 
 async def trio_zmq_rtts() -> list[float]:
-    from asyncflow_actors.actors import open_zmq_socket
+    from asyncflow_actors.actors.remote import open_zmq_socket
 
     addr = f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-c", TRIO_SERVER, addr])

@@ -28,8 +28,8 @@ import torch
 import trio
 import zmq
 
-from asyncflow_actors.actors._wire import MessageRegistry, decode, encode
-from asyncflow_actors.actors._zmq import TrioSocket, open_zmq_socket
+from asyncflow_actors.actors.remote._wire import MessageRegistry, decode, encode
+from asyncflow_actors.actors.remote._zmq import TrioSocket, open_zmq_socket
 
 REPEATS = 5
 MiB = 1 << 20

@@ -11,6 +11,7 @@ from .actors import Actor as Actor
 from .actors import ActorContext as ActorContext
 from .actors import ActorCrashed as ActorCrashed
 from .actors import ActorError as ActorError
+from .actors import ActorKilled as ActorKilled
 from .actors import ActorRef as ActorRef
 from .actors import ActorState as ActorState
 from .actors import ActorStatistics as ActorStatistics

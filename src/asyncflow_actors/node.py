@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import trio
 
-from .actors._node_server import DEFAULT_MAX_MESSAGE_BYTES, serve_node
-from .actors._zmq import CurveKeypair, CurveServer
+from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES, serve_node
+from .actors.remote._zmq import CurveKeypair, CurveServer
 
 
 def _parser() -> argparse.ArgumentParser:

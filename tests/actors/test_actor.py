@@ -193,7 +193,9 @@ async def test_shutdown_grace_cancels_a_stuck_actor(autojump_clock: trio.testing
             t0 = trio.current_time()
             await ref.stop()
             assert trio.current_time() - t0 == pytest.approx(2.0)
-    assert log == ["start c"]  # on_stop was cancelled with the rest
+        assert ref.statistics().state is afa.ActorState.TERMINATED
+    # the kill cancelled the stuck message, and on_stop still ran, told it was a kill
+    assert log == ["start c", "stop c crashed"]
 
 
 async def test_deferred_reply_and_reply_error() -> None:

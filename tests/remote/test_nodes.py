@@ -233,7 +233,7 @@ async def test_garbage_on_the_wire_never_crashes_a_node() -> None:
         node = await system.start_node("n", allow=ALLOW, transport="tcp")
         ref = await node.spawn(Worker, name="w")
         ctx = zmq.Context.instance()
-        async with afa.actors.open_zmq_socket(ctx, zmq.DEALER, connect=node.address) as sock:
+        async with afa.actors.remote.open_zmq_socket(ctx, zmq.DEALER, connect=node.address) as sock:
             await sock.send_multipart([b"\xc1garbage"])
             await sock.send_multipart([b""])
             await sock.send_multipart(
@@ -246,8 +246,8 @@ async def test_garbage_on_the_wire_never_crashes_a_node() -> None:
             await sock.send_multipart([header])
             with trio.fail_after(5):
                 reply = await sock.recv_multipart()
-        meta, payload = afa.actors.decode(
-            reply, registry=afa.actors.protocol_registry(), max_message_bytes=1 << 20
+        meta, payload = afa.actors.remote.decode(
+            reply, registry=afa.actors.remote.protocol_registry(), max_message_bytes=1 << 20
         )
         assert meta == {"k": "err", "c": 7}
         assert "WireError" in payload.type_name or "UnknownType" in payload.type_name

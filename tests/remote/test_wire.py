@@ -19,7 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_actors.actors._wire import (
+from asyncflow_actors.actors.remote._wire import (
     MAX_DEPTH,
     TORCH_DTYPES,
     MalformedMessage,
@@ -32,7 +32,7 @@ from asyncflow_actors.actors._wire import (
     decode,
     encode,
 )
-from asyncflow_actors.actors._zmq import open_zmq_socket
+from asyncflow_actors.actors.remote._zmq import open_zmq_socket
 
 LIMIT = 1 << 30
 
@@ -609,7 +609,7 @@ def test_valid_fuzz_seeds_decode() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool, torch.complex64])
 def test_raw_tensors_pass_through_without_torch_bit_exactly(dtype: torch.dtype) -> None:
-    from asyncflow_actors.actors._wire import RawTensor
+    from asyncflow_actors.actors.remote._wire import RawTensor
 
     reg = MessageRegistry()
     t = (torch.randn(300, 7) * 50).to(dtype)

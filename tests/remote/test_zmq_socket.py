@@ -15,7 +15,7 @@ import trio
 import trio.testing
 import zmq
 
-from asyncflow_actors.actors._zmq import (
+from asyncflow_actors.actors.remote._zmq import (
     CurveClient,
     CurveKeypair,
     CurveServer,

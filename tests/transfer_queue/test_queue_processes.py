@@ -52,7 +52,7 @@ async def test_units_in_node_processes_round_trip_and_survive_kill_9() -> None:
         # kill -9 the node process holding the group
         node_ref = system.whereis(f"tq/node-{slot.unit}")
         assert node_ref is not None
-        node = await node_ref.ask(afa.actors.GetNode())
+        node = await node_ref.ask(afa.actors.remote.GetNode())
         assert node.pid is not None and node.pid != os.getpid()
         os.kill(node.pid, signal.SIGKILL)
         with trio.fail_after(30):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import asyncflow_actors as afa
-from asyncflow_actors.actors._wire import RawTensor
+from asyncflow_actors.actors.remote._wire import RawTensor
 from asyncflow_actors.transfer_queue import _storage as S
 
 

@@ -1,4 +1,10 @@
-"""The actor runtime: typed mailboxes, ask/tell, OTP supervision (``docs/actors.md``)."""
+"""The actor runtime: typed mailboxes, ask/tell, OTP supervision, nodes (``docs/actors.md``).
+
+Two halves: the local runtime (this package's modules: actors, refs, cells, supervision, the
+system) and the remote half in :mod:`asyncflow_actors.actors.remote` (nodes, links, the wire
+format, trio over pyzmq). This namespace exports what user code is written against; the remote
+subpackage exports the lower-level pieces (launchers, sockets, the codec).
+"""
 
 from ._actor import Actor as Actor
 from ._actor import ActorContext as ActorContext
@@ -7,32 +13,13 @@ from ._cell import ActorStatistics as ActorStatistics
 from ._cell import Reply as Reply
 from ._errors import ActorCrashed as ActorCrashed
 from ._errors import ActorError as ActorError
+from ._errors import ActorKilled as ActorKilled
 from ._errors import MessageTypeError as MessageTypeError
 from ._errors import NameTakenError as NameTakenError
 from ._errors import SupervisorFailed as SupervisorFailed
-from ._link import NodeLink as NodeLink
 from ._message import Request as Request
 from ._message import Terminated as Terminated
-from ._node import ConnectLauncher as ConnectLauncher
-from ._node import GetNode as GetNode
-from ._node import InProcessLauncher as InProcessLauncher
-from ._node import Launcher as Launcher
-from ._node import Node as Node
-from ._node import NodeActor as NodeActor
-from ._node import NodeOptions as NodeOptions
-from ._node import SpawnRemote as SpawnRemote
-from ._node import SubprocessLauncher as SubprocessLauncher
-from ._node import node_spec as node_spec
-from ._node_server import NodeServerStatistics as NodeServerStatistics
-from ._node_server import SpawnRefused as SpawnRefused
-from ._node_server import serve_node as serve_node
-from ._protocol import NodeLost as NodeLost
-from ._protocol import RemoteError as RemoteError
-from ._protocol import protocol_registry as protocol_registry
-from ._protocol import register_error as register_error
 from ._ref import ActorRef as ActorRef
-from ._ref import LocalActorRef as LocalActorRef
-from ._remote_ref import RemoteActorRef as RemoteActorRef
 from ._supervisor import Backoff as Backoff
 from ._supervisor import ChildInfo as ChildInfo
 from ._supervisor import ChildSpec as ChildSpec
@@ -49,20 +36,16 @@ from ._supervisor import WhichChildren as WhichChildren
 from ._system import ActorSystem as ActorSystem
 from ._system import SystemStatistics as SystemStatistics
 from ._system import open_actor_system as open_actor_system
-from ._typeinfo import register_types as register_types
-from ._wire import MalformedMessage as MalformedMessage
-from ._wire import MessageRegistry as MessageRegistry
-from ._wire import MessageTooLarge as MessageTooLarge
-from ._wire import UnknownType as UnknownType
-from ._wire import UnsupportedValue as UnsupportedValue
-from ._wire import WireError as WireError
-from ._wire import decode as decode
-from ._wire import encode as encode
-from ._zmq import CurveClient as CurveClient
-from ._zmq import CurveKeypair as CurveKeypair
-from ._zmq import CurveServer as CurveServer
-from ._zmq import SendTracker as SendTracker
-from ._zmq import TrioSocket as TrioSocket
-from ._zmq import curve_keypair as curve_keypair
-from ._zmq import open_zap_authenticator as open_zap_authenticator
-from ._zmq import open_zmq_socket as open_zmq_socket
+from .remote._node import Node as Node
+from .remote._node import NodeOptions as NodeOptions
+from .remote._protocol import NodeLost as NodeLost
+from .remote._protocol import RemoteError as RemoteError
+from .remote._protocol import register_error as register_error
+from .remote._ref import RemoteActorRef as RemoteActorRef
+from .remote._server import SpawnRefused as SpawnRefused
+from .remote._typeinfo import register_types as register_types
+from .remote._wire import WireError as WireError
+from .remote._zmq import CurveClient as CurveClient
+from .remote._zmq import CurveKeypair as CurveKeypair
+from .remote._zmq import CurveServer as CurveServer
+from .remote._zmq import curve_keypair as curve_keypair

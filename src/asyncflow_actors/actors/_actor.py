@@ -44,11 +44,15 @@ class Actor(Generic[M]):
         """Release resources. ``error`` is the crash reason, ``None`` for a normal stop.
 
         Runs only if ``on_start`` completed, after the children stopped and helper tasks were
-        cancelled; it is cancelled too if the shutdown grace runs out.
+        cancelled, within what is left of the shutdown grace; after a kill (the grace ran out)
+        it still runs, shielded, within the system's ``kill_grace``.
         """
 
     def default_shutdown(self) -> float | None:
-        """Shutdown grace when the spec gives none (``None``: the system's default)."""
+        """Own shutdown grace when the spec gives none (``None``: the system's default).
+
+        Children's budgets are added to it (``docs/actors.md``, Stopping).
+        """
         return None
 
     async def _child_exited(self, ctx: ActorContext[M], exit: ChildExited) -> None:
@@ -58,10 +62,13 @@ class Actor(Generic[M]):
 class ActorContext(Generic[M]):
     """The runtime's handle for one actor incarnation, passed to every hook."""
 
-    def __init__(self, cell: ActorCell, actor: Actor[M], nursery: trio.Nursery) -> None:
+    def __init__(
+        self, cell: ActorCell, actor: Actor[M], nursery: trio.Nursery, children: trio.Nursery
+    ) -> None:
         self._cell = cell
         self.actor = actor
-        self._nursery = nursery
+        self._nursery = nursery  # helper tasks
+        self._children_nursery = children  # child cells: outlive a crashing helper task
         self._current: Reply | None = None
         self._deferred: Reply | None = None
         self.children: list[ActorCell] = []
@@ -175,7 +182,7 @@ class ActorContext(Generic[M]):
             if not exit.start_failed:
                 parent.deliver_system(ChildExited(cell, cell.incarnation, exit.error, exit.stopped))
 
-        result: BaseException | None = await self._nursery.start(
+        result: BaseException | None = await self._children_nursery.start(
             run_child, name=f"actor:{cell.path}"
         )
         return result

@@ -23,7 +23,7 @@ import attrs
 import outcome
 import trio
 
-from ._errors import ActorCrashed
+from ._errors import ActorCrashed, ActorKilled
 
 if TYPE_CHECKING:
     from ._actor import Actor, ActorContext
@@ -177,8 +177,12 @@ class ActorCell:
         self.loop_task: trio.lowlevel.Task | None = None
         self.ref: LocalActorRef[Any] = LocalActorRef(self)
         self._parked = False
+        self.actor: Actor[Any] | None = None  # the current (or last) incarnation's instance
+        self.ctx: ActorContext[Any] | None = None  # the current incarnation's context
         self._kill_scope: trio.CancelScope | None = None
+        self._start_scope: trio.CancelScope | None = None
         self._kill_deadline = math.inf
+        self._grace = math.inf
         self._failure: BaseException | None = None
 
     @property
@@ -200,7 +204,8 @@ class ActorCell:
     def request_stop(self, grace: float | None) -> None:
         """Ask the running incarnation to stop after its current message, within ``grace`` s.
 
-        Past the grace the incarnation is cancelled (its ``on_stop`` included). Idempotent; a later
+        ``None``: the cell's budget (``default_grace``). Past the grace the incarnation is killed
+        (``run``). A stop requested during ``on_start`` cancels it at once. Idempotent; a later
         call can only shorten the deadline.
         """
         if grace is None:
@@ -208,9 +213,13 @@ class ActorCell:
         self.stop_requested = True
         self.stopping.set()
         deadline = trio.current_time() + grace
-        self._kill_deadline = min(self._kill_deadline, deadline)
+        if deadline < self._kill_deadline:
+            self._kill_deadline = deadline
+            self._grace = grace
         if self._kill_scope is not None:
             self._kill_scope.deadline = self._kill_deadline
+        if self._start_scope is not None:
+            self._start_scope.cancel()  # a start that will be stopped anyway: stop it now
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -220,7 +229,22 @@ class ActorCell:
         self._wake()
 
     def default_grace(self) -> float:
-        return self.shutdown if self.shutdown is not None else self.system.shutdown_grace
+        """The stop budget: the actor's own grace, plus each child's budget and kill grace.
+
+        The own grace is the spec's ``shutdown``, else the actor's ``default_shutdown()``, else
+        the system's ``shutdown_grace``. Children stop one after the other within their own
+        budgets, so a parent's budget covers them: stopping a tree is bounded by the sum.
+        """
+        own = self.shutdown
+        if own is None and self.actor is not None:
+            own = self.actor.default_shutdown()
+        if own is None:
+            own = self.system.shutdown_grace
+        ctx = self.ctx
+        if ctx is not None:
+            kill = self.system.kill_grace
+            own += sum(child.default_grace() + kill for child in ctx.children)
+        return own
 
     def _wake(self) -> None:
         # The loop parks in the mailbox's receive; a parked receiver means an empty buffer, so
@@ -245,6 +269,11 @@ class ActorCell:
         Reports ``task_status.started(None)`` once ``on_start`` returned, or
         ``started(error)`` if creating or starting the actor failed (then returns at once).
         Never raises an actor's exception; an outer cancellation propagates after cleanup.
+
+        Stopping is bounded: past the grace set by ``request_stop`` the incarnation is *killed*
+        (its work and its remaining children are cancelled) and ``on_stop`` still runs, within
+        the system's ``kill_grace``; the exit's error is then ``ActorKilled``. An outer
+        cancellation is a kill too. A stop requested while ``on_start`` runs cancels it.
         """
         from ._actor import ActorContext, accepted_message_types
 
@@ -260,55 +289,65 @@ class ActorCell:
         error: BaseException | None = None
         started = False
         reported = False
+        killed = False
         ctx: ActorContext[Any] | None = None
+        kill_scope = trio.CancelScope(deadline=self._kill_deadline)
+        self._kill_scope = kill_scope
         try:
-            with trio.CancelScope(deadline=self._kill_deadline) as kill_scope:
-                self._kill_scope = kill_scope
+            # Children live in their own nursery: a crashing helper task cancels the helpers
+            # and the loop, never the children, which are then stopped gracefully.
+            async with trio.open_nursery() as children:
                 try:
-                    actor = factory()
-                    self.accepts = accepted_message_types(type(actor))
-                    if self.shutdown is None:
-                        self.shutdown = actor.default_shutdown()
-                    async with trio.open_nursery() as helpers:
-                        ctx = ActorContext(self, actor, helpers)
+                    with kill_scope:
                         try:
-                            await actor.on_start(ctx)
-                            started = True
-                            self.state = ActorState.RUNNING
-                            self.loop_task = trio.lowlevel.current_task()
-                            task_status.started(None)
-                            reported = True
-                            await self._loop(actor, ctx)
-                        except Exception as exc:
-                            error = exc
-                        finally:
-                            self.loop_task = None
+                            actor = factory()
+                            self.accepts = accepted_message_types(type(actor))
+                            self.actor = actor
+                            async with trio.open_nursery() as helpers:
+                                ctx = ActorContext(self, actor, helpers, children)
+                                self.ctx = ctx
+                                try:
+                                    started = await self._start(actor, ctx)
+                                    if started:
+                                        self.state = ActorState.RUNNING
+                                        self.loop_task = trio.lowlevel.current_task()
+                                        task_status.started(None)
+                                        reported = True
+                                        await self._loop(actor, ctx)
+                                except Exception as exc:
+                                    error = exc
+                                finally:
+                                    self.loop_task = None
+                                helpers.cancel_scope.cancel()
+                        except Exception as exc:  # the factory, or a helper task (a group)
+                            if error is None:
+                                error = exc
                         self.state = ActorState.STOPPING
-                        await ctx.stop_children()
-                        helpers.cancel_scope.cancel()
-                except Exception as exc:  # the factory, or a helper task (an ExceptionGroup)
-                    if error is None:
-                        error = exc
-                if started and ctx is not None:
-                    try:
-                        await ctx.actor.on_stop(ctx, error)
-                    except Exception as exc:
-                        if error is None:
-                            error = exc
-                        else:
-                            log.warning("%s: on_stop raised after a crash", self.path, exc_info=exc)
-            killed = kill_scope.cancelled_caught
-        except BaseException:
-            # Cancelled from outside (the parent's nursery is going away): nobody will restart
-            # this cell, so it terminates here; pending asks must not hang.
-            self._end_incarnation(error)
-            self.terminate(error)
-            raise
+                        if ctx is not None:
+                            await ctx.stop_children()
+                finally:
+                    killed = kill_scope.cancelled_caught
+                    children.cancel_scope.cancel()  # what is left lost its grace: kill it
         finally:
             self._kill_scope = None
+            self.ctx = None
+            outer = trio.current_effective_deadline() == -math.inf
+            if outer or killed:
+                killed = True
+                if error is None and self.stop_requested:
+                    error = ActorKilled(self.path, self._grace)
+            if started and ctx is not None:
+                error = await self._on_stop(ctx, error, killed=killed)
+            if outer:
+                # Cancelled from outside (the parent's nursery is going away): nobody will
+                # restart this cell, so it terminates here; pending asks must not hang.
+                self._end_incarnation(error)
+                self.terminate(error)
         self._end_incarnation(error)
         if error is not None and not (self.stop_requested and killed):
             log.warning("actor %s crashed: %r", self.path, error, exc_info=error)
+        elif killed:
+            log.warning("actor %s was killed: %s", self.path, error)
         if not reported:
             task_status.started(error if error is not None else _start_interrupted(self))
         return IncarnationExit(
@@ -317,6 +356,43 @@ class ActorCell:
             killed=killed,
             start_failed=not started,
         )
+
+    async def _start(self, actor: Actor[Any], ctx: ActorContext[Any]) -> bool:
+        """Run ``on_start``; ``False`` if a stop requested meanwhile cancelled it."""
+        with trio.CancelScope() as scope:
+            self._start_scope = scope
+            if self.stop_requested:
+                scope.cancel()
+            try:
+                await actor.on_start(ctx)
+            finally:
+                self._start_scope = None
+            return True
+        return False
+
+    async def _on_stop(
+        self, ctx: ActorContext[Any], error: BaseException | None, *, killed: bool
+    ) -> BaseException | None:
+        """Run ``on_stop`` within what is left of the grace, or ``kill_grace`` after a kill."""
+        if killed:
+            scope = trio.CancelScope(deadline=trio.current_time() + self.system.kill_grace)
+            scope.shield = True
+        else:
+            scope = trio.CancelScope(deadline=self._kill_deadline)
+            self._kill_scope = scope  # a stop requested now still bounds on_stop
+        try:
+            with scope:
+                try:
+                    await ctx.actor.on_stop(ctx, error)
+                except Exception as exc:
+                    if error is None:
+                        return exc
+                    log.warning("%s: on_stop raised after a crash", self.path, exc_info=exc)
+        finally:
+            self._kill_scope = None
+        if scope.cancelled_caught and not killed and error is None and self.stop_requested:
+            return ActorKilled(self.path, self._grace)  # on_stop itself outlived the grace
+        return error
 
     async def _loop(self, actor: Actor[Any], ctx: ActorContext[Any]) -> None:
         recv = self.mailbox_recv
@@ -403,6 +479,7 @@ class ActorCell:
         self.stop_requested = False
         self.stopping = trio.Event()
         self._kill_deadline = math.inf
+        self._grace = math.inf
         self.restarts += 1
 
     def terminate(self, error: BaseException | None) -> None:

@@ -35,6 +35,22 @@ class ActorCrashed(ActorError):
         return (type(self), (self.name, self.error))
 
 
+class ActorKilled(ActorError):
+    """An actor did not stop within its grace and was cancelled (``on_stop`` still ran, briefly).
+
+    The exit error of an incarnation killed during a stop: watchers see it in ``Terminated`` and
+    it is logged. ``grace`` is the budget, in seconds, that ran out.
+    """
+
+    def __init__(self, name: str, grace: float) -> None:
+        self.name = name
+        self.grace = grace
+        super().__init__(f"actor {name!r} did not stop within its grace of {grace:.3g}s: killed")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.grace))
+
+
 class MessageTypeError(ActorError, TypeError):
     """A message of a type the actor does not accept, or an ``ask`` of a non-``Request``."""
 

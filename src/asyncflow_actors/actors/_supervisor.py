@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from ._actor import Actor, ActorContext
-from ._cell import ActorCell, ActorState, ChildExited
+from ._cell import ActorCell, ActorState, ChildExited, Reply
 from ._errors import ActorCrashed, NameTakenError, SupervisorFailed
 from ._message import Request
 from ._ref import ActorRef
@@ -96,8 +96,8 @@ class ChildSpec:
     """How to create and supervise one child.
 
     ``factory`` builds a fresh actor for every (re)start. ``shutdown`` is the grace in seconds a
-    stopping child gets before it is cancelled (``None``: the system default for workers,
-    unlimited for supervisors, whose children have their own graces).
+    stopping child gets before it is killed (``None``: the actor's ``default_shutdown()``, else
+    the system default); the budgets of its own children are added to it.
     """
 
     factory: Callable[[], Actor[Any]]
@@ -167,10 +167,23 @@ SupervisorMessage = StartChild | StartChildren | StopChild | WhichChildren
 class _Slot:
     spec: ChildSpec
     cell: ActorCell
+    # the restarter owns this child until it has restarted it: exits meanwhile are its own doing
+    restarting: bool = False
+
+
+@attrs.frozen
+class _RestartJob:
+    slots: tuple[_Slot, ...]
 
 
 class Supervisor(Actor[SupervisorMessage]):
-    """An actor that starts, watches and restarts children (see the module docstring)."""
+    """An actor that starts, watches and restarts children (see the module docstring).
+
+    The supervisor's own loop never waits for a child's ``on_start``: children requested at run
+    time (``StartChild``, ``StartChildren``) start in helper tasks and restarts run in one
+    restarter task, one restart after the other in the order the exits arrived. So a child's
+    ``on_start`` may itself ask this supervisor (or the system) to start siblings.
+    """
 
     mailbox_size = 64
 
@@ -188,9 +201,11 @@ class Supervisor(Actor[SupervisorMessage]):
         self._slots: list[_Slot] = []
         self._restart_times: deque[float] = deque()
         self._failures: deque[BaseException] = deque(maxlen=32)
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[_RestartJob](math.inf)
 
     def default_shutdown(self) -> float | None:
-        return math.inf
+        # Its own part of the stop budget; each child's budget is added to it (ActorCell).
+        return 0.5
 
     async def on_start(self, ctx: ActorContext[SupervisorMessage]) -> None:
         for spec in self._specs:
@@ -200,62 +215,43 @@ class Supervisor(Actor[SupervisorMessage]):
                 raise SupervisorFailed(
                     ctx.name or "<root>", f"child {spec.name!r} failed to start", [exc.error or exc]
                 ) from exc
+        ctx.start_soon(self._restarter, ctx, name=f"restarter:{ctx.name or '<root>'}")
 
     async def receive(self, msg: SupervisorMessage, ctx: ActorContext[SupervisorMessage]) -> Any:
         if isinstance(msg, StartChild):
             try:
-                return await self._add(ctx, msg.spec)
-            except (ActorCrashed, NameTakenError) as exc:
+                slot = self._slot(ctx, msg.spec)
+            except (NameTakenError, ValueError) as exc:
                 ctx.reply_error(exc)
                 return None
+            ctx.start_soon(self._start_new, ctx, slot, ctx.defer_reply())
+            return None
         if isinstance(msg, StartChildren):
-            return await self._add_all(ctx, msg.specs)
+            slots: list[_Slot] = []
+            try:
+                for spec in msg.specs:
+                    slots.append(self._slot(ctx, spec))
+            except (NameTakenError, ValueError) as exc:
+                for slot in slots:
+                    self._forget(ctx, slot, None)
+                ctx.reply_error(exc)
+                return None
+            ctx.start_soon(self._start_all, ctx, tuple(slots), ctx.defer_reply())
+            return None
         if isinstance(msg, StopChild):
-            slot = next((s for s in self._slots if s.spec.name == msg.name), None)
-            if slot is None:
+            found = next((s for s in self._slots if s.spec.name == msg.name), None)
+            if found is None:
                 ctx.reply_error(KeyError(f"{ctx.name!r} has no child named {msg.name!r}"))
                 return None
-            slot.cell.request_terminate(None)
-            await slot.cell.exited.wait()
-            self._forget(ctx, slot, slot.cell.last_error)
+            found.cell.request_terminate(None)
+            ctx.start_soon(self._await_stop, ctx, found, ctx.defer_reply())
             return None
         return tuple(
             ChildInfo(s.spec.name, s.cell.ref, s.spec.restart, s.cell.state, s.cell.restarts)
             for s in self._slots
         )
 
-    async def _add_all(
-        self, ctx: ActorContext[SupervisorMessage], specs: tuple[ChildSpec, ...]
-    ) -> tuple[ActorRef[Any], ...] | None:
-        slots = []
-        try:
-            for spec in specs:
-                slots.append(self._slot(ctx, spec))
-        except NameTakenError as exc:
-            for slot in slots:
-                self._forget(ctx, slot, None)
-            ctx.reply_error(exc)
-            return None
-        errors: dict[int, BaseException] = {}
-
-        async def start(k: int, slot: _Slot) -> None:
-            error = await ctx._start_cell(slot.cell, slot.spec.factory)
-            if error is not None:
-                errors[k] = error
-
-        async with trio.open_nursery() as nursery:
-            for k, slot in enumerate(slots):
-                nursery.start_soon(start, k, slot)
-        if errors:
-            k = min(errors)
-            for slot in reversed(slots):
-                if slot.cell.state is not ActorState.TERMINATED and k not in errors:
-                    slot.cell.request_terminate(None)
-                    await slot.cell.exited.wait()
-                self._forget(ctx, slot, errors.get(slots.index(slot)))
-            ctx.reply_error(ActorCrashed(slots[k].cell.path, errors[k], detail="failed to start"))
-            return None
-        return tuple(slot.cell.ref for slot in slots)
+    # -- starting ---------------------------------------------------------------------------------
 
     def _slot(self, ctx: ActorContext[SupervisorMessage], spec: ChildSpec) -> _Slot:
         cell = ctx.system._new_cell(
@@ -271,12 +267,54 @@ class Supervisor(Actor[SupervisorMessage]):
 
     async def _add(self, ctx: ActorContext[SupervisorMessage], spec: ChildSpec) -> ActorRef[Any]:
         slot = self._slot(ctx, spec)
-        cell = slot.cell
-        error = await ctx._start_cell(cell, spec.factory)
+        error = await ctx._start_cell(slot.cell, spec.factory)
         if error is not None:
             self._forget(ctx, slot, error)
-            raise ActorCrashed(cell.path, error, detail="failed to start")
-        return cell.ref
+            raise ActorCrashed(slot.cell.path, error, detail="failed to start")
+        return slot.cell.ref
+
+    async def _start_new(
+        self, ctx: ActorContext[SupervisorMessage], slot: _Slot, reply: Reply
+    ) -> None:
+        error = await ctx._start_cell(slot.cell, slot.spec.factory)
+        if error is not None:
+            self._forget(ctx, slot, error)
+            reply.fail(ActorCrashed(slot.cell.path, error, detail="failed to start"))
+        else:
+            reply.send(slot.cell.ref)
+
+    async def _start_all(
+        self, ctx: ActorContext[SupervisorMessage], slots: tuple[_Slot, ...], reply: Reply
+    ) -> None:
+        errors: dict[int, BaseException] = {}
+
+        async def start(k: int, slot: _Slot) -> None:
+            error = await ctx._start_cell(slot.cell, slot.spec.factory)
+            if error is not None:
+                errors[k] = error
+
+        async with trio.open_nursery() as nursery:
+            for k, slot in enumerate(slots):
+                nursery.start_soon(start, k, slot)
+        if not errors:
+            reply.send(tuple(slot.cell.ref for slot in slots))
+            return
+        first = min(errors)
+        for k in reversed(range(len(slots))):
+            slot = slots[k]
+            if k not in errors and slot.cell.state is not ActorState.TERMINATED:
+                slot.cell.request_terminate(None)
+                await slot.cell.exited.wait()
+            self._forget(ctx, slot, errors.get(k))
+        path = slots[first].cell.path
+        reply.fail(ActorCrashed(path, errors[first], detail="failed to start"))
+
+    async def _await_stop(
+        self, ctx: ActorContext[SupervisorMessage], slot: _Slot, reply: Reply
+    ) -> None:
+        await slot.cell.exited.wait()
+        self._forget(ctx, slot, slot.cell.last_error)
+        reply.send(None)
 
     def _forget(
         self, ctx: ActorContext[SupervisorMessage], slot: _Slot, error: BaseException | None
@@ -287,10 +325,12 @@ class Supervisor(Actor[SupervisorMessage]):
             ctx.children.remove(slot.cell)
         slot.cell.terminate(error)
 
+    # -- restarting -------------------------------------------------------------------------------
+
     async def _child_exited(self, ctx: ActorContext[SupervisorMessage], exit: ChildExited) -> None:
         slot = next((s for s in self._slots if s.cell is exit.cell), None)
-        if slot is None or exit.incarnation != slot.cell.incarnation:
-            return  # an exit we caused while restarting, or of a child already gone
+        if slot is None or exit.incarnation != slot.cell.incarnation or slot.restarting:
+            return  # an exit the restarter caused, or of a child already gone
         if slot.cell.terminate_requested:
             self._forget(ctx, slot, exit.error)
             return
@@ -306,12 +346,26 @@ class Supervisor(Actor[SupervisorMessage]):
             affected = self._slots[index:]
         else:
             affected = [slot]
-        for other in reversed(affected):
-            if other is not slot and other.cell.state is not ActorState.RESTARTING:
-                other.cell.request_stop(None)
-                await other.cell.exited.wait()
+        affected = [s for s in affected if s is slot or not s.restarting]
         for other in affected:
-            await self._restart(ctx, other)
+            other.restarting = True
+        self._jobs_send.send_nowait(_RestartJob(tuple(affected)))
+        await trio.lowlevel.checkpoint()
+
+    async def _restarter(self, ctx: ActorContext[SupervisorMessage]) -> None:
+        """Carry out restart jobs one at a time: stop the others (reverse), restart (in order)."""
+        async for job in self._jobs_recv:
+            for other in reversed(job.slots):
+                if other.cell.state not in (ActorState.RESTARTING, ActorState.TERMINATED):
+                    other.cell.request_stop(None)
+                    await other.cell.exited.wait()
+            for other in job.slots:
+                try:
+                    await self._restart(ctx, other)
+                finally:
+                    other.restarting = False
+                if ctx._cell.stop_requested:
+                    return
 
     async def _restart(self, ctx: ActorContext[SupervisorMessage], slot: _Slot) -> None:
         cell = slot.cell
@@ -332,7 +386,11 @@ class Supervisor(Actor[SupervisorMessage]):
             if cell.terminate_requested:
                 self._forget(ctx, slot, cell.last_error)
                 return
-            self._count_restart(ctx, error)
+            try:
+                self._count_restart(ctx, error)
+            except SupervisorFailed as failed:
+                ctx.fail(failed)  # crash the supervisor as-is (not as a helper's group)
+                await trio.sleep_forever()
 
     def _count_restart(
         self, ctx: ActorContext[SupervisorMessage], error: BaseException | None

@@ -17,8 +17,8 @@ from ._ref import ActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
 
 if TYPE_CHECKING:
-    from ._node import Launcher, Node, NodeOptions
-    from ._zmq import CurveClient
+    from .remote._node import Launcher, Node, NodeOptions
+    from .remote._zmq import CurveClient
 
 N = TypeVar("N")
 
@@ -42,8 +42,9 @@ class ActorSystem:
     Actor paths are ``/``-joined names (``"tq/storage-0"``); a path is unique among live actors.
     """
 
-    def __init__(self, *, shutdown_grace: float) -> None:
+    def __init__(self, *, shutdown_grace: float, kill_grace: float = 1.0) -> None:
         self.shutdown_grace = shutdown_grace
+        self.kill_grace = kill_grace
         self._cells: dict[str, ActorCell] = {}
         self._root: ActorCell | None = None
 
@@ -98,7 +99,7 @@ class ActorSystem:
         ``allow`` lists the module prefixes actors may be spawned from on it. The node is a
         supervised child of the root (``PERMANENT``: restarted if it dies). See ``docs/remote.md``.
         """
-        from ._node import InProcessLauncher, SubprocessLauncher, node_spec
+        from .remote._node import InProcessLauncher, SubprocessLauncher, node_spec
 
         launcher: Launcher
         if transport == "inproc":
@@ -117,13 +118,13 @@ class ActorSystem:
         options: NodeOptions | None = None,
     ) -> Node:
         """Connect to a node started elsewhere (``python -m asyncflow_actors.node``)."""
-        from ._node import ConnectLauncher, node_spec
+        from .remote._node import ConnectLauncher, node_spec
 
         spec = node_spec(name, ConnectLauncher(address, curve), restart=restart, options=options)
         return await self._start_node(spec)
 
     async def _start_node(self, spec: ChildSpec) -> Node:
-        from ._node import GetNode
+        from .remote._node import GetNode
 
         ref = await self.start_child(spec)
         node: Node = await ref.ask(GetNode())
@@ -163,7 +164,7 @@ class ActorSystem:
 
 @asynccontextmanager
 async def open_actor_system(
-    *, strategy: Strategy | None = None, shutdown_grace: float = 5.0
+    *, strategy: Strategy | None = None, shutdown_grace: float = 5.0, kill_grace: float = 1.0
 ) -> AsyncIterator[ActorSystem]:
     """Run an actor system for the duration of the ``async with`` block.
 
@@ -174,8 +175,11 @@ async def open_actor_system(
     restart intensity exceeded), the block is cancelled and ``SupervisorFailed`` surfaces from
     the ``async with`` inside an ``ExceptionGroup`` (trio's strict exception groups).
     """
-    system = ActorSystem(shutdown_grace=shutdown_grace)
-    root = ActorCell(system, "", mailbox_size=math.inf, parent=None, shutdown=math.inf)
+    for what, value in (("shutdown_grace", shutdown_grace), ("kill_grace", kill_grace)):
+        if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    system = ActorSystem(shutdown_grace=shutdown_grace, kill_grace=kill_grace)
+    root = ActorCell(system, "", mailbox_size=math.inf, parent=None, shutdown=None)
     chosen = strategy if strategy is not None else OneForOne()
 
     # The actors run shielded from cancellation of the caller: cancelling the ``async with``
@@ -187,8 +191,8 @@ async def open_actor_system(
         with tree_scope:
             exit = await root.run(lambda: Supervisor((), chosen), task_status=task_status)
         root.terminate(exit.error)
-        if exit.error is not None and not exit.start_failed:
-            raise exit.error
+        if exit.error is not None and not exit.start_failed and not exit.killed:
+            raise exit.error  # the root failed (a kill during the stop was logged already)
 
     async with trio.open_nursery() as nursery:
         error = await nursery.start(run_root, name="actor:<root>")

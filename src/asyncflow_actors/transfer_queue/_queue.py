@@ -26,15 +26,13 @@ from ..actors import (
     ActorRef,
     ActorSystem,
     ChildSpec,
-    GetNode,
     NodeOptions,
     OneForOne,
     StartChild,
     StartChildren,
-    SubprocessLauncher,
     Supervisor,
-    node_spec,
 )
+from ..actors.remote import GetNode, SubprocessLauncher, node_spec
 from ._client import TransferQueueClient
 from ._controller import Controller, ControllerShared
 from ._errors import SchemaError

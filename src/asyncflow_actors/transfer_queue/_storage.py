@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from ..actors import Actor, ActorContext, Request
-from ..actors._wire import RawTensor
+from ..actors.remote import RawTensor
 from ._errors import TransferQueueError
 
 

@@ -26,13 +26,13 @@ import outcome
 import trio
 import zmq
 
+from .._actor import Actor, _class_mailbox
+from .._cell import Reply
+from .._errors import ActorCrashed, ActorError, NameTakenError
+from .._ref import LocalActorRef
+from .._supervisor import OneForOne, Restart, Strategy
+from .._system import ActorSystem, open_actor_system
 from . import _protocol as P
-from ._actor import Actor, _class_mailbox
-from ._cell import Reply
-from ._errors import ActorCrashed, ActorError, NameTakenError
-from ._ref import LocalActorRef
-from ._supervisor import OneForOne, Restart, Strategy
-from ._system import ActorSystem, open_actor_system
 from ._typeinfo import register_actor_types, register_types
 from ._wire import UnknownType, WireError, decode, encode
 from ._zmq import CurveServer, TrioSocket, open_zap_authenticator, open_zmq_socket

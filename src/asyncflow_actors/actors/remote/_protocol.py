@@ -30,8 +30,8 @@ from typing import Any, Final
 
 import attrs
 
-from ._cell import ActorState, ActorStatistics
-from ._errors import ActorCrashed, ActorError
+from .._cell import ActorState, ActorStatistics
+from .._errors import ActorCrashed, ActorError
 from ._wire import MessageRegistry
 
 HELLO: Final = "hello"

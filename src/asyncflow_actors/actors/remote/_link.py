@@ -20,9 +20,9 @@ from typing import Any
 
 import trio
 
+from .._cell import Reply
+from .._errors import ActorCrashed
 from . import _protocol as P
-from ._cell import Reply
-from ._errors import ActorCrashed
 from ._typeinfo import register_types
 from ._wire import MessageRegistry, WireError, decode, encode
 from ._zmq import TrioSocket
@@ -243,11 +243,10 @@ class NodeLink:
             await credits.acquire()
         return await self.request(P.ASK, msg, target=target)
 
-    async def send_nowait_meta(self, kind: str) -> None:
-        """Fire-and-forget a payload-less message (heartbeats)."""
+    def send_meta_nowait(self, kind: str) -> None:
+        """Fire-and-forget a payload-less message (heartbeats); ``trio.WouldBlock`` if full."""
         self._check_open()
         self.sock.send_multipart_nowait(encode({"k": kind}, None, registry=self.registry))
-        await trio.lowlevel.checkpoint()
 
     def _credits(self, target: str) -> Credits:
         self._check_open(target)

@@ -27,13 +27,13 @@ import attrs
 import trio
 import zmq
 
+from .._actor import Actor, ActorContext
+from .._message import Request
+from .._supervisor import ChildSpec, Restart
 from . import _protocol as P
-from ._actor import Actor, ActorContext
 from ._link import NodeLink
-from ._message import Request
-from ._node_server import DEFAULT_MAX_MESSAGE_BYTES, serve_node
-from ._remote_ref import NodeHandle, RemoteActorRef
-from ._supervisor import ChildSpec, Restart
+from ._ref import NodeHandle, RemoteActorRef
+from ._server import DEFAULT_MAX_MESSAGE_BYTES, serve_node
 from ._typeinfo import register_actor_types, register_value_types
 from ._zmq import CurveClient, open_zmq_socket
 
@@ -265,7 +265,7 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         local = _import_locally(request.target)
         if local is not None:
             register_actor_types(self.handle.registry, local)
-            from ._actor import accepted_message_types
+            from .._actor import accepted_message_types
 
             self.handle.accepts[spawned.name] = accepted_message_types(local) or ()
         else:
@@ -299,7 +299,7 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
                 ctx.fail(P.NodeLost(f"node {self.handle.name!r} silent for {silent:.1f}s"))
                 return
             with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                await link.send_nowait_meta(P.PING)
+                link.send_meta_nowait(P.PING)
 
     async def _watch_process(self, ctx: ActorContext[Any], process: trio.Process) -> None:
         code = await process.wait()

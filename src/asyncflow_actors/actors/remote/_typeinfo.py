@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from ._actor import Actor, accepted_message_types
-from ._message import Request
+from .._actor import Actor, accepted_message_types
+from .._message import Request
 from ._wire import MessageRegistry
 
 

@@ -11,12 +11,12 @@ from typing import Any, TypeVar
 
 import trio
 
+from .._cell import ActorCell, ActorState, ActorStatistics
+from .._errors import ActorCrashed, MessageTypeError
+from .._message import Request, Terminated
+from .._ref import ActorRef, require_request
 from . import _protocol as P
-from ._cell import ActorCell, ActorState, ActorStatistics
-from ._errors import ActorCrashed, MessageTypeError
 from ._link import NodeLink
-from ._message import Request, Terminated
-from ._ref import ActorRef, require_request
 from ._typeinfo import register_types
 from ._wire import MessageRegistry
 
