@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +150,30 @@ async def test_trace_loads_in_perfettos_trace_processor(tmp_path: Path) -> None:
         assert int(slices["n"][0]) == sum(e["ph"] == "X" for e in events)
         flows = tproc.query("select count(*) as n from flow").as_pandas_dataframe()
         assert int(flows["n"][0]) > 0
+
+
+async def test_a_restarted_node_keeps_its_counters_and_drops_its_gauges() -> None:
+    # A generous heartbeat timeout: only the kill below may restart the node.
+    options = afa.NodeOptions(heartbeat_timeout=60.0)
+    async with afa.open_actor_system() as system:
+        node = await system.start_node("n", allow=["asyncflow_actors.observe"], options=options)
+        async with observe.open_observer(system, observe.ObserveConfig(interval=3600)) as obs:
+            await obs.attach_node(node)
+            engine = await node.spawn(demo.ENGINE_TARGET, name="engine", kwargs={"worker": "e0"})
+            for i in range(3):
+                await engine.ask(demo.ComputeLogprobs((i,), ((1, 2),), 0))
+            before = await obs.collect()
+            assert before.value("afa_trace_spans_total", process="n") == 3
+            old_pid = node.pid
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            with trio.fail_after(30):
+                while node.pid in (None, old_pid):
+                    await trio.sleep(0.05)
+                await engine.ask(demo.ComputeLogprobs((9,), ((1,),), 0))  # respawned there
+            after = await obs.collect()
+            # 3 spans from the old process (kept) + 1 from the new one.
+            assert after.value("afa_trace_spans_total", process="n") == 4
+            # Gauges are the new process's alone: the agent and the engine.
+            assert after.value("afa_process_actors", process="n") == 2
+            assert obs.statistics().pull_failures == 0

@@ -14,6 +14,7 @@ produces is determined by its config: with ``staleness=0`` every trained sample 
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -352,6 +353,9 @@ async def run_demo(
     Raises what a station raised.
     """
     cfg = config if config is not None else DemoConfig()
+    # The stations build tensors. Importing torch takes seconds on a busy machine: do it in a
+    # worker thread, so this process's event loop (node heartbeats, the dashboard) keeps going.
+    await trio.to_thread.run_sync(importlib.import_module, "torch")
     run = _Run(cfg)
     flow = FlowControl(cfg.staleness, cfg.batch_size)
     tq_config = TransferQueueConfig(topics=(topic_spec(cfg),), units=1, name="demo-tq")
