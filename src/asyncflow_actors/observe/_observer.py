@@ -95,18 +95,20 @@ class Observer:
     async def attach_node(self, node: Node, *, name: str | None = None) -> ActorRef[Collect]:
         """Spawn an ``ObserveAgent`` on ``node`` (its ``allow`` must include
         ``asyncflow_actors.observe``); its spans and metrics are labelled ``name`` (default: the
-        node's name). The agent is respawned with the node if the node restarts."""
+        node's name). The agent is respawned with the node if the node restarts. Raises
+        ``SpawnRefused`` (not allowed there), or ``trio.TooSlowError`` past ``collect_timeout``."""
         label = name or node.name
-        ref: ActorRef[Collect] = await node.spawn(
-            AGENT_TARGET,
-            name="observe-agent",
-            kwargs={
-                "process_name": label,
-                "trace": self.config.trace,
-                "capacity": self.config.trace_capacity,
-            },
-            restart=Restart.PERMANENT,
-        )
+        with trio.fail_after(self.config.collect_timeout):
+            ref: ActorRef[Collect] = await node.spawn(
+                AGENT_TARGET,
+                name="observe-agent",
+                kwargs={
+                    "process_name": label,
+                    "trace": self.config.trace,
+                    "capacity": self.config.trace_capacity,
+                },
+                restart=Restart.PERMANENT,
+            )
         self.attach(ref, name=label)
         return ref
 
