@@ -1,0 +1,157 @@
+"""The ``asyncflow`` command.
+
+- ``asyncflow dashboard RUN_DIR_OR_JSONL``: serve the live dashboard of a run from its
+  ``metrics.jsonl`` (written by an observer with a ``run_dir``), following the file as it grows.
+- ``asyncflow demo``: run the scripted pipeline of ``asyncflow_actors.observe.demo`` with an
+  observer and the dashboard, to see what observing a run looks like.
+
+Both print one JSON line with the dashboard's address (``url``, ``ws_url``, ``token``) once it
+listens, then serve until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from .observe import (
+    DashboardAddress,
+    GraphEdge,
+    MetricsSnapshot,
+    ObserveConfig,
+    SnapshotFeed,
+    serve,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="asyncflow", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def dashboard_options(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+        q.add_argument("--port", type=int, default=8265, help="page port (0: any free port)")
+        q.add_argument("--ws-port", type=int, default=0, help="websocket port (0: any free port)")
+        q.add_argument("--token", default=None, help="access token (generated off loopback)")
+
+    d = sub.add_parser("dashboard", help="serve the dashboard of a run's metrics.jsonl")
+    d.add_argument("path", help="a run directory or its metrics.jsonl")
+    d.add_argument("--poll", type=float, default=0.5, help="seconds between reads of the file")
+    dashboard_options(d)
+
+    m = sub.add_parser("demo", help="run the scripted pipeline with an observer and dashboard")
+    m.add_argument("--seconds", type=float, default=math.inf, help="stop after this long")
+    m.add_argument("--run-dir", default=None, help="write metrics.jsonl and trace.json here")
+    m.add_argument("--node", action="store_true", help="run the forward engine on a node process")
+    m.add_argument("--staleness", type=int, default=1)
+    dashboard_options(m)
+    return p
+
+
+def _announce(address: DashboardAddress) -> None:
+    line = {"url": address.url, "ws_url": address.ws_url, "token": address.token}
+    print(json.dumps(line), flush=True)
+
+
+def _graph_beside(jsonl: str) -> tuple[GraphEdge, ...]:
+    """The role graph an observer recorded next to its metrics (``observe.json``), if any."""
+    meta = os.path.join(os.path.dirname(jsonl), "observe.json")
+    try:
+        with open(meta, encoding="utf-8") as f:
+            return ObserveConfig(graph=json.load(f).get("graph", ())).graph
+    except FileNotFoundError:
+        return ()
+
+
+async def _follow(path: str, feed: SnapshotFeed, poll: float) -> None:
+    """Publish every snapshot of the JSONL file at ``path``, then those appended to it."""
+    while not await trio.Path(path).exists():  # noqa: ASYNC110 (a file has no event to wait on)
+        await trio.sleep(poll)
+    async with await trio.open_file(path, encoding="utf-8") as f:
+        pending = ""
+        while True:
+            chunk = await f.read()
+            if not chunk:
+                await trio.sleep(poll)
+                continue
+            pending += chunk
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                if line.strip():
+                    feed.publish(MetricsSnapshot.from_json(json.loads(line)))
+
+
+async def _dashboard(args: argparse.Namespace) -> None:
+    path = args.path
+    if await trio.Path(path).is_dir():
+        path = os.path.join(path, "metrics.jsonl")
+    feed = SnapshotFeed(_graph_beside(path))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_follow, path, feed, args.poll)
+        address = await nursery.start(
+            lambda task_status: serve(
+                feed,
+                host=args.host,
+                port=args.port,
+                ws_port=args.ws_port,
+                token=args.token,
+                task_status=task_status,
+            )
+        )
+        _announce(address)
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    import asyncflow_actors as afa
+
+    from .observe import demo, open_observer
+
+    config = ObserveConfig(interval=0.5, run_dir=args.run_dir, graph=demo.GRAPH)
+    async with afa.open_actor_system() as system:
+        node = None
+        if args.node:
+            node = await system.start_node("engine-node", allow=["asyncflow_actors.observe"])
+        async with open_observer(system, config) as observer, trio.open_nursery() as nursery:
+            if node is not None:
+                await observer.attach_node(node)
+            address = await nursery.start(
+                lambda task_status: serve(
+                    observer.feed,
+                    host=args.host,
+                    port=args.port,
+                    ws_port=args.ws_port,
+                    token=args.token,
+                    task_status=task_status,
+                )
+            )
+            _announce(address)
+            run = demo.DemoConfig(
+                groups=10**9,
+                staleness=args.staleness,
+                rollout_delay=0.05,
+                forward_delay=0.01,
+                advantage_delay=0.002,
+                train_delay=0.03,
+                sync_delay=0.01,
+            )
+            with trio.move_on_after(args.seconds):
+                await demo.run_demo(system, run, observer=observer, engine_node=node)
+            nursery.cancel_scope.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        trio.run(_dashboard if args.command == "dashboard" else _demo, args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The dashboard: its HTTP routes, the websocket feed, the CLI, and a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio_websocket
+
+import asyncflow_actors as afa
+from asyncflow_actors import observe
+from asyncflow_actors.observe import demo
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+]
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def snapshot(samples: float) -> observe.MetricsSnapshot:
+    reg = observe.MetricsRegistry()
+    reg.counter("afa_role_samples_total", role="train", worker="t0").inc(samples)
+    return reg.snapshot()
+
+
+async def test_routes_token_and_prometheus() -> None:
+    feed = observe.SnapshotFeed(demo.GRAPH)
+    feed.publish(snapshot(5))
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(
+            lambda task_status: observe.serve(feed, token="s3cret", task_status=task_status)
+        )
+        assert address.url.endswith("/?token=s3cret") and address.token == "s3cret"
+        base = address.url.split("?")[0]
+        assert (await trio.to_thread.run_sync(get, base))[0] == 403
+        assert (await trio.to_thread.run_sync(get, base + "api/view?token=wrong"))[0] == 403
+        status, page = await trio.to_thread.run_sync(get, address.url)
+        assert status == 200 and b"asyncflow_actors" in page and b"__WS_PORT__" not in page
+        status, body = await trio.to_thread.run_sync(get, base + "api/view?token=s3cret")
+        view = json.loads(body)
+        assert status == 200 and view["seq"] == 1
+        assert [r["samples"] for r in view["roles"]] == [0, 0, 0, 5]  # the graph's roles, in order
+        bearer = {"Authorization": "Bearer s3cret"}
+        status, text = await trio.to_thread.run_sync(get, base + "metrics", bearer)
+        assert status == 200 and b'afa_role_samples_total{role="train",worker="t0"} 5.0' in text
+        status, body = await trio.to_thread.run_sync(get, base + "api/trace?token=s3cret")
+        assert status == 200 and json.loads(body) == {"traceEvents": []}
+        nursery.cancel_scope.cancel()
+
+
+async def test_websocket_pushes_each_new_view_and_refuses_foreign_origins() -> None:
+    feed = observe.SnapshotFeed()
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(observe.serve, feed)
+        assert address.token is None  # loopback: no token needed
+        with pytest.raises(trio_websocket.ConnectionRejected):
+            async with trio_websocket.open_websocket_url(
+                address.ws_url, extra_headers=[(b"Origin", b"http://evil.example")]
+            ):
+                pass
+        async with trio_websocket.open_websocket_url(
+            address.ws_url, extra_headers=[(b"Origin", address.url.rstrip("/").encode())]
+        ) as ws:
+            for n in (3, 8):
+                feed.publish(snapshot(n))
+                with trio.fail_after(10):
+                    view = json.loads(await ws.get_message())
+                assert view["seq"] == feed.seq and view["roles"][0]["samples"] == n
+        nursery.cancel_scope.cancel()
+
+
+def test_non_loopback_hosts_are_recognized() -> None:
+    from asyncflow_actors.observe._dashboard import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("host-3")
+
+
+async def test_cli_dashboard_follows_a_growing_jsonl_file(tmp_path: Path) -> None:
+    exporter = observe.JsonlExporter(tmp_path / "metrics.jsonl")
+    (tmp_path / "observe.json").write_text(json.dumps({"graph": [["rollout", "train"]]}))
+    exporter.export(snapshot(1))
+    exporter.export(snapshot(2))
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncflow_actors.cli",
+        "dashboard",
+        str(tmp_path),
+        "--port",
+        "0",
+        "--poll",
+        "0.05",
+    ]
+    process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        with trio.fail_after(30):
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(4096)
+        url = json.loads(line)["url"]
+
+        async def view() -> dict[str, Any]:
+            with trio.fail_after(10):
+                while True:
+                    status, body = await trio.to_thread.run_sync(get, url + "api/view")
+                    if status == 200 and body != b"null":
+                        return json.loads(body)  # type: ignore[no-any-return]
+                    await trio.sleep(0.05)
+
+        first = await view()
+        with trio.fail_after(10):
+            while first["seq"] < 2:
+                first = await view()
+        assert [r["role"] for r in first["roles"]] == ["rollout", "train"]
+        assert first["roles"][1]["samples"] == 2
+        exporter.export(snapshot(7))
+        with trio.fail_after(10):
+            while (latest := await view())["seq"] < 3:
+                await trio.sleep(0.05)
+        assert latest["roles"][1]["samples"] == 7
+    finally:
+        exporter.close()
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+def browser_missing() -> str | None:
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        return f"no system browser ({CHROMIUM}, {CHROMEDRIVER}): apt-get install chromium chromium-driver"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (the dev extra)"
+    return None
+
+
+READ_PAGE = """
+const num = (sel) => { const e = document.querySelector(sel); return e ? e.textContent : null; };
+const roles = {};
+for (const g of document.querySelectorAll('#graph-body .role')) {
+  roles[g.id.slice(5)] = g.querySelector('[data-field=samples]').textContent;
+}
+const edges = {};
+for (const g of document.querySelectorAll('#graph-body .edge')) {
+  edges[g.dataset.edge] = g.querySelector('.depth').textContent;
+}
+return {seq: document.body.dataset.seq || "0", roles: roles, edges: edges,
+        staleness: num('#staleness-count'), reward: num('#reward'), version: num('#version'),
+        live: document.getElementById('status').classList.contains('live'),
+        syncs: document.querySelectorAll('#syncs tbody tr').length};
+"""
+
+
+def drive_browser(url: str, shots: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Load the page, read it twice a few updates apart, then the trace view; screenshots."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="afa-chromium-")
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        driver.get(url)
+
+        def read_after(seq: int) -> dict[str, Any]:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                reading: dict[str, Any] = driver.execute_script(READ_PAGE)
+                if int(reading["seq"]) > seq and reading["live"]:
+                    return reading
+                time.sleep(0.05)
+            raise AssertionError(f"the page did not update past {seq}: {reading}")
+
+        first = read_after(2)
+        second = read_after(int(first["seq"]) + 3)
+        driver.save_screenshot(str(shots / "dashboard.png"))
+        base, _, query = url.partition("?")
+        driver.get(f"{base}trace?{query}")
+        deadline = time.monotonic() + 30
+        while not driver.execute_script("return document.body.dataset.spans"):
+            assert time.monotonic() < deadline, "the trace view drew nothing"
+            time.sleep(0.05)
+        drawn = driver.execute_script(
+            "return {spans: +document.body.dataset.spans, flows: +document.body.dataset.flows}"
+        )
+        driver.save_screenshot(str(shots / "trace-view.png"))
+        return [first, second], drawn
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.mark.skipif(browser_missing() is not None, reason=browser_missing() or "")
+async def test_dashboard_in_headless_chromium_shows_the_metrics_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SE_OFFLINE", "true")  # selenium must never fetch a driver or browser
+    run = demo.DemoConfig(
+        groups=10**6,
+        staleness=1,
+        rollout_delay=0.02,
+        forward_delay=0.004,
+        advantage_delay=0.001,
+        train_delay=0.01,
+        sync_delay=0.006,
+    )
+    config = observe.ObserveConfig(interval=0.2, graph=demo.GRAPH)
+    async with (
+        afa.open_actor_system() as system,
+        observe.open_observer(system, config) as obs,
+        trio.open_nursery() as nursery,
+    ):
+        node = await system.start_node("engine-node", allow=["asyncflow_actors.observe"])
+        await obs.attach_node(node)  # the trace view shows the engine's spans from that process
+        address = await nursery.start(observe.serve, obs.feed)
+        nursery.start_soon(lambda: demo.run_demo(system, run, observer=obs, engine_node=node))
+        readings, drawn = await trio.to_thread.run_sync(drive_browser, address.url, tmp_path)
+        checked = [(r, *obs.feed.get(int(r["seq"]))) for r in readings]
+        nursery.cancel_scope.cancel()
+
+    for reading, snap, view in checked:
+        for role in demo.ROLES:
+            assert int(reading["roles"][role]) == snap.total("afa_role_samples_total", role=role)
+        for edge in demo.GRAPH:
+            depth = snap.total("afa_tq_ready_samples", topic=edge.topic, consumer=edge.dst)
+            assert int(reading["edges"][f"{edge.src}->{edge.dst}"]) == depth
+        staleness = snap.find("afa_train_staleness_versions")
+        assert staleness is not None and int(reading["staleness"]) == staleness.count
+        assert reading["reward"] == f"{snap.value('afa_reward_mean', role='train'):.3f}"
+        assert int(reading["version"]) == snap.value(
+            "afa_policy_version", role="train", worker="train-0"
+        )
+        assert reading["syncs"] == min(len(view["syncs"]), 8)
+    first, second = readings
+    assert int(second["roles"]["train"]) > int(first["roles"]["train"])  # the numbers move
+    assert int(second["staleness"]) > int(first["staleness"])
+    assert drawn["spans"] > 0 and drawn["flows"] > 0  # the trace view drew spans and flows
+    for name in ("dashboard.png", "trace-view.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        keep = os.environ.get("AFA_SCREENSHOT_DIR")  # refreshes the docs' pictures
+        if keep:
+            shutil.copy(tmp_path / name, Path(keep) / name)
