@@ -99,8 +99,8 @@ def test_a_hung_call_times_out_and_close_still_cleans_up() -> None:
         loop.run(ref.ask, Hold(100.0))  # waits on virtual time nobody advances
     assert loop.running
     assert loop.run(attempt, ref.ask, Hold(1.0)) == Blocked()
-    loop.close()  # the grace (30 virtual seconds) passes at once
-    assert time.monotonic() - began < 10
+    loop.close()  # the grace (30 virtual seconds) passes at once, not in 30 real ones
+    assert time.monotonic() - began < 25
     assert not loop.running and stopped == [] and not harness_threads()
 
 

@@ -28,7 +28,7 @@ from tests.testing.actors import Add, Counter, Hold, Total
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-OPTIONS = afa.NodeOptions(heartbeat_interval=0.2, heartbeat_timeout=5.0, shutdown_grace=0.5)
+OPTIONS = afa.NodeOptions(heartbeat_timeout=30.0, shutdown_grace=0.5)
 
 
 class FailingMachine(ActorMachine):

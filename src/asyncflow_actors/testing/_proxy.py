@@ -139,6 +139,12 @@ def _peek(frames: list[zmq.Frame]) -> tuple[str | None, str | None]:
 
 
 @attrs.define(eq=False)
+class _Active:
+    rule: LinkRule
+    left: int | None  # times it may still act (None: no limit)
+
+
+@attrs.define(eq=False)
 class _Item:
     frames: list[Any]
     release_at: float
@@ -181,7 +187,7 @@ class LinkProxy:
     def __init__(self, upstream: str, address: str, seed: int, history: int) -> None:
         self.upstream = upstream
         self.address = address
-        self._rules: list[list[Any]] = []  # [rule, times left or None]
+        self._rules: list[_Active] = []
         self._random = random.Random(seed)
         self._partition_end = -math.inf
         self._partition_hold = False
@@ -197,7 +203,7 @@ class LinkProxy:
 
     def add_rule(self, rule: LinkRule) -> None:
         """Apply ``rule`` from now on (after the rules added before it)."""
-        self._rules.append([rule, rule.count])
+        self._rules.append(_Active(rule, rule.count))
 
     def clear_rules(self) -> None:
         self._rules.clear()
@@ -245,15 +251,16 @@ class LinkProxy:
             self._record(msg, "held")
             lane.put(_Item(frames, now, True, 1))
             return
-        delay, copies, outcome = 0.0, 1, "forwarded"
-        for entry in self._rules:
-            rule, left = entry
-            if left == 0 or not rule.matches(msg):
+        delay, copies = 0.0, 1
+        outcome: Outcome = "forwarded"
+        for active in self._rules:
+            rule = active.rule
+            if active.left == 0 or not rule.matches(msg):
                 continue
             if rule.probability < 1 and self._random.random() >= rule.probability:
                 continue
-            if left is not None:
-                entry[1] = left - 1
+            if active.left is not None:
+                active.left -= 1
             if rule.action == "drop":
                 self._record(msg, "dropped")
                 return
@@ -263,7 +270,7 @@ class LinkProxy:
                 delay = rule.seconds + (self._random.uniform(0, rule.jitter) if rule.jitter else 0)
                 outcome = "delayed"
             break
-        self._record(msg, outcome)  # type: ignore[arg-type]
+        self._record(msg, outcome)
         lane.put(_Item(frames, now + delay, False, copies))
 
     def _record(self, msg: LinkMessage, outcome: Outcome) -> None:
