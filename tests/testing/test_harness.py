@@ -21,12 +21,15 @@ from asyncflow_actors.testing import (
     HarnessError,
     Raised,
     Returned,
+    TaskTrace,
     TrioThread,
     attempt,
 )
 
 if sys.version_info < (3, 11):
     from exceptiongroup import ExceptionGroup
+
+import trio.lowlevel
 
 from tests.testing.actors import Add, Counter, FaultyCounter, Hold, Total
 
@@ -138,3 +141,23 @@ def test_a_loop_that_ends_is_reported_and_its_error_raised_at_close() -> None:
     assert info.group_contains(afa.SupervisorFailed)
     loop.close()  # idempotent
     assert not harness_threads()
+
+
+def test_a_seeded_loop_schedules_the_same_way_twice() -> None:
+    async def race(log: list[int]) -> None:
+        async def worker(k: int) -> None:
+            for _ in range(3):
+                log.append(k)
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            for k in range(4):
+                nursery.start_soon(worker, k)
+
+    orders = []
+    for _ in range(2):
+        trace, log = TaskTrace(), []
+        with TrioThread(clock=trio.testing.MockClock(), seed=3, instruments=(trace,)) as loop:
+            loop.run(race, log)
+        orders.append((log, trace.steps))
+    assert orders[0] == orders[1]

@@ -27,6 +27,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
+from ._replay import seed_scheduler
 from ._time import advance, settle
 
 S = TypeVar("S")
@@ -102,8 +103,6 @@ class TrioThread(Generic[S]):
     def _thread_main(self) -> None:
         try:
             if self._seed is not None:
-                from ._replay import seed_scheduler
-
                 seed_scheduler(self._seed)
             trio.run(self._main, clock=self.clock, instruments=self._instruments)
         except BaseException as exc:
