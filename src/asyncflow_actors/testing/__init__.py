@@ -6,7 +6,8 @@
   in a helper thread; ``@in_trio`` async rules), ``TrioThread``, ``protocol_settings``;
 - schedules and determinism: ``replay`` (a generated schedule in one ``trio.run``),
   ``run_deterministic`` (seeded scheduler, ``MockClock``), ``TaskTrace``; ``settle``,
-  ``advance``, ``attempt`` (returned, raised, or blocked forever);
+  ``advance``, ``attempt`` (returned, raised, or blocked forever); ``find_exception`` (the
+  assertion inside an exception group);
 - faults: ``faulty(ActorClass)`` + ``FaultPlan`` (``CrashAt``, ``CrashOnStart``, ``StallAt``,
   ``KillProcessAt``), the same for local actors and actors on nodes; ``open_link_proxy``
   (drop, delay, duplicate, partition on a node link); ``open_node_process``, ``kill_node``,

@@ -17,7 +17,6 @@ incarnation continues the count, so ``CrashAt(message=3)`` fires once, not every
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import sys
@@ -179,9 +178,6 @@ class _Faulty:
         if after is not None:
             raise InjectedCrash(f"{ctx.name}: planned crash after handling message #{k} ({msg!r})")
         return result
-
-
-_names = itertools.count(1)
 
 
 def faulty(cls: type[A], *, name: str | None = None) -> type[A]:
