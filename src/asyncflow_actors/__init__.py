@@ -54,8 +54,8 @@ __version__ = "0.1.0.dev0"
 
 def __getattr__(name: str) -> object:
     # The torch-backed layers load on first use, so that processes that only move bytes
-    # (nodes hosting storage units) start without importing torch.
-    if name in ("checkpoint", "models", "rl", "rollout"):
+    # (nodes hosting storage units) start without importing torch; so does the testing kit.
+    if name in ("checkpoint", "models", "rl", "rollout", "testing"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
