@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncflow_actors.actors._typeinfo import register_types
-from asyncflow_actors.actors._wire import MessageRegistry, decode, encode
+from asyncflow_actors.actors.remote._typeinfo import register_types
+from asyncflow_actors.actors.remote._wire import MessageRegistry, decode, encode
 from asyncflow_actors.rollout import (
     Completion,
     EngineConfig,

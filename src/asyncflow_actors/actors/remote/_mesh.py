@@ -117,6 +117,9 @@ class Mesh:
         # CURVE for the links this mesh opens to its peers: the cluster-key model (every node
         # listens with the same keypair and authorizes it), set when it listens with CURVE
         self.curve: CurveClient | None = None
+        # A hook that may rewrite where a link connects: (peer name, endpoint) -> endpoint.
+        # The testing kit routes links through a fault-injecting proxy with it.
+        self.route: Callable[[str, str], str] | None = None
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._tmpdir: str | None = None
@@ -335,6 +338,8 @@ class Mesh:
         """
         if self.server is None:
             await self.ensure_listening()  # so the peer can reach our actors back
+        if self.route is not None:
+            address = self.route(name, address)
         sock = await stack.enter_async_context(
             open_zmq_socket(
                 zmq.Context.instance(),
