@@ -115,16 +115,25 @@ class Count(afa.Request[int]):
     pass
 
 
-class Busy(afa.Actor[Block | Count]):
-    """Counts messages; blocks its loop on request. Its state dies with its process."""
+@attrs.frozen
+class Nap(afa.Request[int]):
+    """Take a while without blocking the loop (an actor busy with one message)."""
+
+    seconds: float
+
+
+class Busy(afa.Actor[Block | Count | Nap]):
+    """Counts messages; naps or blocks its loop on request. Its state dies with its process."""
 
     def __init__(self) -> None:
         self.n = 0
 
-    async def receive(self, msg: Block | Count, ctx: afa.ActorContext[Any]) -> int:
+    async def receive(self, msg: Block | Count | Nap, ctx: afa.ActorContext[Any]) -> int:
         self.n += 1
         if isinstance(msg, Block):
             time.sleep(msg.seconds)  # noqa: ASYNC251 (deliberately blocking: the loop stalls)
+        elif isinstance(msg, Nap):
+            await trio.sleep(msg.seconds)
         return self.n
 
 

@@ -266,6 +266,10 @@ def error_from_info(info: ErrorInfo, local_name: str) -> BaseException:
     cls = _resolve_error_type(info.type_name)
     try:
         inner = cls(info.message) if cls is not None else RemoteError(info.type_name, info.message)
+        if cls is not None and str(inner) != info.message:
+            # a constructor that formats its argument (UnknownType(name)): keep the message
+            inner = cls.__new__(cls)
+            BaseException.__init__(inner, info.message)
     except Exception:
         inner = RemoteError(info.type_name, info.message)
     if cls is not None:

@@ -22,11 +22,13 @@ it) may stop it; only the owner may shut the node down.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 import math
 import os
 import secrets
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,7 +47,7 @@ from .._supervisor import Restart
 from .._system import ActorSystem
 from . import _protocol as P
 from ._typeinfo import register_actor_types, register_types
-from ._wire import UnknownType, WireError, decode, encode
+from ._wire import MalformedMessage, UnknownType, WireError, decode, encode
 from ._zmq import TrioSocket, open_monitor_socket
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ log = logging.getLogger("asyncflow_actors.node")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 SEND_TIMEOUT = 30.0  # seconds a reply may wait for a peer's pipe before it is dropped
 ROUTER_RCVHWM = 8192  # messages libzmq buffers per peer before it stops reading that peer
+_MAX_LEARNED_TYPES = 16  # new types one message may make a node import and register
 
 
 class SpawnRefused(ActorError):
@@ -269,32 +272,52 @@ class NodeServer:
         return served is not None and served.raw
 
     def _decode(self, frames: Sequence[Any]) -> tuple[dict[str, Any], object]:
-        try:
-            return decode(
-                frames,
-                registry=self.registry,
-                max_message_bytes=self.max_message_bytes,
-                raw_tensors=self._raw_for,
-                resolve=self.mesh.resolve,
-            )
-        except UnknownType as exc:
-            # A spawn's kwargs may use the classes of the actor's own module: import it (within
-            # the allowlist), learn its constructor's types, and decode again.
-            meta = exc.meta if isinstance(exc.meta, dict) else {}
-            target = meta.get("cls")
-            if meta.get("k") != P.SPAWN or not isinstance(target, str):
-                raise
+        for _ in range(_MAX_LEARNED_TYPES):
             try:
-                cls = self._import(target)
+                return decode(
+                    frames,
+                    registry=self.registry,
+                    max_message_bytes=self.max_message_bytes,
+                    raw_tensors=self._raw_for,
+                    resolve=self.mesh.resolve,
+                )
+            except UnknownType as exc:
+                if not self._learn(exc):
+                    raise
+        raise MalformedMessage(f"a message naming more than {_MAX_LEARNED_TYPES} new types")
+
+    def _learn(self, exc: UnknownType) -> bool:
+        """Register the type a message named, if this node may import it; True if it did.
+
+        A spawn's kwargs may use the classes of the actor's own module (its constructor's
+        types); any message may name an attrs class or enum of a module that this process has
+        imported already or that the allowlist lets it import (an ``Actor[Any]`` declares no
+        types). Nothing else is ever imported.
+        """
+        meta = exc.meta if isinstance(exc.meta, dict) else {}
+        target = meta.get("cls")
+        if meta.get("k") == P.SPAWN and isinstance(target, str):
+            try:
+                register_types(self.registry, *_init_hints(self._import(target)))
             except SpawnRefused:
-                raise exc from None
-            register_types(self.registry, *_init_hints(cls))
-            return decode(
-                frames,
-                registry=self.registry,
-                max_message_bytes=self.max_message_bytes,
-                resolve=self.mesh.resolve,
-            )
+                return False
+            if exc.name in self.registry._by_name:
+                return True
+        module, _, qualname = exc.name.partition(":")
+        if not qualname or "<" in qualname:
+            return False
+        if module not in sys.modules and not _allowed(exc.name, self.allow):
+            return False
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            return False
+        if not isinstance(obj, type) or not (attrs.has(obj) or issubclass(obj, enum.Enum)):
+            return False
+        register_types(self.registry, obj)
+        return exc.name in self.registry._by_name
 
     async def _dispatch(
         self, peer: bytes, state: _PeerState, meta: dict[str, Any], payload: object
