@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 import trio
 
+from .actors.remote._curve import CurveKeypair, CurveServer
 from .actors.remote._launch import OWNER_TOKEN_ENV, NodeOptions
+from .actors.remote._mesh import is_loopback
 from .actors.remote._node import serve_node
 from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES
-from .actors.remote._zmq import CurveKeypair, CurveServer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,11 +121,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             "--curve-keys without --authorized-keys would let in any client that knows the "
             "server key: list the clients' public keys with --authorized-keys"
         )
+    exposed = [b for b in args.bind if not is_loopback(b)]
+    if exposed and not args.curve_keys and not args.insecure:
+        parser.error(
+            f"binding {exposed} without CURVE exposes the node's actors to the network: "
+            "give --curve-keys and --authorized-keys, or --insecure on a trusted network"
+        )
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
-    try:
-        trio.run(_main, args)
-    except ValueError as exc:  # e.g. a public bind without CURVE or --insecure
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    trio.run(_main, args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -122,18 +123,28 @@ class Nap(afa.Request[int]):
     seconds: float
 
 
-class Busy(afa.Actor[Block | Count | Nap]):
+@attrs.frozen
+class Gate(afa.Request[int]):
+    """Hold the actor until the file ``path`` exists (the test opens the gate)."""
+
+    path: str
+
+
+class Busy(afa.Actor[Block | Count | Nap | Gate]):
     """Counts messages; naps or blocks its loop on request. Its state dies with its process."""
 
     def __init__(self) -> None:
         self.n = 0
 
-    async def receive(self, msg: Block | Count | Nap, ctx: afa.ActorContext[Any]) -> int:
+    async def receive(self, msg: Block | Count | Nap | Gate, ctx: afa.ActorContext[Any]) -> int:
         self.n += 1
         if isinstance(msg, Block):
             time.sleep(msg.seconds)  # noqa: ASYNC251 (deliberately blocking: the loop stalls)
         elif isinstance(msg, Nap):
             await trio.sleep(msg.seconds)
+        elif isinstance(msg, Gate):
+            while not os.path.exists(msg.path):
+                await trio.sleep(0.01)
         return self.n
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 import attrs
 import pytest
@@ -12,7 +13,7 @@ import trio
 import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import MessageRegistry
 from asyncflow_actors.actors.remote._typeinfo import register_types
-from tests.remote.mesh_actors import Block, Busy, Count, Nap, Sink
+from tests.remote.mesh_actors import Block, Busy, Count, Gate, Sink
 
 ALLOW = ["tests.remote"]
 
@@ -54,7 +55,10 @@ async def test_a_rejected_tell_returns_its_credit_and_the_sender_learns() -> Non
         assert verdicts and all("Unknown" in v for v in verdicts)
 
 
-async def test_an_ask_keeps_its_credit_when_it_cannot_be_sent_or_is_cancelled() -> None:
+async def test_an_ask_keeps_its_credit_when_it_cannot_be_sent_or_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    gate = str(tmp_path / "open")
     async with afa.open_actor_system() as system:
         node = await system.start_node("n", allow=ALLOW)
         busy = await node.spawn(Busy, name="busy", mailbox_size=1)
@@ -64,14 +68,16 @@ async def test_an_ask_keeps_its_credit_when_it_cannot_be_sent_or_is_cancelled() 
             await busy.ask(Block(lambda: 1))  # type: ignore[arg-type]  # cannot be encoded
         assert credits_left(busy) == 1
         async with trio.open_nursery() as nursery:
-            # one nap runs, one waits in the mailbox, one waits on the node: no credit is left
+            # one waits at the gate, one in the mailbox, one on the node: no credit is left
             for _ in range(3):
-                nursery.start_soon(busy.ask, Nap(0.5))
-                await trio.sleep(0.1)
-            assert credits_left(busy) == 0
+                nursery.start_soon(busy.ask, Gate(gate))
+            with trio.fail_after(10):
+                while credits_left(busy) != 0:
+                    await trio.sleep(0.01)
             with trio.move_on_after(0.2) as scope:
                 await busy.ask(Count())  # waits for a credit, and is cancelled meanwhile
             assert scope.cancelled_caught
+            Path(gate).touch()
         with trio.fail_after(10):
             while credits_left(busy) != 1:
                 await trio.sleep(0.01)

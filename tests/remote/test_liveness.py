@@ -134,3 +134,27 @@ async def test_a_hand_started_node_whose_link_blips_is_reconnected_and_keeps_its
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_leaving_with_a_stuck_node_is_bounded_and_leaves_nothing() -> None:
+    options = afa.NodeOptions(shutdown_grace=1.0)
+    async with afa.open_actor_system() as system:
+        node = await system.start_node("n", allow=ALLOW, options=options)
+        await node.spawn(Busy, name="busy")
+        pid = node.pid
+        assert pid is not None
+        folder = node.address.removeprefix("ipc://").rpartition("/")[0]
+        os.kill(pid, signal.SIGSTOP)  # stuck: it will answer nothing, not even SIGTERM
+        t0 = trio.current_time()
+    # the polite shutdown (1 s), SIGTERM (2 s), then SIGKILL: within the node's budget
+    assert trio.current_time() - t0 < 1.0 + 2.0 + 1.0 + 1.0
+    assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
+    assert not os.path.exists(folder)
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

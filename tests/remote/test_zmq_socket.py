@@ -15,16 +15,14 @@ import trio
 import trio.testing
 import zmq
 
-from asyncflow_actors.actors.remote._zmq import (
+from asyncflow_actors.actors.remote._curve import (
     CurveClient,
     CurveKeypair,
     CurveServer,
-    SendTracker,
-    TrioSocket,
     curve_keypair,
     open_zap_authenticator,
-    open_zmq_socket,
 )
+from asyncflow_actors.actors.remote._zmq import SendTracker, TrioSocket, open_zmq_socket
 
 
 @pytest.fixture

@@ -37,6 +37,12 @@ from ._supervisor import WhichChildren as WhichChildren
 from ._system import ActorSystem as ActorSystem
 from ._system import SystemStatistics as SystemStatistics
 from ._system import open_actor_system as open_actor_system
+from .remote._curve import CurveClient as CurveClient
+from .remote._curve import CurveKeypair as CurveKeypair
+from .remote._curve import CurveServer as CurveServer
+from .remote._curve import curve_keypair as curve_keypair
+from .remote._hosting import NotAuthorized as NotAuthorized
+from .remote._hosting import SpawnRefused as SpawnRefused
 from .remote._launch import NodeOptions as NodeOptions
 from .remote._node import Node as Node
 from .remote._protocol import MessageRejected as MessageRejected
@@ -44,11 +50,5 @@ from .remote._protocol import NodeLost as NodeLost
 from .remote._protocol import RemoteError as RemoteError
 from .remote._protocol import register_error as register_error
 from .remote._ref import RemoteActorRef as RemoteActorRef
-from .remote._server import NotAuthorized as NotAuthorized
-from .remote._server import SpawnRefused as SpawnRefused
 from .remote._typeinfo import register_types as register_types
 from .remote._wire import WireError as WireError
-from .remote._zmq import CurveClient as CurveClient
-from .remote._zmq import CurveKeypair as CurveKeypair
-from .remote._zmq import CurveServer as CurveServer
-from .remote._zmq import curve_keypair as curve_keypair

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -17,10 +19,10 @@ from ._ref import ActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
 
 if TYPE_CHECKING:
+    from .remote._curve import CurveClient, CurveServer
     from .remote._launch import Launcher, NodeOptions
     from .remote._mesh import Mesh
     from .remote._node import Node
-    from .remote._zmq import CurveClient, CurveServer
 
 N = TypeVar("N")
 
@@ -208,6 +210,7 @@ async def open_actor_system(
     kill_grace: float = 1.0,
     name: str | None = None,
     node_options: NodeOptions | None = None,
+    handle_signals: bool = True,
 ) -> AsyncIterator[ActorSystem]:
     """Run an actor system for the duration of the ``async with`` block.
 
@@ -221,6 +224,11 @@ async def open_actor_system(
 
     ``name`` names the system in the run (default ``host:pid``); ``node_options`` time the
     links it opens to other systems (``docs/remote.md``).
+
+    With ``handle_signals`` (the default; only in the main thread), SIGTERM stops the system as
+    leaving the block does — node processes stopped, their sockets and files removed — and
+    then raises ``SystemExit(143)``; SIGINT raises ``KeyboardInterrupt`` in the block as usual,
+    which leaves it the same clean way.
     """
     from .remote._launch import NodeOptions as _NodeOptions
     from .remote._mesh import Mesh
@@ -245,17 +253,34 @@ async def open_actor_system(
         if exit.error is not None and not exit.start_failed and not exit.killed:
             raise exit.error  # the root failed (a kill during the stop was logged already)
 
+    signals: list[int] = []
+    block = trio.CancelScope()
+
+    async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM) as received:
+            task_status.started()
+            async for signum in received:
+                signals.append(signum)
+                block.cancel()  # leave the block: the finally below stops everything cleanly
+                return
+
     # The mesh (sockets to other systems) outlives the actors: their on_stop may still talk.
     async with mesh.run(), trio.open_nursery() as nursery:
         system._mesh = mesh
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            await nursery.start(watch_signals, name="actor-system:signals")
         error = await nursery.start(run_root, name="actor:<root>")
         if error is not None:
             raise error
         system._root = root
         try:
-            yield system
+            with block:
+                yield system
         finally:
             with trio.CancelScope(shield=True):
                 await root.stop()
             tree_scope.cancel()
             system._root = None
+            nursery.cancel_scope.cancel()  # the signal watcher
+    if signals:
+        raise SystemExit(128 + signals[0])

@@ -8,6 +8,8 @@ See ``docs/remote.md``.
 """
 
 from ._address import ActorAddress as ActorAddress
+from ._curve import open_zap_authenticator as open_zap_authenticator
+from ._hosting import NotAuthorized as NotAuthorized
 from ._launch import ConnectLauncher as ConnectLauncher
 from ._launch import InProcessLauncher as InProcessLauncher
 from ._launch import Launched as Launched
@@ -27,7 +29,6 @@ from ._protocol import protocol_registry as protocol_registry
 from ._raw_tensor import RawTensor as RawTensor
 from ._server import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_MESSAGE_BYTES
 from ._server import NodeServerStatistics as NodeServerStatistics
-from ._server import NotAuthorized as NotAuthorized
 from ._wire import MalformedMessage as MalformedMessage
 from ._wire import MessageRegistry as MessageRegistry
 from ._wire import MessageTooLarge as MessageTooLarge
@@ -37,5 +38,4 @@ from ._wire import decode as decode
 from ._wire import encode as encode
 from ._zmq import SendTracker as SendTracker
 from ._zmq import TrioSocket as TrioSocket
-from ._zmq import open_zap_authenticator as open_zap_authenticator
 from ._zmq import open_zmq_socket as open_zmq_socket

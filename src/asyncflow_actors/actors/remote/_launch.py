@@ -22,8 +22,8 @@ import trio
 
 from .._actor import ActorContext
 from . import _protocol as P
+from ._curve import CurveClient
 from ._server import DEFAULT_MAX_MESSAGE_BYTES
-from ._zmq import CurveClient
 
 OWNER_TOKEN_ENV = "AFA_NODE_OWNER_TOKEN"
 """The environment variable a launcher hands a child node its owner token in (not argv: ps)."""

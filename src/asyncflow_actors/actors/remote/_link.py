@@ -32,7 +32,7 @@ from .._cell import Reply
 from .._errors import ActorCrashed
 from . import _protocol as P
 from ._typeinfo import register_types
-from ._wire import AddressOf, MessageRegistry, WireError, decode, encode
+from ._wire import AddressOf, MessageRegistry, MessageTooLarge, WireError, decode, encode
 from ._wire_decode import ResolveRef
 from ._zmq import SendTracker, TrioSocket, open_monitor_socket
 
@@ -244,7 +244,14 @@ class NodeLink:
         if cls not in self._registered:
             register_types(self.registry, cls)
             self._registered.add(cls)
-        return encode(meta, payload, registry=self.registry, address_of=self.address_of)
+        frames = encode(meta, payload, registry=self.registry, address_of=self.address_of)
+        size = _nbytes(frames)
+        if size > self.max_message_bytes:  # the peer would drop the connection: refuse here
+            raise MessageTooLarge(
+                f"a {type(payload).__name__} of {size} bytes to node {self.node!r}: the limit is "
+                f"max_message_bytes={self.max_message_bytes}"
+            )
+        return frames
 
     def _check_open(self, target: str = "") -> None:
         if self.closed is not None:

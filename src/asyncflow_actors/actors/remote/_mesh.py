@@ -34,11 +34,12 @@ from .._errors import ActorCrashed
 from .._ref import ActorRef, DeadActorRef, LocalActorRef
 from . import _protocol as P
 from ._address import ActorAddress
+from ._curve import CurveClient, CurveServer, open_zap_authenticator
 from ._link import NodeLink
 from ._peer import Peer
 from ._ref import RemoteActorRef
 from ._server import DEFAULT_MAX_MESSAGE_BYTES, ROUTER_RCVHWM, NodeServer, NodeServerStatistics
-from ._zmq import CurveClient, CurveServer, open_zap_authenticator, open_zmq_socket
+from ._zmq import open_zmq_socket
 
 if TYPE_CHECKING:
     from .._system import ActorSystem

@@ -30,13 +30,13 @@ from .._cell import Reply
 from .._message import Request
 from .._supervisor import ChildSpec, OneForOne, Restart, Strategy
 from . import _protocol as P
+from ._curve import CurveServer
 from ._launch import Launched, Launcher, NodeOptions
 from ._link import NodeLink
 from ._peer import Peer
 from ._ref import RemoteActorRef
 from ._server import DEFAULT_MAX_MESSAGE_BYTES
 from ._typeinfo import register_actor_types, register_value_types
-from ._zmq import CurveServer
 
 M = TypeVar("M")
 
@@ -72,7 +72,7 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         self.stopping = False
 
     def default_shutdown(self) -> float | None:
-        return self.options.shutdown_grace + 2.0 + 1.0  # polite, then SIGTERM, then kill
+        return _stop_budget(self.options)
 
     async def on_start(self, ctx: ActorContext[SpawnRemote | GetNode]) -> None:
         if self.peer.cell is not ctx._cell:
@@ -185,33 +185,23 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         await self._teardown(lost, polite=not isinstance(error, P.NodeLost))
 
     async def _teardown(self, lost: BaseException, *, polite: bool) -> None:
-        """Shut the node down (``polite``: ask it, then wait; else kill it at once)."""
+        """Shut the node down (``polite``: ask it, then wait; else kill it at once).
+
+        Bounded: the polite part (the request and the wait for the process to exit) shares
+        one ``shutdown_grace``; then SIGTERM and 2 s; then SIGKILL.
+        """
         self.stopping = True
         self.peer.detach()
         link, launched = self.link, self.launched
         process = launched.process if launched is not None else None
         try:
-            if (
-                polite
-                and link is not None
-                and link.closed is None
-                and launched is not None
-                and not launched.in_process
-            ):
-                # The helper tasks (the link's receiver among them) are gone by now.
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(link.run)
-                    with trio.move_on_after(self.options.shutdown_grace):
-                        if launched.owns_node and (process is None or process.returncode is None):
-                            await link.request(P.SHUTDOWN)
-                        elif not launched.owns_node:
-                            for actor in list(self.peer.specs):
-                                await link.request(P.STOP, target=actor)
-                    nursery.cancel_scope.cancel()
-            if polite and process is not None and process.returncode is None:
+            if polite and launched is not None and not launched.in_process:
                 with trio.move_on_after(self.options.shutdown_grace):
-                    await process.wait()
-                if process.returncode is None:
+                    if link is not None and link.closed is None:
+                        await self._say_goodbye(link, launched, process)
+                    if process is not None:
+                        await process.wait()
+                if process is not None and process.returncode is None:
                     process.terminate()
                     with trio.move_on_after(2.0):
                         await process.wait()
@@ -231,6 +221,25 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
             if launched is not None and launched.cleanup is not None:
                 launched.cleanup()
             self.link = None
+
+    async def _say_goodbye(
+        self, link: NodeLink, launched: Launched, process: trio.Process | None
+    ) -> None:
+        """Ask an owned node to shut down, or stop what we spawned on one we do not own."""
+        # The helper tasks (the link's receiver among them) are gone by now.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link.run)
+            if launched.owns_node and (process is None or process.returncode is None):
+                await link.request(P.SHUTDOWN)
+            elif not launched.owns_node:
+                for actor in list(self.peer.specs):
+                    await link.request(P.STOP, target=actor, tok=self.peer.tokens.get(actor, ""))
+            nursery.cancel_scope.cancel()
+
+
+def _stop_budget(options: NodeOptions) -> float:
+    """Polite shutdown, then SIGTERM and 2 s, then SIGKILL and the clean-up."""
+    return options.shutdown_grace + 2.0 + 1.0
 
 
 def _import_locally(target: str) -> type[Actor[Any]] | None:
@@ -312,7 +321,7 @@ def node_spec(
     def factory() -> NodeActor:
         return NodeActor(peer, launcher, chosen)
 
-    grace = chosen.shutdown_grace + 3.0
+    grace = _stop_budget(chosen)
     return ChildSpec(
         factory, name, restart=restart, mailbox_size=NodeActor.mailbox_size, shutdown=grace
     )

@@ -22,14 +22,10 @@ it) may stop it; only the owner may shut the node down.
 
 from __future__ import annotations
 
-import enum
-import importlib
 import logging
 import math
 import os
 import secrets
-import sys
-import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,18 +33,19 @@ import attrs
 import outcome
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from .._actor import Actor, _class_mailbox
+from .._actor import _class_mailbox
 from .._cell import ActorCell, Reply
 from .._errors import ActorCrashed, ActorError, NameTakenError
 from .._ref import LocalActorRef
 from .._supervisor import Restart
 from .._system import ActorSystem
 from . import _protocol as P
-from ._typeinfo import register_actor_types, register_types
+from ._hosting import NotAuthorized, SpawnRefused, import_actor, learn_type
+from ._sessions import PeerState, Sessions, source_fd
+from ._typeinfo import register_actor_types
 from ._wire import MalformedMessage, UnknownType, WireError, decode, encode
-from ._zmq import TrioSocket, open_monitor_socket
+from ._zmq import TrioSocket
 
 if TYPE_CHECKING:
     from ._mesh import Mesh
@@ -59,14 +56,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 SEND_TIMEOUT = 30.0  # seconds a reply may wait for a peer's pipe before it is dropped
 ROUTER_RCVHWM = 8192  # messages libzmq buffers per peer before it stops reading that peer
 _MAX_LEARNED_TYPES = 16  # new types one message may make a node import and register
-
-
-class SpawnRefused(ActorError):
-    """A spawn request named a class outside the node's allowlist, or not an ``Actor``."""
-
-
-class NotAuthorized(ActorError):
-    """A peer asked for what only an actor's spawner, a ref holder or the node's owner may do."""
 
 
 @attrs.frozen
@@ -105,21 +94,6 @@ class _Served:
     backlog: int = 0  # messages in the inbox or held by the forwarder
 
 
-@attrs.define(eq=False)
-class _PeerState:
-    identity: bytes
-    name: str = ""
-    session: str = ""
-    owner: bool = False
-    fd: int = -1
-    disconnected_at: float | None = None
-
-
-def _allowed(target: str, allow: Sequence[str]) -> bool:
-    module = target.partition(":")[0]
-    return any(module == prefix or module.startswith(prefix + ".") for prefix in allow)
-
-
 def _credit_window(capacity: float) -> int:
     return int(capacity) if math.isfinite(capacity) and capacity > 0 else 1024
 
@@ -149,7 +123,8 @@ class NodeServer:
         self.on_shutdown = on_shutdown
         self.registry = mesh.registry
         self.served: dict[str, _Served] = {}
-        self.peers: dict[bytes, _PeerState] = {}
+        self.sessions = Sessions()
+        self.peers = self.sessions.peers
         self.received = self.sent = self.wire_errors = self.unknown_targets = 0
         self.refusals = self.rejected = 0
         self.received_bytes = self.sent_bytes = 0
@@ -175,9 +150,9 @@ class NodeServer:
         """Answer peers until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._monitor)
+            nursery.start_soon(self.sessions.watch, self.sock, self._peer_dropped)
             if math.isfinite(self.peer_timeout):
-                nursery.start_soon(self._reap_peers)
+                nursery.start_soon(self.sessions.reap, self.peer_timeout, self._peer_gone)
             task_status.started()
             await self._receive_loop()
 
@@ -238,7 +213,7 @@ class NodeServer:
             peer = frames[0].bytes
             state = self.peers.get(peer)
             if state is None:
-                state = self.peers[peer] = _PeerState(peer, fd=_source_fd(frames[1]))
+                state = self.peers[peer] = PeerState(peer, fd=source_fd(frames[1]))
             state.disconnected_at = None
             self.received += 1
             self.received_bytes += _nbytes(frames)
@@ -282,45 +257,12 @@ class NodeServer:
                     resolve=self.mesh.resolve,
                 )
             except UnknownType as exc:
-                if not self._learn(exc):
+                if not learn_type(self.registry, exc, self.allow, self.name):
                     raise
         raise MalformedMessage(f"a message naming more than {_MAX_LEARNED_TYPES} new types")
 
-    def _learn(self, exc: UnknownType) -> bool:
-        """Register the type a message named, if this node may import it; True if it did.
-
-        A spawn's kwargs may use the classes of the actor's own module (its constructor's
-        types); any message may name an attrs class or enum of a module that this process has
-        imported already or that the allowlist lets it import (an ``Actor[Any]`` declares no
-        types). Nothing else is ever imported.
-        """
-        meta = exc.meta if isinstance(exc.meta, dict) else {}
-        target = meta.get("cls")
-        if meta.get("k") == P.SPAWN and isinstance(target, str):
-            try:
-                register_types(self.registry, *_init_hints(self._import(target)))
-            except SpawnRefused:
-                return False
-            if exc.name in self.registry._by_name:
-                return True
-        module, _, qualname = exc.name.partition(":")
-        if not qualname or "<" in qualname:
-            return False
-        if module not in sys.modules and not _allowed(exc.name, self.allow):
-            return False
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError):
-            return False
-        if not isinstance(obj, type) or not (attrs.has(obj) or issubclass(obj, enum.Enum)):
-            return False
-        register_types(self.registry, obj)
-        return exc.name in self.registry._by_name
-
     async def _dispatch(
-        self, peer: bytes, state: _PeerState, meta: dict[str, Any], payload: object
+        self, peer: bytes, state: PeerState, meta: dict[str, Any], payload: object
     ) -> None:
         kind = meta.get("k")
         corr = meta.get("c", 0)
@@ -470,7 +412,7 @@ class NodeServer:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _hello(self, peer: bytes, state: _PeerState, corr: int, hello: P.Hello) -> None:
+    def _hello(self, peer: bytes, state: PeerState, corr: int, hello: P.Hello) -> None:
         state.name, state.session = hello.name, hello.session
         state.owner = bool(self.owner_token) and secrets.compare_digest(
             hello.owner_token, self.owner_token
@@ -512,11 +454,13 @@ class NodeServer:
         self._nursery.start_soon(self._watch, served)
         return served
 
-    def _actor_info(self, served: _Served) -> P.ActorInfo:
+    def _actor_info(self, served: _Served, *, token: bool) -> P.ActorInfo:
+        """What a sender needs; the stop token only for the actor's spawner (a capability:
+        others get it only inside a ref that someone holding it chose to send)."""
         cell = served.ref._cell
         actor_cls = type(cell.actor) if cell.actor is not None else None
         accepts = register_actor_types(self.registry, actor_cls) if actor_cls is not None else ()
-        return P.ActorInfo(served.path, accepts, served.capacity, cell.token)
+        return P.ActorInfo(served.path, accepts, served.capacity, cell.token if token else "")
 
     def _resolve(self, peer: bytes, corr: int, target: object) -> None:
         cell = self.system._cells.get(target) if isinstance(target, str) else None
@@ -526,41 +470,24 @@ class NodeServer:
             return
         served = self.serve_actor(cell)
         served.windows[peer] = _Window()  # a fresh window for this sender
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served))
-
-    def _import(self, target: str) -> type[Actor[Any]]:
-        if not isinstance(target, str) or target.count(":") != 1:
-            raise SpawnRefused(f"spawn target must be 'package.module:Class', got {target!r}")
-        if not _allowed(target, self.allow):
-            raise SpawnRefused(
-                f"{target!r} is not in node {self.name!r}'s allowlist {list(self.allow)}"
-            )
-        module_name, _, qualname = target.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise SpawnRefused(f"cannot import {target!r}: {exc}") from exc
-        if not (isinstance(obj, type) and issubclass(obj, Actor)):
-            raise SpawnRefused(f"{target!r} is not an Actor subclass")
-        return obj
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served, token=False))
 
     async def _spawn(
-        self, peer: bytes, state: _PeerState, corr: int, request: P.SpawnRequest
+        self, peer: bytes, state: PeerState, corr: int, request: P.SpawnRequest
     ) -> None:
         try:
             if not state.session:
                 raise NotAuthorized("say hello before spawning")
-            cls = self._import(request.target)
+            cls = import_actor(request.target, self.allow, self.name)
             existing = self.served.get(request.name)
             if existing is not None and existing.spawner is not None:
                 if request.adopt and existing.spawner == state.session:
                     # the same session reconnected (its link blipped): adopt what it left here
                     existing.windows[peer] = _Window()
-                    self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(existing))
+                    info = self._actor_info(existing, token=True)
+                    self._send_nowait(peer, {"k": P.OK, "c": corr}, info)
                     return
-                if not self._session_connected(existing.spawner):
+                if not self.sessions.connected(existing.spawner):
                     log.warning(
                         "node %s: stopping %s, left by a session that is gone",
                         self.name,
@@ -591,10 +518,7 @@ class NodeServer:
         assert isinstance(ref, LocalActorRef)
         served = self.serve_actor(ref._cell, spawner=state.session)
         served.windows[peer] = _Window()
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served))
-
-    def _session_connected(self, session: str) -> bool:
-        return any(p.session == session and p.disconnected_at is None for p in self.peers.values())
+        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served, token=True))
 
     async def _watch(self, served: _Served) -> None:
         cell = served.ref._cell
@@ -606,7 +530,7 @@ class NodeServer:
         for peer in list(served.windows):
             self._send_nowait(peer, {"k": P.GONE, "t": served.path}, info)
 
-    async def _stop(self, peer: bytes, state: _PeerState, corr: int, meta: dict[str, Any]) -> None:
+    async def _stop(self, peer: bytes, state: PeerState, corr: int, meta: dict[str, Any]) -> None:
         target = meta.get("t")
         served = self.served.get(target) if isinstance(target, str) else None
         if served is not None:
@@ -641,57 +565,15 @@ class NodeServer:
 
     # -- peers coming and going -----------------------------------------------------------------
 
-    async def _monitor(self) -> None:
-        """Note peers whose connection dropped (by the socket of their first message)."""
-        async with open_monitor_socket(self.sock, int(zmq.EVENT_DISCONNECTED)) as mon:
-            while True:
-                event = parse_monitor_message([f.bytes for f in await mon.recv_multipart()])
-                fd = event["value"]
-                now = trio.current_time()
-                for state in self.peers.values():
-                    if state.fd == fd and state.disconnected_at is None:
-                        state.disconnected_at = now
-                        self._drop_windows(state.identity)
-
-    def _drop_windows(self, identity: bytes) -> None:
+    def _peer_dropped(self, state: PeerState) -> None:
         for served in self.served.values():
-            served.windows.pop(identity, None)
+            served.windows.pop(state.identity, None)  # its credits died with its connection
 
-    async def _reap_peers(self) -> None:
-        """Stop the actors of sessions whose every connection has been gone for a while."""
-        while True:
-            await trio.sleep(self.peer_timeout / 4)
-            deadline = trio.current_time() - self.peer_timeout
-            gone = [
-                p
-                for p in self.peers.values()
-                if p.disconnected_at is not None and p.disconnected_at < deadline
-            ]
-            for state in gone:
-                del self.peers[state.identity]
-                if not state.session or self._session_connected(state.session):
-                    continue
-                for served in [s for s in self.served.values() if s.spawner == state.session]:
-                    log.warning("node %s: peer gone, stopping %s", self.name, served.path)
-                    await served.ref.stop()
+    async def _peer_gone(self, session: str) -> None:
+        for served in [s for s in self.served.values() if s.spawner == session]:
+            log.warning("node %s: peer gone, stopping %s", self.name, served.path)
+            await served.ref.stop()
 
 
 def _nbytes(frames: Sequence[Any]) -> int:
     return sum(memoryview(f).nbytes for f in frames)
-
-
-def _source_fd(frame: Any) -> int:
-    try:
-        return int(frame.get(zmq.SRCFD))
-    except Exception:  # inproc has no fd; older libzmq may lack the property
-        return -1
-
-
-def _init_hints(cls: type) -> list[object]:
-    try:
-        init = vars(cls).get("__init__") or next(
-            (vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), None
-        )
-        return list(typing.get_type_hints(init).values()) if init is not None else []
-    except Exception:
-        return []
