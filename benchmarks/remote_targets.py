@@ -31,3 +31,29 @@ class Sink(afa.Actor[Ping | Blob]):
             self.received += sum(t.numel() * t.element_size() for t in msg.tensors)
             return None
         return msg.payload
+
+
+@attrs.frozen
+class Push(afa.Request[float]):
+    """Tell ``n`` blobs of ``mib`` MiB to ``sink`` (then ask it once); reply the seconds taken."""
+
+    sink: afa.ActorRef[Ping | Blob]
+    n: int
+    mib: int
+
+
+class Pusher(afa.Actor[Push]):
+    """Sends tensors to another node's actor, node to node (the driver only gives the order)."""
+
+    async def receive(self, msg: Push, ctx: afa.ActorContext[Push]) -> float:
+        import time
+
+        quarter = msg.mib * (1 << 20) // 16  # float32 values in a quarter of the blob
+        blob = Blob(tuple(torch.randn(quarter) for _ in range(4)))
+        await msg.sink.send(blob)
+        await msg.sink.ask(Ping(b"warm"))
+        t0 = time.perf_counter()
+        for _ in range(msg.n):
+            await msg.sink.send(blob)
+        await msg.sink.ask(Ping(b"done"))
+        return time.perf_counter() - t0

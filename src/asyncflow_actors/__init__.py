@@ -19,6 +19,7 @@ from .actors import ActorSystem as ActorSystem
 from .actors import Backoff as Backoff
 from .actors import ChildInfo as ChildInfo
 from .actors import ChildSpec as ChildSpec
+from .actors import ComputeLane as ComputeLane
 from .actors import MessageRejected as MessageRejected
 from .actors import MessageTypeError as MessageTypeError
 from .actors import NameTakenError as NameTakenError

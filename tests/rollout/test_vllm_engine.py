@@ -134,7 +134,9 @@ async def test_vllm_engine_pause_modes_versions_and_weight_transfer(tmp_path: Pa
         "dtype": "float32",
     }
     long = SamplingConfig(100, temperature=1.0, seed=1, stop_token_ids=[])
-    async with open_vllm_engine(args, weight_transfer=backend) as engine:
+    async with open_vllm_engine(
+        args, weight_transfer=backend, trust_vllm_ipc_pickle=True
+    ) as engine:
         done = await engine.generate(GenerationRequest(tok.encode("1+2=", add_bos=True), long))
         assert set(done.versions) == {0} and len(done.token_ids) == len(done.logprobs)
         box: list[Any] = []

@@ -11,6 +11,8 @@ from ._actor import ActorContext as ActorContext
 from ._cell import ActorState as ActorState
 from ._cell import ActorStatistics as ActorStatistics
 from ._cell import Reply as Reply
+from ._compute import ComputeLane as ComputeLane
+from ._compute import ComputeStatistics as ComputeStatistics
 from ._errors import ActorCrashed as ActorCrashed
 from ._errors import ActorError as ActorError
 from ._errors import ActorKilled as ActorKilled

@@ -22,7 +22,9 @@ asyncio: it lives on one dedicated asyncio thread (``AsyncioThread``) and trio a
   to its engine-core process with pickle, which it allows only under
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (as its own ``examples/rl/rlhf_ipc.py`` does):
   ``open_vllm_engine`` sets it for the IPC backends. That is vLLM's same-host channel between
-  its own processes, not our wire; ``weight_transfer=None`` leaves it unset and disables
+  its own processes, not our wire — still, it is pickle, so it is an explicit opt-in:
+  ``open_vllm_engine(..., trust_vllm_ipc_pickle=True)``; without it an IPC backend is refused
+  with an error that says so. ``weight_transfer=None`` leaves it unset and disables
   ``load_weights``.
 """
 
@@ -455,6 +457,7 @@ async def open_vllm_engine(
     weight_transfer: Literal["ipc", "npu_ipc"] | None = "ipc",
     version: int = 0,
     max_resumes: int = 4,
+    trust_vllm_ipc_pickle: bool = False,
 ) -> AsyncIterator[VLLMEngine]:
     """Start vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**engine_args)`` on a dedicated asyncio
     thread; shut it down when the block exits.
@@ -462,8 +465,16 @@ async def open_vllm_engine(
     ``engine_args`` name the model folder (``model=``) and vLLM's settings; this sets
     ``weight_transfer_config`` to ``weight_transfer`` and ``logprobs_mode`` to
     ``"processed_logprobs"`` unless given. On Ascend use ``weight_transfer="npu_ipc"`` (with
-    vllm-ascend installed its plugin registers the backend).
+    vllm-ascend installed its plugin registers the backend). The IPC backends need
+    ``trust_vllm_ipc_pickle=True`` (vLLM pickles the IPC handles between its own processes on
+    this host: see the module docstring).
     """
+    if weight_transfer is not None and not trust_vllm_ipc_pickle:
+        raise ValueError(
+            f"weight_transfer={weight_transfer!r} makes vLLM pickle CUDA/NPU IPC handles between "
+            "its own processes (VLLM_ALLOW_INSECURE_SERIALIZATION=1); pass "
+            "trust_vllm_ipc_pickle=True to allow it, or weight_transfer=None (no weight loads)"
+        )
     from vllm import AsyncEngineArgs
     from vllm.config import WeightTransferConfig
     from vllm.v1.engine.async_llm import AsyncLLM
