@@ -337,3 +337,37 @@ async def test_ranks_of_one_dp_group_share_a_lease(queue: Any) -> None:
     await ranks[1].ack(leases[1])  # the k-th ack consumes it
     stats = await client.statistics()
     assert stats.controller.state.topics[0].consumers[1].consumed == 4
+
+
+@pytest.mark.parametrize("units", [1, 2])
+async def test_rows_of_a_variable_column_come_back_exactly_whatever_the_puts(units: int) -> None:
+    short, long = torch.arange(6).reshape(2, 3), torch.arange(10).reshape(2, 5) + 100
+    listed = [torch.arange(7) + 200, torch.arange(1) + 300]
+    config = tq.TransferQueueConfig(topics=(ROLLOUT,), units=units)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        client = await q.client()
+        await client.put("rollout", {"response": short}, version=0)  # batch [2, 3]
+        await client.put("rollout", {"response": long}, version=0)  # batch [2, 5]
+        await client.put("rollout", {"response": listed}, version=0)  # a list of rows
+        got = await client.get("rollout", "trainer", ["response"], 6)
+        want = [*short, *long, *listed]
+        assert isinstance(got["response"], list) and len(got["response"]) == 6
+        for row, expected in zip(got["response"], want, strict=True):
+            assert row.shape == expected.shape and torch.equal(row, expected)
+        await client.ack(got)
+
+
+async def test_a_fixed_column_reads_as_one_tensor_whatever_the_puts(queue: Any) -> None:
+    _, client = queue
+    first = batch(2)
+    await client.put("rollout", first, version=0)
+    rows = [torch.arange(4) + 50, torch.arange(4) + 60]  # the same column put as a list of rows
+    await client.put(
+        "rollout",
+        {"tokens": rows, "reward": torch.zeros(2), "response": [torch.arange(1)] * 2},
+        version=0,
+    )
+    got = await client.get("rollout", "trainer", ["tokens", "reward"], 4)
+    assert torch.equal(got["tokens"], torch.cat([first["tokens"], torch.stack(rows)]))
+    assert got["reward"].shape == (4,)
+    await client.ack(got)

@@ -84,6 +84,7 @@ class ControllerState:
         self._unit_ix = {u: k for k, u in enumerate(self._units)}
         self._unit_names = np.array(self._units, dtype=object)
         self._load: Ints = np.zeros(len(self._units), np.int64)
+        self._down: set[int] = set()  # units new groups avoid (see set_unit_up)
         self._topics: dict[str, Topic] = {}
         self._lease_table = LeaseTable(int_at_least("epoch", epoch, 0))
         # per topic, writes not yet committed, in deadline order (``now`` never goes back)
@@ -208,8 +209,9 @@ class ControllerState:
         rank), each taking one contiguous run (a small batch goes to one unit whole; a large one
         splits into one slice per unit, never interleaved rows)."""
         loads = self._load.tolist()
-        k = max(1, min(len(loads), -(-n // self._min_block)))
-        ranked = sorted(range(len(loads)), key=lambda r: (loads[r], r))[:k]
+        up = [r for r in range(len(loads)) if r not in self._down] or list(range(len(loads)))
+        k = max(1, min(len(up), -(-n // self._min_block)))
+        ranked = sorted(up, key=lambda r: (loads[r], r))[:k]
         # water-filling: the highest level every chosen unit below it can be raised to
         base = [loads[r] for r in ranked]
         level = min(base)
@@ -733,6 +735,18 @@ class ControllerState:
             t.changes += 1
 
     # -- failures ------------------------------------------------------------------------------
+
+    def set_unit_up(self, unit: str, up: bool) -> None:
+        """Whether new groups and samples may be placed on ``unit`` (a unit that is down or
+        restarting gets none; if every unit is down, placement ignores this). Raises
+        :class:`UnknownUnit`."""
+        u = self._unit_ix.get(unit) if isinstance(unit, str) else None
+        if u is None:
+            raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
+        if up:
+            self._down.discard(u)
+        else:
+            self._down.add(u)
 
     def storage_lost(self, unit: str) -> Loss:
         """Drop everything placed on ``unit`` (its data is gone) and report it, per topic, so the
