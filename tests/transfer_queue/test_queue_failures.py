@@ -3,7 +3,6 @@ in the middle of a flush or a get, writes that fail half-way, watchers that give
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -15,6 +14,8 @@ import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
 from asyncflow_actors.transfer_queue import _messages as M
 from asyncflow_actors.transfer_queue import _unit_messages as U
+
+from .faults import Tap, crash
 
 PLAIN = tq.TopicSpec.from_dict(
     {
@@ -28,50 +29,6 @@ PLAIN = tq.TopicSpec.from_dict(
     name="plain",
 )
 SLOW_WATCH = tq.TransferQueueConfig(topics=(PLAIN,), units=2, unit_check_interval=3600.0)
-
-
-class Tap(afa.ActorRef[Any]):
-    """A ref that runs ``hook(msg)`` before passing a message on (fault injection)."""
-
-    def __init__(self, ref: afa.ActorRef[Any], hook: Callable[[Any], Awaitable[None]]) -> None:
-        self.ref = ref
-        self.hook = hook
-
-    @property
-    def name(self) -> str:
-        return self.ref.name
-
-    async def send(self, msg: Any) -> None:
-        await self.hook(msg)
-        await self.ref.send(msg)
-
-    def send_nowait(self, msg: Any) -> None:
-        self.ref.send_nowait(msg)
-
-    async def ask(self, request: Any) -> Any:
-        await self.hook(request)
-        return await self.ref.ask(request)
-
-    async def stop(self) -> None:
-        await self.ref.stop()
-
-    def statistics(self) -> Any:
-        return self.ref.statistics()
-
-    def _watch(self, watcher: Any) -> None:
-        self.ref._watch(watcher)
-
-    def _unwatch(self, watcher: Any) -> None:
-        self.ref._unwatch(watcher)
-
-
-async def crash(ref: Any) -> None:
-    """Crash a local actor and wait until its supervisor restarted it."""
-    before = ref.statistics().restarts
-    ref._cell.fail(RuntimeError("injected"))
-    with trio.fail_after(10):
-        while ref.statistics().restarts == before:
-            await trio.sleep(0.005)
 
 
 def rows(n: int, start: int = 0) -> dict[str, torch.Tensor]:
@@ -223,3 +180,29 @@ async def test_event_watchers_that_give_up_leave_no_wait_behind() -> None:
                 await client.events()
         await trio.testing.wait_all_tasks_blocked()
         assert (await client.statistics()).controller.event_waiters == 0
+
+
+async def test_a_get_cancelled_after_its_lease_was_granted_loses_nothing() -> None:
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        holder, waiter = await q.client(), await q.client()
+        await holder.put("plain", rows(2), version=0)
+        held = await holder.get("plain", "trainer", ["x"], 2)
+        scope = trio.CancelScope()
+        got: list[Any] = []
+
+        async def wait_for_samples() -> None:
+            with scope:
+                got.append(await waiter.get("plain", "trainer", ["x"], 2))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for_samples)
+            await trio.testing.wait_all_tasks_blocked()  # the claim waits in the controller
+            q.controller.send_nowait(M.Nack(held.lease.id))  # grants the waiting claim...
+            scope.cancel()  # ...whose claimant gives up before it sees the lease
+        assert got == []
+        await trio.testing.wait_all_tasks_blocked()
+        stats = await waiter.statistics()
+        assert stats.controller.state.leases == 0  # the granted lease was returned
+        again = await waiter.get("plain", "trainer", ["x"], 2, wait=False)
+        assert again is not None and again.indexes == held.indexes

@@ -483,7 +483,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
     def _unit_seen(self, state: ControllerState, msg: _UnitSeen) -> None:
         known = self.shared.known
         old = known.get(msg.unit)
-        if self.adopting.get(msg.unit) == msg.token:
+        if msg.token is not None and self.adopting.get(msg.unit) == msg.token:
             del self.adopting[msg.unit]
         if old == msg.token:
             return

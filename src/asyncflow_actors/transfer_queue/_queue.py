@@ -62,7 +62,9 @@ class TransferQueueConfig:
     ``"process"`` (each unit in its own node process, over ``transport``). ``unit_check_interval``:
     how often the controller checks that units are alive (and detects a restarted, empty one).
     ``shm``: clients on a unit's host pass tensor bodies of at least ``shm_min_bytes`` through
-    shared memory (``/dev/shm``) instead of the socket. ``unit_timeout``: the controller's bound
+    shared memory (``/dev/shm``) instead of the socket; a segment a writer created but never
+    handed over (it died) is removed after ``shm_orphan_age`` seconds. ``unit_timeout``: the
+    controller's bound
     on its own requests to units; ``io_timeout``: a client's bound on a store or fetch.
     """
 
@@ -75,6 +77,7 @@ class TransferQueueConfig:
     io_timeout: float = 60.0
     shm: bool = True
     shm_min_bytes: int = 65536
+    shm_orphan_age: float = 60.0
     name: str = "tq"
     max_restarts: int = 10
     restart_window: float = 60.0
@@ -111,11 +114,16 @@ class TransferQueue:
     """A running TransferQueue: make clients, inspect it. From ``open_transfer_queue``."""
 
     def __init__(
-        self, system: ActorSystem, controller: ActorRef[Any], shared: ControllerShared
+        self,
+        system: ActorSystem,
+        controller: ActorRef[Any],
+        shared: ControllerShared,
+        namespace: str = "",
     ) -> None:
         self.system = system
         self.controller = controller
         self.shared = shared
+        self.namespace = namespace  # names of this queue's shared-memory segments start so
 
     @property
     def units(self) -> dict[str, ActorRef[Any]]:
@@ -161,7 +169,7 @@ async def open_transfer_queue(
             shm_min_bytes=cfg.shm_min_bytes if cfg.shm else None,
         )
         controller = await sup.ask(StartChild(ChildSpec(lambda: Controller(shared), "controller")))
-        yield TransferQueue(system, controller, shared)
+        yield TransferQueue(system, controller, shared, namespace)
     finally:
         with trio.CancelScope(shield=True):
             await sup.stop()
@@ -187,7 +195,11 @@ async def _start_unit_nodes(
 
     async def spawn(unit: str) -> None:
         node = await node_refs[unit].ask(GetNode())
-        kwargs = {"name": unit, "shm": f"{shm}{unit}-" if shm else ""}
+        kwargs = {
+            "name": unit,
+            "shm": f"{shm}{unit}-" if shm else "",
+            "orphan_age": cfg.shm_orphan_age,
+        }
         units[unit] = await node.spawn(StorageUnit, name=unit, kwargs=kwargs)
 
     async with trio.open_nursery() as nursery:

@@ -42,22 +42,23 @@ from ._unit_messages import (
     UnitError,
 )
 
-SWEEP_INTERVAL = 10.0  # seconds between sweeps of unmapped fetches and orphaned segments
-ORPHAN_AGE = 60.0  # a handed-over segment never stored after this long: its writer died
+ORPHAN_AGE = 60.0  # default: a segment not handed over after this long lost its writer
 
 
 class StorageUnit(Actor[StorageMessage]):
     """A data plane shard (see the module docstring). Spawn it locally or on a node.
 
     ``shm``: the segment namespace of this unit in its queue (``afa-<queue>-<unit>-``); empty:
-    no shared memory.
+    no shared memory. ``orphan_age``: seconds after which a segment a writer created but never
+    handed over (it died) is removed; the unit sweeps every ``orphan_age / 6`` seconds.
     """
 
     raw_tensors = True  # a node decodes this actor's messages as RawTensor: no torch needed
     mailbox_size = 256
 
-    def __init__(self, name: str = "", shm: str = "") -> None:
+    def __init__(self, name: str = "", shm: str = "", orphan_age: float = ORPHAN_AGE) -> None:
         self.name = name
+        self.orphan_age = orphan_age
         self.namespace = shm if shm and _shm.available() else ""
         self.token = ""
         self.shelf = Shelf(name, None)
@@ -87,12 +88,12 @@ class StorageUnit(Actor[StorageMessage]):
 
     async def _sweeper(self) -> None:
         while True:
-            await trio.sleep(SWEEP_INTERVAL)
+            await trio.sleep(self.orphan_age / 6)
             self.shelf.expire_maps(trio.current_time())
             prefix = self.shelf.prefix
             if prefix is not None:
                 keep = [*self.shelf.segments, prefix + "probe"]
-                _shm.sweep(prefix, keep=keep, older_than=ORPHAN_AGE)
+                _shm.sweep(prefix, keep=keep, older_than=self.orphan_age)
 
     async def receive(self, msg: StorageMessage, ctx: ActorContext[StorageMessage]) -> Any:
         try:
