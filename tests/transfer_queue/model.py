@@ -75,6 +75,7 @@ class MGroup:
     shared: set[str] = field(default_factory=set)
     deadline: float = math.inf  # unfilled slots are given up at this time
     owner: str | None = None
+    explicit: bool = True  # opened with open_group (else the group of one ungrouped sample)
 
     @property
     def pending(self) -> int:

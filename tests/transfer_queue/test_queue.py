@@ -75,6 +75,7 @@ async def test_put_get_ack_round_trip(queue: Any) -> None:
     other = await client.get("rollout", "actor_fwd", ["tokens"], 6)
     assert other.indexes == indexes
     await client.ack(other)
+    await client.flush()
     stats = await client.statistics()
     assert stats.controller.state.topics[0].live == 0  # both consumers acked: freed
     assert all(u is not None and u.samples == 0 and u.nbytes == 0 for u in stats.units.values())
@@ -198,6 +199,7 @@ async def test_group_shared_columns_are_stored_once(queue: Any) -> None:
     await client.ack(got)
     other = await client.get("rollout", "actor_fwd", ["tokens"], 4)
     await client.ack(other)
+    await client.flush()
     stats = await client.statistics()
     assert all(u is not None and u.nbytes == 0 and u.groups == 0 for u in stats.units.values())
 

@@ -148,7 +148,7 @@ async def test_a_controller_crash_in_the_middle_of_a_flush_loses_no_delete() -> 
         b = await client.put("plain", rows(2, 2), version=0)
         units = {await unit_of(client, a), await unit_of(client, b)}
         assert units == set(q.units)
-        await trio.testing.wait_all_tasks_blocked()  # what the puts queued is delivered
+        await client.flush()  # what the puts queued is delivered
         armed = True
 
         async def crash_mid_flush(msg: Any) -> None:
@@ -166,7 +166,7 @@ async def test_a_controller_crash_in_the_middle_of_a_flush_loses_no_delete() -> 
             while q.controller.statistics().restarts == before:
                 await trio.sleep(0.01)
         assert await client.get("plain", "trainer", ["x"], 1, wait=False) is None  # none back
-        await trio.testing.wait_all_tasks_blocked()
+        await client.flush()
         stats = await client.statistics()
         assert all(u is not None and u.samples == 0 for u in stats.units.values())
 

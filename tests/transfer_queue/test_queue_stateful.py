@@ -312,6 +312,7 @@ def test_random_schedules_keep_every_promise(schedule: list[tuple[Any, ...]]) ->
                 everyone = replay.acked["fwd"] & replay.acked["trainer"]
                 unaccounted = set(replay.put) - everyone - reported - replay.discarded
                 assert not unaccounted, f"silently dropped: {sorted(unaccounted)}"
+                await client.flush()
                 stats = await client.statistics()
                 assert stats.controller.state.topics[0].live == 0
                 for unit in stats.units.values():

@@ -193,7 +193,7 @@ class TQMachine(Model, RuleBasedStateMachine):
         assert len(set(alloc.group_ids)) == n
         for i, unit, gid in zip(alloc.indexes, alloc.units, alloc.group_ids, strict=True):
             assert gid not in self.groups
-            self.groups[gid] = MGroup(size=1, allocated=0, unit=unit)
+            self.groups[gid] = MGroup(size=1, allocated=0, unit=unit, explicit=False)
             self._record((i,), version, gid, unit, holder)
             if prompt:
                 self.state.commit_shared(T, gid, {"prompt": 100})
@@ -480,17 +480,24 @@ class TQMachine(Model, RuleBasedStateMachine):
         loss = self.state.storage_lost(unit)
         gids = sorted(gid for gid, g in self.groups.items() if g.unit == unit)
         indexes = {i for gid in gids for i in self.groups[gid].members}
-        if gids:
+        lost = {i for i in indexes if self.samples[i].committed}  # the others were never put
+        reported = [
+            gid
+            for gid in gids
+            if self.groups[gid].explicit or any(i in lost for i in self.groups[gid].members)
+        ]
+        if reported:
             (entry,) = loss.lost
-            assert sorted(entry.group_ids) == gids
-            assert set(entry.indexes) == indexes
+            assert sorted(entry.group_ids) == reported
+            assert set(entry.indexes) == lost
         else:
             assert loss.lost == ()
         want = sorted(lid for lid, ml in self.leases.items() if indexes & set(ml.indexes))
         assert sorted(loss.leases) == want
         assert not (indexes & self.lost) and not (set(gids) & self.lost_groups)
-        self.lost |= indexes
-        self.lost_groups |= set(gids)
+        self.lost |= lost
+        self.discarded |= indexes - lost
+        self.lost_groups |= set(reported)
         for gid in gids:
             for i in list(self.groups[gid].members):
                 self.drop(i)

@@ -204,10 +204,7 @@ async def test_segments_are_owned_unlinked_and_swept_by_the_unit(
         plain = await ref.ask(fetch(me, [0], ["x"]))  # a reader elsewhere: the bytes themselves
         assert torch.equal(back(plain.columns["x"][0]), rows[:1])
         await ref.ask(S.UnitBatch(me, [S.Delete("t", [0, 1, 2, 3], [])]))
-        assert name in segments(namespace)  # a reader was handed it and has not mapped it yet
-        ref.send_nowait(S.Mapped(got.fetch_id))
-        await ref.ask(S.GetToken())
-        assert name not in segments(namespace)  # no live row, no pending reader: unlinked
+        assert name not in segments(namespace)  # no live row left: unlinked
         assert torch.equal(view.reshape(2, 1024), rows[1:3])  # the reader's view stays valid
         # a writer that died after creating a segment, before handing it over: swept
         orphan = f"{info.prefix}c2-0"
@@ -228,3 +225,29 @@ async def test_segments_are_owned_unlinked_and_swept_by_the_unit(
         await ref.ask(store(me, [9], {"x": S.ShmBody(0, "float32", (1, 1024))}, segment=last))
         assert last in segments(namespace)
     assert segments(namespace) == []  # the unit stopped: everything of it is gone
+
+
+@needs_shm
+async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    namespace = f"afa-test{os.urandom(3).hex()}-u-"
+    rows = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)  # 64 rows of 4 KiB
+    async with afa.open_actor_system() as system:
+        ref = await system.spawn(lambda: StorageUnit("u", shm=namespace), name="u")
+        me = await ref.ask(S.GetToken())
+        info = await ref.ask(S.GetShm())
+        name = f"{info.prefix}c1-0"
+        (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
+        body = S.ShmBody(offset, "float32", (64, 1024))
+        await ref.ask(store(me, list(range(64)), {"x": body}, segment=name))
+        await ref.ask(fetch(me, [60, 61], ["x"], shm=True))  # a reader may still have to map it
+        await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(56)), [])]))  # 8 of 64 live
+        stats = await ref.ask(S.GetStorageStatistics())
+        assert (stats.compactions, stats.nbytes) == (0, 64 * 4096)  # not yet: it waits
+        await trio.sleep(31)  # the grace passes; the unit's sweeper compacts
+        stats = await ref.ask(S.GetStorageStatistics())
+        assert stats.compactions == 1 and stats.nbytes == stats.live_nbytes == 8 * 4096
+        assert name not in segments(namespace)  # the live rows moved to a segment of the unit's
+        got = await ref.ask(fetch(me, list(range(56, 64)), ["x"]))
+        assert torch.equal(back(got.columns["x"][0]), rows[56:])

@@ -12,7 +12,9 @@ live rows are copied out into a new, compact block and the old buffers go: held 
 under twice the live bytes plus one small block's worth. Copies cost at most the bytes freed.
 
 Shared-memory segments (:mod:`._shm`) are owned here: a segment is unlinked once no row in it is
-live and every reader handed it has mapped it (``Mapped``), or :data:`MAP_GRACE` seconds passed.
+live (the controller frees a row only once no valid lease holds it, so no reader still needs to
+map it). A segment handed to a reader in the last ``MAP_GRACE`` seconds is not compacted away
+(its rows are still live, and that reader may not have mapped it yet): that waits.
 Nothing here imports torch: in a node process values are ``RawTensor`` (bytes, dtype, shape).
 """
 
@@ -79,15 +81,14 @@ def _dtype(value: Any) -> str:
 class Segment:
     """A shared-memory segment this unit owns, mapped read-only."""
 
-    __slots__ = ("buf", "name", "pending", "retired", "size")
+    __slots__ = ("buf", "last_fetch", "name", "size")
 
     def __init__(self, name: str) -> None:
         self.name = name
         mapping = _shm.map_segment(name, shared=True)
         self.size = len(mapping)
         self.buf = memoryview(mapping)
-        self.pending = 0  # fetch replies naming it whose reader has not mapped it yet
-        self.retired = False  # no live row left: unlink once ``pending`` is 0
+        self.last_fetch = -math.inf  # when a reader was last handed it
 
     def body(self, ref: ShmBody) -> RawTensor:
         """A view of ``ref``'s bytes; raises :class:`UnitError` for a bad dtype or range."""

@@ -29,6 +29,7 @@ from ._batch import Batch, assemble, prepare
 from ._errors import (
     ControllerUnavailable,
     SchemaError,
+    StorageUnavailable,
     TransferQueueError,
     UnknownColumn,
     UnknownSample,
@@ -159,10 +160,13 @@ class TransferQueueClient:
                 commit = M.Commit(topic, allocation.indexes, prepared.sizes, put_id, new=True)
                 await self._ask(commit)
                 return allocation.indexes
-            except UnknownSample:
+            except UnknownSample as exc:
                 await self._undo_put(topic, allocation.indexes, put_id, positions, stored)
                 if self._restarts == restarts or attempt == _PUT_TRIES - 1:
-                    raise
+                    raise StorageUnavailable(
+                        f"the samples of this put were dropped before it committed (their "
+                        f"storage unit was lost, or they went stale): nothing stored ({exc})"
+                    ) from exc
                 # a restarted controller rebuilt without this allocation: put again
             except BaseException:
                 await self._undo_put(topic, allocation.indexes, put_id, positions, stored)
@@ -354,6 +358,11 @@ class TransferQueueClient:
             M.WaitEvents(since, wait_id), M.CancelWait(wait_id)
         )
         return batch
+
+    async def flush(self) -> None:
+        """Wait until every unit has applied the bookkeeping queued so far (deletes of freed
+        samples, consumption marks): after it, unit statistics reflect every earlier ack."""
+        await self._ask(M.Flushed())
 
     async def statistics(self) -> TransferQueueStatistics:
         controller = await self._ask(M.GetControllerStatistics())

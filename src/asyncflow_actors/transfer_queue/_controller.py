@@ -50,6 +50,7 @@ class ControllerShared:
     specs: dict[str, TopicSpec]
     units: dict[str, ActorRef[Any]]
     unit_check_interval: float = 0.5
+    flush_linger: float = 0.005  # bookkeeping waits this long to travel with more
     unit_timeout: float = 5.0  # the controller's own requests to units
     io_timeout: float = 60.0  # clients' data requests to units
     shm_min_bytes: int | None = 65536
@@ -110,6 +111,8 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         self.check_now = trio.Event()
         self.outbox_wake = trio.Event()
         self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
+        self.flush_now = trio.Event()
+        self.flush_waiters: list[Reply] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -169,7 +172,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         )
         self.state = shared.state = state
         for unit in lost:
-            shared.outbox.drop(unit)
+            self._dropped(unit)
             self._adopt(unit, fresh[unit])
         self._apply(update)
         for loss in losses:
@@ -279,6 +282,11 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             return self._statistics(state)
         elif isinstance(msg, M.CheckUnits):
             self.check_now.set()
+        elif isinstance(msg, M.Flushed):
+            if len(self.shared.outbox):
+                self.flush_waiters.append(ctx.defer_reply())
+                self.flush_now.set()
+                self.outbox_wake.set()
         return None
 
     def _statistics(self, state: ControllerState) -> M.ControllerStatistics:
@@ -489,7 +497,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             return
         if old is not None:
             loss = state.storage_lost(msg.unit)
-            self.shared.outbox.drop(msg.unit)
+            self._dropped(msg.unit)
             known[msg.unit] = None
             state.set_unit_up(msg.unit, False)
             self._report_loss(loss)
@@ -532,6 +540,12 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         if unit not in self.shared.units or self.shared.known.get(unit) is None:
             return  # the unit is down: its loss covers what this item described
         self.shared.outbox.put(unit, item)
+        self.outbox_wake.set()
+
+    def _dropped(self, unit: str) -> None:
+        """``unit``'s bookkeeping went with its incarnation: wake those who wait for it."""
+        self.shared.outbox.drop(unit)
+        self.flush_now.set()
         self.outbox_wake.set()
 
     def _group_infos(self, topic: str, gids: Any) -> None:
@@ -594,11 +608,20 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             await ctx.self.send(_Tick())
 
     async def _flusher(self) -> None:
+        """Deliver bookkeeping to the units: a few milliseconds after it is queued (so that
+        what many operations queue travels together), at once when someone waits for it."""
         shared = self.shared
         while True:
             await self.outbox_wake.wait()
+            with trio.move_on_after(shared.flush_linger):
+                await self.flush_now.wait()
             self.outbox_wake = trio.Event()
+            self.flush_now = trio.Event()
             failed = await shared.outbox.flush(shared.units, shared.known, shared.unit_timeout)
+            if not len(shared.outbox):
+                waiters, self.flush_waiters = self.flush_waiters, []
+                for reply in waiters:
+                    reply.send(None)
             if failed:  # gone, restarted or slow: look at them, and try again in a while
                 self.check_now.set()
                 with trio.move_on_after(shared.unit_check_interval):

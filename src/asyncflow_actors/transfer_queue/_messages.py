@@ -249,6 +249,11 @@ class GetControllerStatistics(Request[ControllerStatistics]):
 
 
 @attrs.frozen
+class Flushed(Request[None]):
+    """Reply once every unit has taken the bookkeeping queued so far (or was declared lost)."""
+
+
+@attrs.frozen
 class CheckUnits(Request[None]):
     """Check now that every storage unit is alive and unchanged (a client saw it fail)."""
 
@@ -273,5 +278,6 @@ ControllerMessage = (
     | WaitEvents
     | CancelWait
     | GetControllerStatistics
+    | Flushed
     | CheckUnits
 )

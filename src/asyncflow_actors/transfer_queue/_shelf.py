@@ -9,7 +9,7 @@ shared-memory segments. Bad requests raise :class:`UnitError` and change nothing
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _shm
@@ -32,7 +32,7 @@ from ._unit_messages import (
     UnitSample,
 )
 
-MAP_GRACE = 30.0  # seconds a reader has to map a segment it was handed
+MAP_GRACE = 30.0  # seconds a reader has to map a segment it was handed (compaction waits)
 
 
 class _Sample:
@@ -49,18 +49,18 @@ class _Sample:
 
 class Shelf:
     """What one unit incarnation holds. ``prefix``: its segment namespace (``None``: no shared
-    memory). Times are the caller's clock (seconds)."""
+    memory); ``clock``: seconds, for the compaction grace of segments just handed out."""
 
-    def __init__(self, name: str, prefix: str | None) -> None:
+    def __init__(self, name: str, prefix: str | None, clock: Callable[[], float]) -> None:
         self.name = name
         self.prefix = prefix
+        self.clock = clock
         self.samples: dict[str, dict[int, _Sample]] = {}
         self.blobs: dict[str, dict[int, dict[str, Any]]] = {}
         self.groups: dict[str, dict[int, tuple[int, int]]] = {}  # explicit: (size, committed)
         self.topic_info: dict[str, TopicInfo] = {}
         self.segments: dict[str, Segment] = {}
-        self.pending: dict[int, tuple[float, list[Segment]]] = {}  # fetch id -> (when, segments)
-        self._fetch_ids = itertools.count(1)
+        self.deferred: set[Block] = set()  # compactions waiting for a segment's grace
         self._own = itertools.count()
         self.held = 0  # bytes of block buffers and segments
         self.live = 0  # bytes of live cells
@@ -217,7 +217,7 @@ class Shelf:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def fetch(self, msg: Fetch, now: float) -> Fetched:
+    def fetch(self, msg: Fetch) -> Fetched:
         samples = self.samples.get(msg.topic, {})
         rows = [samples.get(i) for i in msg.indexes]
         if None in rows:
@@ -230,17 +230,13 @@ class Shelf:
             for g in msg.shared_groups
         }
         self.fetches += 1
-        fetch_id = 0
         if msg.shm:
             named = {p.segment for parts in columns.values() for p in _bodies(parts)}
-            if named:
-                fetch_id = next(self._fetch_ids)
-                segments = [self.segments[name] for name in named]
-                for segment in segments:
-                    segment.pending += 1
-                self.pending[fetch_id] = (now, segments)
-                self.shm_fetches += 1
-        return Fetched(columns, shared, fetch_id)
+            now = self.clock()
+            for name in named:
+                self.segments[name].last_fetch = now
+            self.shm_fetches += bool(named)
+        return Fetched(columns, shared)
 
     def _parts(
         self, topic: str, column: str, rows: Sequence[_Sample], indexes: Sequence[int], shm: bool
@@ -274,19 +270,12 @@ class Shelf:
             self.zero_copy += 1
         return parts
 
-    def mapped(self, fetch_id: int) -> None:
-        """The reader of ``fetch_id`` mapped its segments."""
-        entry = self.pending.pop(fetch_id, None)
-        for segment in entry[1] if entry is not None else ():
-            segment.pending -= 1
-            if segment.retired and segment.pending == 0:
-                self._unlink(segment)
-
-    def expire_maps(self, now: float) -> None:
-        """Readers that never said they mapped their segments: stop waiting for them."""
-        for fetch_id, (when, _) in list(self.pending.items()):
-            if now - when >= MAP_GRACE:
-                self.mapped(fetch_id)
+    def compact_deferred(self) -> None:
+        """Compact the blocks whose segment's grace has passed (called now and then)."""
+        for block in list(self.deferred):
+            self.deferred.discard(block)
+            if block.refs:
+                self._settle({block})
 
     # -- cells, blocks and segments ------------------------------------------------------------
 
@@ -310,14 +299,17 @@ class Shelf:
             if block.refs == 0:
                 self._free(block)
             elif block.held >= COMPACT_MIN and 2 * block.live < block.held:
-                self._compact(block)
+                segment = block.segment
+                if segment is not None and self.clock() - segment.last_fetch < MAP_GRACE:
+                    self.deferred.add(block)  # a reader may still have to map it
+                else:
+                    self._compact(block)
 
     def _free(self, block: Block) -> None:
+        self.deferred.discard(block)
         if block.segment is None:
             self.held -= block.held
-            return
-        block.segment.retired = True
-        if block.segment.pending == 0:
+        else:
             self._unlink(block.segment)
 
     def _unlink(self, segment: Segment) -> None:

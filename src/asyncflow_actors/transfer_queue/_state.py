@@ -750,9 +750,12 @@ class ControllerState:
 
     def storage_lost(self, unit: str) -> Loss:
         """Drop everything placed on ``unit`` (its data is gone) and report it, per topic, so the
-        driver can re-inject those prompts. Outstanding leases keep their other samples; their
-        ack/nack skip the lost ones (``Update.missing``); :attr:`Loss.leases` names them. The
-        unit stays usable (its supervisor restarts it empty). Raises :class:`UnknownUnit`."""
+        driver can re-inject those prompts: the committed samples, and the groups that had one
+        or were opened explicitly. Samples not committed yet are dropped as discarded, not
+        reported (their writer's put fails, and it knows). Outstanding leases keep their other
+        samples; their ack/nack skip the lost ones (``Update.missing``); :attr:`Loss.leases`
+        names them. The unit stays usable (its supervisor restarts it empty). Raises
+        :class:`UnknownUnit`."""
         u = self._unit_ix.get(unit) if isinstance(unit, str) else None
         if u is None:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
@@ -765,13 +768,19 @@ class ControllerState:
                 continue
             rows = np.flatnonzero(s.live[: s.n] & (s.unit[: s.n] == u))
             indexes = s.ids[rows].copy()
+            committed = s.committed[rows]
+            reported = g.explicit[gslots].copy()
+            reported[np.searchsorted(gslots, s.gs[rows][committed])] = True
+            gids = tuple(g.ids[gslots][reported].tolist())
             t.drop_samples(rows, None)
             t.drop_groups(gslots, None)
-            t.lost_total += len(indexes)
-            t.lost_groups += len(gslots)
+            t.lost_total += int(committed.sum())
+            t.discarded_total += int((~committed).sum())
+            t.lost_groups += len(gids)
             t.changes += 1
-            gids = tuple(g.ids[gslots].tolist())
-            lost.append(LostSamples(topic=t.name, indexes=tuple(indexes.tolist()), group_ids=gids))
+            if gids:
+                kept = tuple(indexes[committed].tolist())
+                lost.append(LostSamples(topic=t.name, indexes=kept, group_ids=gids))
             leases.extend(self._lease_table.touching(t.name, indexes))
             t.tidy()
         assert self._load[u] == 0, self._load[u]

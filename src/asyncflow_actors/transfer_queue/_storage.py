@@ -31,7 +31,6 @@ from ._unit_messages import (
     GetStorageStatistics,
     GetToken,
     IncarnationMismatch,
-    Mapped,
     Reset,
     StorageMessage,
     StorageStatistics,
@@ -61,14 +60,14 @@ class StorageUnit(Actor[StorageMessage]):
         self.orphan_age = orphan_age
         self.namespace = shm if shm and _shm.available() else ""
         self.token = ""
-        self.shelf = Shelf(name, None)
+        self.shelf = Shelf(name, None, trio.current_time)
         self.shm_info: _shm.ShmInfo | None = None
 
     def _begin(self) -> None:
         """A fresh, empty incarnation: new token, new segment prefix and probe."""
         self.token = os.urandom(8).hex()
         prefix = f"{self.namespace}{self.token}-" if self.namespace else None
-        self.shelf = Shelf(self.name, prefix)
+        self.shelf = Shelf(self.name, prefix, trio.current_time)
         if prefix is not None:
             _shm.sweep(self.namespace)  # what earlier incarnations left: their data is gone
             self.shm_info = _shm.create_probe(prefix)
@@ -89,7 +88,7 @@ class StorageUnit(Actor[StorageMessage]):
     async def _sweeper(self) -> None:
         while True:
             await trio.sleep(self.orphan_age / 6)
-            self.shelf.expire_maps(trio.current_time())
+            self.shelf.compact_deferred()
             prefix = self.shelf.prefix
             if prefix is not None:
                 keep = [*self.shelf.segments, prefix + "probe"]
@@ -116,7 +115,7 @@ class StorageUnit(Actor[StorageMessage]):
         shelf = self.shelf
         if isinstance(msg, Fetch):
             self._check(msg.incarnation)
-            return shelf.fetch(msg, trio.current_time())
+            return shelf.fetch(msg)
         if isinstance(msg, Store):
             self._check(msg.incarnation, msg.segment)
             shelf.store(msg, create=msg.create)
@@ -128,8 +127,6 @@ class StorageUnit(Actor[StorageMessage]):
                 self._check(msg.incarnation)
             for item in msg.items:
                 shelf.apply(item)
-        elif isinstance(msg, Mapped):
-            shelf.mapped(msg.fetch_id)
         elif isinstance(msg, StoreShared):
             self._check(msg.incarnation)
             shelf.store_shared(msg)

@@ -27,7 +27,6 @@ from ._unit_messages import (
     Fetched,
     GetShm,
     IncarnationMismatch,
-    Mapped,
     ShmBody,
     Store,
     StoreShared,
@@ -228,12 +227,7 @@ class UnitIO:
                     shared_columns, shm,
                 )  # fmt: skip
                 fetched: Fetched = await self._ask(unit, msg)
-                if not fetched.fetch_id:
-                    return fetched
-                try:
-                    return _mapped(fetched, unit)
-                finally:
-                    self.tell(unit, Mapped(fetched.fetch_id))
+                return _mapped(fetched, unit) if shm else fetched
 
             return one
 
@@ -279,7 +273,7 @@ def _mapped(fetched: Fetched, unit: str) -> Fetched:
         c: [[view(v) for v in p] if isinstance(p, list) else view(p) for p in parts]
         for c, parts in fetched.columns.items()
     }
-    return Fetched(columns, fetched.shared, fetched.fetch_id)
+    return Fetched(columns, fetched.shared)
 
 
 def _tensor(mapping: Any, ref: ShmBody) -> Any:

@@ -77,12 +77,10 @@ class StoreShared(Request[None]):
 @attrs.frozen
 class Fetched:
     """Reply of ``Fetch``: per column, its parts in request order (a batch of consecutive rows,
-    or a list of row values); ``shared`` per group. With ``fetch_id``, the reply names
-    shared-memory segments: tell the unit ``Mapped(fetch_id)`` once they are mapped."""
+    or a list of row values, possibly :class:`ShmBody` references); ``shared`` per group."""
 
     columns: dict[str, list[Any]]
     shared: dict[int, dict[str, Any]]
-    fetch_id: int = 0
 
 
 @attrs.frozen
@@ -97,13 +95,6 @@ class Fetch(Request[Fetched]):
     shared_groups: list[int]
     shared_columns: list[str]
     shm: bool = False
-
-
-@attrs.frozen
-class Mapped:
-    """The reader of fetch ``fetch_id`` mapped its segments (they may go once their rows do)."""
-
-    fetch_id: int
 
 
 @attrs.frozen
@@ -245,7 +236,6 @@ StorageMessage = (
     Store
     | StoreShared
     | Fetch
-    | Mapped
     | Delete
     | UnitBatch
     | GetInventory
