@@ -282,11 +282,10 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             return self._statistics(state)
         elif isinstance(msg, M.CheckUnits):
             self.check_now.set()
-        elif isinstance(msg, M.Flushed):
-            if len(self.shared.outbox):
-                self.flush_waiters.append(ctx.defer_reply())
-                self.flush_now.set()
-                self.outbox_wake.set()
+        elif isinstance(msg, M.Flushed) and len(self.shared.outbox):
+            self.flush_waiters.append(ctx.defer_reply())  # answered once it is empty
+            self.flush_now.set()
+            self.outbox_wake.set()
         return None
 
     def _statistics(self, state: ControllerState) -> M.ControllerStatistics:
