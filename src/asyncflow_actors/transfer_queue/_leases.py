@@ -17,7 +17,7 @@ import numpy as np
 from ._errors import ShareMismatch, UnknownLease
 from ._results import Lease
 from ._samplers import MAX_SKIPPED_GROUPS, Balanced, Sampler, partition_lpt, uses_groups
-from ._table import Ints, groups_of, rows_of
+from ._table import Ints, groups_of, rows_of, runs, scatter_add
 from ._topic import Effects, Topic, View
 
 #: Lease ids of epoch ``e`` are ``e << EPOCH_BITS`` onwards, so ids never repeat across restarts.
@@ -30,7 +30,7 @@ class _LeaseRec:
     def __init__(self, lease: Lease, ids: Ints, topic: Topic, ci: int, sampler: Sampler) -> None:
         self.lease = lease
         self.ids = ids  # the lease's indexes as an array
-        self.ascending = len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1]))
+        self.ascending = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
         self.topic = topic
         self.ci = ci
         self.sampler = sampler
@@ -202,7 +202,7 @@ class LeaseTable:
         befores = t.before(index, t.views_of[v.ci])
         s.leased[index] |= v.bit
         gs = s.gs[index]
-        np.add.at(t.g.held, gs, 1)
+        scatter_add(t.g.held, gs, 1)
         t.leased_count[v.ci] += len(rows)
         t.uncount(befores, gs)  # leased: no view of this consumer counts them any more
 
@@ -271,8 +271,9 @@ class LeaseTable:
             gs = s.gs[index]
             s.leased[index] &= ~bit
             s.acked[index] |= bit
-            np.subtract.at(g.held, gs, 1)
-            np.subtract.at(g.unacked[:, ci], gs, 1)
+            where = runs(gs)
+            scatter_add(g.held, where, -1)
+            scatter_add(g.unacked[:, ci], where, -1)
             t.leased_count[ci] -= len(rows)
             t.consumed_count[ci] += len(rows)
             done = rows[s.acked[index] == t.full]
@@ -328,7 +329,7 @@ class LeaseTable:
             befores = t.before(index, t.views_of[ci])
             s.leased[index] &= ~(1 << ci)
             gs = s.gs[index]
-            np.subtract.at(t.g.held, gs, 1)
+            scatter_add(t.g.held, gs, -1)
             t.leased_count[ci] -= len(rows)
             t.after(index, befores)
             t.settle(gs, fx)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ._check import byte_sizes, finite_time, holder_name, int_at_least
 from ._errors import (
@@ -36,8 +37,11 @@ from ._results import Allocation, GroupSlot, Lease, Loss, LostSamples, Update
 from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from ._spec import TopicSpec
 from ._stats import StateStatistics, topic_statistics
-from ._table import Ints, rows_of
+from ._table import Ints, rows_of, runs, scatter_add
 from ._topic import Effects, Topic
+
+# "no candidate before": a 0-d array, which broadcasts against any rows
+_NONE: npt.NDArray[np.bool_] = np.zeros((), np.bool_)
 
 
 class _Write:
@@ -211,6 +215,8 @@ class ControllerState:
         loads = self._load.tolist()
         up = [r for r in range(len(loads)) if r not in self._down] or list(range(len(loads)))
         k = max(1, min(len(up), -(-n // self._min_block)))
+        if k == 1:  # a small batch: whole on the least-loaded unit
+            return np.full(n, min(up, key=lambda r: (loads[r], r)), np.int64)
         ranked = sorted(up, key=lambda r: (loads[r], r))[:k]
         # water-filling: the highest level every chosen unit below it can be raised to
         base = [loads[r] for r in ranked]
@@ -369,7 +375,7 @@ class ControllerState:
         g = t.g
         g.size[gslots] -= slots
         t.reserved -= int(slots.sum())
-        np.subtract.at(self._load, g.unit[gslots], slots)
+        scatter_add(self._load, g.unit[gslots], -slots)
         t.lower_group_hints(int(g.ids[gslots].min()))
         t.settle(gslots, fx)
 
@@ -390,9 +396,10 @@ class ControllerState:
     def _discard(t: Topic, rows: Ints, fx: Effects) -> None:
         s, g = t.s, t.g
         gs = s.gs[rows]
-        np.subtract.at(g.size, gs, 1)
-        np.subtract.at(g.alloc, gs, 1)
-        np.subtract.at(g.committed, gs, s.committed[rows].astype(np.int64))
+        where = runs(gs)
+        scatter_add(g.size, where, -1)
+        scatter_add(g.alloc, where, -1)
+        scatter_add(g.committed, where, -s.committed[rows].astype(np.int64))
         t.drop_samples(rows_of(rows), fx)
         t.discarded_total += len(rows)
         t.lower_group_hints(int(s.gid[rows].min()))
@@ -456,7 +463,7 @@ class ControllerState:
             raise InvalidArgument(f"indexes must be ints, got {indexes!r}") from None
         if not wanted.size:
             raise InvalidArgument("indexes must not be empty")
-        ascending = bool(np.all(wanted[1:] > wanted[:-1]))
+        ascending = bool((wanted[1:] > wanted[:-1]).all())
         if not ascending and np.unique(wanted).size != wanted.size:
             raise InvalidArgument(
                 f"indexes must be distinct, got duplicates in {wanted[:16].tolist()}"
@@ -493,26 +500,39 @@ class ControllerState:
         sizes = {c: byte_sizes(c, v, len(slots)) for c, v in columns.items()}
         s, g = t.s, t.g
         rows = rows_of(slots, ascending=ascending) if ascending else slots
-        befores = t.before(rows)
-        t.written += int(np.count_nonzero(s.cols[rows] == 0))
-        for col, new in sizes.items():
-            k = t.col_ix[col]
-            delta = new - s.cbytes[rows, k]
-            s.cbytes[rows, k] = new
-            s.nbytes[rows] += delta
-            t.live_bytes += int(np.sum(delta))
+        fresh = not s.cols[rows].any()  # the first write of new samples: the common put
+        # a view over per-sample columns counts none of them yet: nothing to compute before
+        befores = t.before(rows, [v for v in t.views.values() if not fresh or not v.smask])
+        if fresh:
+            t.written += len(slots)
+            for col, new in sizes.items():
+                s.cbytes[rows, t.col_ix[col]] = new
+                total = new.sum() if isinstance(new, np.ndarray) else new * len(slots)
+                t.live_bytes += int(total)
+            s.nbytes[rows] = s.cbytes[rows].sum(axis=1)
+        else:
+            t.written += int(np.count_nonzero(s.cols[rows] == 0))
+            for col, new in sizes.items():
+                k = t.col_ix[col]
+                delta = new - s.cbytes[rows, k]
+                s.cbytes[rows, k] = new
+                s.nbytes[rows] += delta
+                t.live_bytes += int(delta.sum()) if isinstance(delta, np.ndarray) else int(delta)
         s.cols[rows] |= mask
         first = ~s.committed[rows]
-        if first.any():
+        committing = bool(first.any())
+        if committing:
             s.committed[rows] = True
-            np.add.at(g.committed, s.gs[rows][first], 1)
-        t.after(rows, befores)
+            scatter_add(g.committed, s.gs[rows][first], 1)
+        t.after(rows, befores + [(v, _NONE) for v in t.views.values() if fresh and v.smask])
         t.changes += 1
         writes = self._writes[topic]
-        if first.any() and writes:
+        if committing and writes:
             w = writes.get(int(s.ids[slots[0]]))
-            if w is not None and not self._uncommitted(t, w).size:
-                del writes[w.start]
+            if w is not None:
+                exact = ascending and isinstance(rows, slice) and w.stop - w.start == len(slots)
+                if exact or not self._uncommitted(t, w).size:
+                    del writes[w.start]
 
     def commit_shared(self, topic: str, group_id: int, columns: Mapping[str, int]) -> None:
         """Record that group-shared ``columns`` (name -> bytes, stored once) of a group are stored.

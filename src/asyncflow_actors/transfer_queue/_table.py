@@ -52,15 +52,14 @@ class Table:
         raise AttributeError(name)
 
     def append(self, ids: Ints) -> slice:
-        """Append live rows for ``ids`` (all greater than every id so far); zero-filled fields."""
+        """Append live rows for ``ids`` (all greater than every id so far); zero-filled fields
+        (rows past ``n`` are kept zero, so appending writes nothing else)."""
         k = len(ids)
         if self.n + k > len(self.ids):
             self._resize(max(2 * len(self.ids), self.n + k))
         rows = slice(self.n, self.n + k)
         self.ids[rows] = ids
         self.live[rows] = True
-        for name in self._fields:
-            getattr(self, name)[rows] = 0
         self.n += k
         self.nlive += k
         return rows
@@ -114,6 +113,7 @@ class Table:
         for name in self._fields:
             a = getattr(self, name)
             a[:k] = a[: self.n][keep]
+            a[k : self.n] = 0
         self.n = k
         for callback in self.on_compact:
             callback(keep)
@@ -125,14 +125,14 @@ def rows_of(slots: Ints, *, ascending: bool = False) -> Index:
     k = len(slots)
     if not k or int(slots[-1]) - int(slots[0]) != k - 1:
         return slots
-    if ascending or k < 3 or bool(np.all(np.diff(slots) == 1)):
+    if ascending or k < 3 or bool((slots[1:] > slots[:-1]).all()):
         return slice(int(slots[0]), int(slots[-1]) + 1)
     return slots
 
 
 def distinct(a: Ints) -> Ints:
     """The distinct values of ``a``, ascending (skips the sort when ``a`` already is)."""
-    if len(a) < 2 or bool(np.all(a[1:] > a[:-1])):
+    if len(a) < 2 or bool((a[1:] > a[:-1]).all()):
         return a
     return np.unique(a)
 
@@ -140,9 +140,41 @@ def distinct(a: Ints) -> Ints:
 def groups_of(keys: Ints) -> list[tuple[int, Ints]]:
     """``(key, mask)`` for each distinct key of ``keys`` (one pass when all are equal)."""
     first = int(keys[0])
-    if bool(np.all(keys == first)):
+    if bool((keys == first).all()):
         return [(first, np.ones(len(keys), np.bool_))]
     return [(k, keys == k) for k in np.unique(keys).tolist()]
+
+
+Runs = tuple["int | slice | Ints", int]  # an index array as one index, one run, or as is
+
+
+def runs(idx: Ints) -> Runs:
+    """``idx`` as the cheapest equivalent index, and its length: one index when every entry is
+    the same (members of one group), a slice for one ascending run (groups of one), else the
+    array (computed once, then used by several :func:`scatter_add`)."""
+    n = len(idx)
+    if not n:
+        return idx, 0
+    first, last = int(idx[0]), int(idx[-1])
+    if first == last and (n == 1 or bool((idx == first).all())):
+        return first, n
+    if last - first == n - 1 and (n < 3 or bool((idx[1:] > idx[:-1]).all())):
+        return slice(first, last + 1), n
+    return idx, n
+
+
+def scatter_add(a: npt.NDArray[Any], idx: Ints | Runs, value: Any) -> None:
+    """``a[idx] += value``, repeated indexes adding up (like ``np.add.at``, but fast for the
+    shapes :func:`runs` recognizes); ``value``: one for all, or one per index."""
+    where, n = idx if isinstance(idx, tuple) else runs(idx)
+    if not n:
+        return
+    if isinstance(where, int):
+        a[where] += value.sum(axis=0) if np.ndim(value) else value * n
+    elif isinstance(where, slice):
+        a[where] += value
+    else:
+        np.add.at(a, where, value)
 
 
 def popcount(a: Ints) -> Ints:

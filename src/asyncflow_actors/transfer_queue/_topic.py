@@ -30,7 +30,17 @@ import numpy as np
 from ._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
 from ._results import STALE, Abandoned, Eviction, Release, Update
 from ._spec import TopicSpec
-from ._table import Bools, Index, Ints, Table, distinct, groups_of, popcount
+from ._table import (
+    Bools,
+    Index,
+    Ints,
+    Table,
+    distinct,
+    groups_of,
+    popcount,
+    runs,
+    scatter_add,
+)
 
 _MAX_BITS = 63  # masks are int64
 NO_MEMBER = int(np.iinfo(np.int64).max)  # ``first`` of a group with no member yet
@@ -272,7 +282,7 @@ class Topic:
 
     def _count(self, v: View, gslots: Ints, sign: int) -> None:
         if gslots.size:
-            np.add.at(getattr(self.g, v.field), gslots, sign)
+            scatter_add(getattr(self.g, v.field), gslots, sign)
             v.nready += sign * int(gslots.size)
 
     def before(self, rows: Index, views: Iterable[View] | None = None) -> list[tuple[View, Bools]]:
@@ -334,7 +344,7 @@ class Topic:
         g.explicit[rows] = explicit
         g.deadline[rows] = deadline
         self.reserved += k * size
-        np.add.at(self.load, unit_ix, size)
+        scatter_add(self.load, unit_ix, size)
         return rows
 
     def new_samples(self, gslots: Ints, version: int, lengths: Ints) -> slice:
@@ -349,9 +359,10 @@ class Topic:
         s.gs[rows] = gslots
         s.unit[rows] = g.unit[gslots]
         s.length[rows] = lengths
-        np.add.at(g.alloc, gslots, 1)
-        np.add.at(g.nmem, gslots, 1)
-        np.add.at(g.unacked, gslots, 1)
+        where = runs(gslots)
+        scatter_add(g.alloc, where, 1)
+        scatter_add(g.nmem, where, 1)
+        scatter_add(g.unacked, where, 1)
         np.minimum.at(g.first, gslots, ids)
         np.maximum.at(g.last, gslots, ids)
         self.reserved -= k  # the reserved slots become live samples: load unchanged
@@ -369,26 +380,31 @@ class Topic:
         k = len(gs)
         if not k:
             return
-        if not consumed:
+        where = runs(gs)
+        scatter_add(g.nmem, where, -1)
+        if consumed:  # acked by every consumer, leased by none: no view counts them
+            for ci in range(len(self.consumed_count)):
+                self.consumed_count[ci] -= k
+        else:
             for v in self.views.values():
                 self._count(v, gs[self.cand(v, rows)], -1)
-        acked = s.acked[rows]
-        leased = s.leased[rows]
-        ncons = len(self.consumed_count)
-        bits = (acked[:, None] >> np.arange(ncons, dtype=np.int64)) & 1
-        lbits = (leased[:, None] >> np.arange(ncons, dtype=np.int64)) & 1
-        np.subtract.at(g.unacked, gs, 1 - bits)
-        np.subtract.at(g.nmem, gs, 1)
-        if leased.any():
-            np.subtract.at(g.held, gs, popcount(leased))
-        for ci, (a, lz) in enumerate(zip(bits.sum(0).tolist(), lbits.sum(0).tolist(), strict=True)):
-            self.consumed_count[ci] -= a
-            self.leased_count[ci] -= lz
+            acked = s.acked[rows]
+            leased = s.leased[rows]
+            ncons = len(self.consumed_count)
+            bits = (acked[:, None] >> np.arange(ncons, dtype=np.int64)) & 1
+            lbits = (leased[:, None] >> np.arange(ncons, dtype=np.int64)) & 1
+            scatter_add(g.unacked, where, bits - 1)
+            if leased.any():
+                scatter_add(g.held, where, -popcount(leased))
+            counts = zip(bits.sum(0).tolist(), lbits.sum(0).tolist(), strict=True)
+            for ci, (a, lz) in enumerate(counts):
+                self.consumed_count[ci] -= a
+                self.leased_count[ci] -= lz
         self.written -= int(np.count_nonzero(s.cols[rows]))
         nbytes = s.nbytes[rows]
         self.live_bytes -= int(nbytes.sum())
         units = s.unit[rows]
-        np.subtract.at(self.load, units, 1)
+        scatter_add(self.load, units, -1)
         s.kill(rows, k)
         if fx is not None:
             fx.free(self, units, s.ids[rows], nbytes, groups=False)
@@ -401,7 +417,7 @@ class Topic:
         pending = g.size[gslots] - g.alloc[gslots]
         self.reserved -= int(pending.sum())
         units = g.unit[gslots]
-        np.subtract.at(self.load, units, pending)
+        scatter_add(self.load, units, -pending)
         nbytes = g.nbytes[gslots]
         self.shared_total -= int(nbytes.sum())
         doomed = int(np.count_nonzero(g.doomed[gslots]))
