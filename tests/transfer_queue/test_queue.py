@@ -373,3 +373,17 @@ async def test_a_fixed_column_reads_as_one_tensor_whatever_the_puts(queue: Any) 
     assert torch.equal(got["tokens"], torch.cat([first["tokens"], torch.stack(rows)]))
     assert got["reward"].shape == (4,)
     await client.ack(got)
+
+
+async def test_members_of_an_open_group_never_wait_behind_groups_that_do_not_fit() -> None:
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        a, b = await q.client(), await q.client()
+        slot = await a.open_group("plain", 8)  # the whole capacity, reserved
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.open_group, "plain", 2)  # waits for room
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(5):  # the open group's own members use its reserved slots
+                await a.put("plain", {"x": torch.zeros(8, 3)}, version=0, group=slot)
+            got = await a.get("plain", "trainer", ["x"], 8)
+            await a.ack(got)  # room again: the waiting group opens

@@ -225,12 +225,13 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             self.shared.remember(msg.request_id, missing)
             return missing
         if isinstance(msg, (M.Allocate, M.OpenGroup)):
-            waiting = self.puts.setdefault(msg.topic, deque())
             size = _slots(msg)
-            if not waiting and (size == 0 or state.can_allocate(msg.topic, size)):
+            if size == 0:  # members of an open group use its reserved slots: never wait
                 return self._put(state, msg)
-            if size:
-                state.can_allocate(msg.topic, size)  # raises CapacityError if it never fits
+            waiting = self.puts.setdefault(msg.topic, deque())
+            if not waiting and state.can_allocate(msg.topic, size):
+                return self._put(state, msg)
+            state.can_allocate(msg.topic, size)  # raises CapacityError if it never fits
             waiting.append(_WaitingPut(msg, ctx.defer_reply()))
             return None
         if isinstance(msg, M.CommitShared):
@@ -385,8 +386,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         assert state is not None
         while waiting:
             head = waiting[0]
-            size = _slots(head.msg)
-            if size and not state.can_allocate(topic, size):
+            if not state.can_allocate(topic, _slots(head.msg)):
                 return  # FIFO: later puts wait behind the head
             waiting.popleft()
             try:

@@ -34,6 +34,9 @@ from ._unit_messages import (
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
 
+# unit incarnation token -> its segment prefix if this process can map it (shared by clients)
+_prefixes: dict[str, str | None] = {}
+
 
 class UnitIO:
     """Stores and fetches for one client. ``on_failure`` is called when a unit fails (the
@@ -51,7 +54,6 @@ class UnitIO:
         self.shm_min_bytes = shm_min_bytes
         self.timeout = timeout
         self.on_failure = on_failure
-        self._prefixes: dict[tuple[str, str], str | None] = {}  # (unit, incarnation) -> prefix
         self._nonce = os.urandom(4).hex()
         self._seq = itertools.count()
 
@@ -99,8 +101,7 @@ class UnitIO:
         """The unit incarnation's segment prefix if this process can share its memory."""
         if self.shm_min_bytes is None or not incarnation:
             return None
-        key = (unit, incarnation)
-        if key not in self._prefixes:
+        if incarnation not in _prefixes:
             try:
                 with trio.fail_after(self.timeout):
                     info = await self.units[unit].ask(GetShm())
@@ -111,8 +112,8 @@ class UnitIO:
                 and info.prefix.endswith(f"{incarnation}-")
                 and _shm.reachable(info)
             )
-            self._prefixes[key] = info.prefix if ok and info is not None else None
-        return self._prefixes[key]
+            _prefixes[incarnation] = info.prefix if ok and info is not None else None
+        return _prefixes[incarnation]
 
     # -- writing ---------------------------------------------------------------------------------
 
