@@ -7,7 +7,6 @@ the wrapper must forward to the storage units to keep them accurate.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -16,7 +15,7 @@ import numpy as np
 
 from ._errors import InventoryError, TransferQueueError
 from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._results import Update
+from ._results import Loss, LostSamples, Update
 from ._spec import TopicSpec
 from ._topic import Effects, Topic
 
@@ -134,7 +133,7 @@ def rebuild(
         t.freed_total += len(done)
         t.drop_samples(done, fx, consumed=True)
         t.settle(np.flatnonzero(g.live[: g.n]), fx)
-        state._apply_window(t, fx)
+        t.apply_window(fx)
         t.tidy()
     return state, fx.update()
 
@@ -181,8 +180,7 @@ def _add_group(
     t.reserved -= rec.allocated  # only the unfilled slots stay reserved
     state._load[u] -= rec.allocated
     t.shared_total += sum(rec.shared.values())
-    if deadline != math.inf:
-        heapq.heappush(state._group_deadlines, (deadline, t.name, rec.group_id))
+    state._writes.group_deadline(t.name, rec.group_id, deadline)
 
 
 def _add_sample(
@@ -237,3 +235,54 @@ def _add_sample(
     t.written += bool(mask)
     t.live_bytes += nbytes
     state._load[int(g.unit[gslot])] += 1
+
+
+def storage_lost(state: ControllerState, unit: str, u: int) -> Loss:
+    """``ControllerState.storage_lost`` on unit number ``u`` (see there)."""
+    lost: list[LostSamples] = []
+    leases: list[int] = []
+    for t in state._topics.values():
+        s, g = t.s, t.g
+        gslots = np.flatnonzero(g.live[: g.n] & (g.unit[: g.n] == u))
+        if not gslots.size:
+            continue
+        rows = np.flatnonzero(s.live[: s.n] & (s.unit[: s.n] == u))
+        indexes = s.ids[rows].copy()
+        committed = s.committed[rows]
+        reported = g.explicit[gslots].copy()  # explicit groups, and those with committed data
+        reported[np.searchsorted(gslots, s.gs[rows][committed])] = True
+        gids = tuple(g.ids[gslots][reported].tolist())
+        t.drop_samples(rows, None)
+        t.drop_groups(gslots, None)
+        t.lost_total += int(committed.sum())
+        t.discarded_total += int((~committed).sum())
+        t.lost_groups += len(gids)
+        t.changes += 1
+        if gids:
+            kept = tuple(indexes[committed].tolist())
+            lost.append(LostSamples(topic=t.name, indexes=kept, group_ids=gids))
+        leases.extend(state._lease_table.touching(t.name, indexes))
+        t.tidy()
+    assert state._load[u] == 0, state._load[u]
+    return Loss(unit=unit, lost=tuple(lost), leases=tuple(leases))
+
+
+def group_records(
+    state: ControllerState, t: Topic, group_ids: Iterable[int]
+) -> tuple[GroupRecord, ...]:
+    """``ControllerState.group_records`` (see there)."""
+    g = t.g
+    slots, ok = g.find(np.unique(np.fromiter(group_ids, np.int64)))
+    slots = slots[ok]
+    slots = slots[g.explicit[slots]]
+    return tuple(
+        GroupRecord(
+            t.name,
+            int(g.ids[x]),
+            state.units[int(g.unit[x])],
+            int(g.size[x]),
+            int(g.committed[x]),
+            _present(t.shared_ix, int(g.shared[x]), g.sbytes[x].tolist()),
+        )
+        for x in slots.tolist()
+    )

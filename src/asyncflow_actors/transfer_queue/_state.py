@@ -12,13 +12,10 @@ state unchanged. Time is an argument (``now``). Bookkeeping is vectorized (numpy
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
-import numpy.typing as npt
 
 from ._check import byte_sizes, finite_time, holder_name, int_at_least
 from ._errors import (
@@ -33,27 +30,14 @@ from ._errors import (
 )
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
-from ._results import Allocation, GroupSlot, Lease, Loss, LostSamples, Update
+from ._placement import least_loaded
+from ._results import Allocation, GroupSlot, Lease, Loss, Update
 from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from ._spec import TopicSpec
 from ._stats import StateStatistics, topic_statistics
-from ._table import Ints, rows_of, runs, scatter_add
+from ._table import Ints, rows_of
 from ._topic import Effects, Topic
-
-# "no candidate before": a 0-d array, which broadcasts against any rows
-_NONE: npt.NDArray[np.bool_] = np.zeros((), np.bool_)
-
-
-class _Write:
-    """An allocation not yet committed: indexes ``start..stop-1`` by ``holder``."""
-
-    __slots__ = ("deadline", "holder", "start", "stop")
-
-    def __init__(self, start: int, stop: int, holder: str | None, deadline: float) -> None:
-        self.start = start
-        self.stop = stop
-        self.holder = holder
-        self.deadline = deadline
+from ._writes import Writes
 
 
 class ControllerState:
@@ -91,10 +75,7 @@ class ControllerState:
         self._down: set[int] = set()  # units new groups avoid (see set_unit_up)
         self._topics: dict[str, Topic] = {}
         self._lease_table = LeaseTable(int_at_least("epoch", epoch, 0))
-        # per topic, writes not yet committed, in deadline order (``now`` never goes back)
-        self._writes: dict[str, OrderedDict[int, _Write]] = {}
-        self._group_deadlines: list[tuple[float, str, int]] = []  # (deadline, topic, gid), lazy
-        self._holders: dict[str, int] = {}  # holder name -> id (open groups keep the id)
+        self._writes = Writes()  # writes in progress and their deadlines
         for spec in specs:
             self.add_topic(spec)
 
@@ -107,7 +88,7 @@ class ControllerState:
         if spec.name in self._topics:
             raise SchemaError(f"topic {spec.name!r} is already declared")
         self._topics[spec.name] = Topic(spec, self._units, self._load)
-        self._writes[spec.name] = OrderedDict()
+        self._writes.add_topic(spec.name)
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -154,24 +135,10 @@ class ControllerState:
         if version == t.latest:
             return fx.update()
         t.latest = version
-        self._apply_window(t, fx)
+        t.apply_window(fx)
         t.changes += 1
         t.tidy()
         return fx.update()
-
-    @staticmethod
-    def _apply_window(t: Topic, fx: Effects) -> None:
-        s, g = t.s, t.g
-        n = s.n
-        stale = np.flatnonzero(s.live[:n] & (s.version[:n] < t.threshold))
-        if not stale.size:
-            return
-        gslots = np.unique(s.gs[stale])
-        gslots = gslots[~g.doomed[gslots]]
-        held = g.held[gslots] > 0
-        t.doom(gslots[held])
-        if not held.all():
-            t.evict(gslots[~held], fx)
 
     # -- capacity and allocation ---------------------------------------------------------------
 
@@ -208,48 +175,12 @@ class ControllerState:
         return fits
 
     def _least_loaded(self, n: int) -> Ints:
-        """Units (as numbers) for ``n`` new groups: the least-loaded ``k`` units, ``k`` growing
-        with ``n`` in steps of ``min_block`` samples, filled lowest load first (ties: lowest
-        rank), each taking one contiguous run (a small batch goes to one unit whole; a large one
-        splits into one slice per unit, never interleaved rows)."""
-        loads = self._load.tolist()
-        up = [r for r in range(len(loads)) if r not in self._down] or list(range(len(loads)))
-        k = max(1, min(len(up), -(-n // self._min_block)))
-        if k == 1:  # a small batch: whole on the least-loaded unit
-            return np.full(n, min(up, key=lambda r: (loads[r], r)), np.int64)
-        ranked = sorted(up, key=lambda r: (loads[r], r))[:k]
-        # water-filling: the highest level every chosen unit below it can be raised to
-        base = [loads[r] for r in ranked]
-        level = min(base)
-        remaining = n
-        while remaining:
-            below = [b for b in base if b <= level]
-            nxt = min((b for b in base if b > level), default=None)
-            step = (
-                remaining // len(below)
-                if nxt is None
-                else min(nxt - level, remaining // len(below))
-            )
-            if step == 0:
-                break
-            level += step
-            remaining -= step * len(below)
-        counts = {r: max(0, level - b) for r, b in zip(ranked, base, strict=True)}
-        for r in sorted(ranked):  # what is left: one each, lowest rank first, at the level
-            if remaining and loads[r] <= level:
-                counts[r] += 1
-                remaining -= 1
-        out = np.repeat(np.array(sorted(counts), np.int64), [counts[r] for r in sorted(counts)])
-        return out
+        """Units (as numbers) for ``n`` new groups (see :func:`least_loaded`)."""
+        return least_loaded(self._load.tolist(), self._down, n, self._min_block)
 
     def _deadline(self, t: Topic, now: float | None) -> float:
         ttl = t.spec.write_ttl
         return math.inf if now is None or ttl is None else finite_time(now) + ttl
-
-    def _holder_id(self, holder: str | None) -> int:
-        if holder is None:
-            return -1
-        return self._holders.setdefault(holder_name(holder), len(self._holders))
 
     def open_group(
         self, topic: str, size: int, *, holder: str | None = None, now: float | None = None
@@ -272,9 +203,8 @@ class ControllerState:
         self._fits(t, size, raise_full=True)
         rows = t.new_groups(self._least_loaded(1), size, explicit=True, deadline=deadline)
         gid = int(t.g.ids[rows][0])
-        t.g.owner[rows] = self._holder_id(holder)
-        if deadline != math.inf:
-            heapq.heappush(self._group_deadlines, (deadline, topic, gid))
+        t.g.owner[rows] = self._writes.holder_id(holder)
+        self._writes.group_deadline(topic, gid, deadline)
         t.changes += 1
         return GroupSlot(
             topic=topic, group_id=gid, unit=self._units[int(t.g.unit[rows][0])], size=size
@@ -333,7 +263,7 @@ class ControllerState:
             gslots = np.full(n, gslot, np.int64)
             if g.deadline[gslot] != math.inf and deadline != math.inf:
                 g.deadline[gslot] = deadline  # the writer is alive: its open group lives on
-                heapq.heappush(self._group_deadlines, (deadline, topic, group))
+                self._writes.group_deadline(topic, group, deadline)
             t.lower_group_hints(group)
         else:
             self._fits(t, n, raise_full=True)
@@ -341,9 +271,7 @@ class ControllerState:
             gslots = np.arange(rows.start, rows.stop, dtype=np.int64)
         rows = t.new_samples(gslots, version, lens)
         ids = t.s.ids[rows]
-        if deadline != math.inf:
-            start = int(ids[0])
-            self._writes[topic][start] = _Write(start, int(ids[-1]) + 1, holder, deadline)
+        self._writes.allocated(topic, ids, holder, deadline)
         t.changes += 1
         return Allocation(
             topic=topic,
@@ -366,18 +294,10 @@ class ControllerState:
                 f"topic {topic!r}: group {group_id} has {pending} free slots, cannot shrink by {slots}"
             )
         fx = Effects()
-        self._shrink(t, np.array([gslot], np.int64), np.array([slots], np.int64), fx)
+        t.shrink(np.array([gslot], np.int64), np.array([slots], np.int64), fx)
         t.changes += 1
         t.tidy()
         return fx.update()
-
-    def _shrink(self, t: Topic, gslots: Ints, slots: Ints, fx: Effects) -> None:
-        g = t.g
-        g.size[gslots] -= slots
-        t.reserved -= int(slots.sum())
-        scatter_add(self._load, g.unit[gslots], -slots)
-        t.lower_group_hints(int(g.ids[gslots].min()))
-        t.settle(gslots, fx)
 
     def discard(self, topic: str, indexes: Iterable[int]) -> Update:
         """Drop allocated samples on purpose (failed generation, filtered group): they leave
@@ -387,23 +307,10 @@ class ControllerState:
         t = self._topic(topic)
         rows, _ = self._live(t, indexes)
         fx = Effects()
-        self._discard(t, rows, fx)
+        t.discard(rows, fx)
         t.changes += 1
         t.tidy()
         return fx.update()
-
-    @staticmethod
-    def _discard(t: Topic, rows: Ints, fx: Effects) -> None:
-        s, g = t.s, t.g
-        gs = s.gs[rows]
-        where = runs(gs)
-        scatter_add(g.size, where, -1)
-        scatter_add(g.alloc, where, -1)
-        scatter_add(g.committed, where, -s.committed[rows].astype(np.int64))
-        t.drop_samples(rows_of(rows), fx)
-        t.discarded_total += len(rows)
-        t.lower_group_hints(int(s.gid[rows].min()))
-        t.settle(gs, fx)
 
     def locate(self, topic: str, indexes: Iterable[int]) -> dict[int, tuple[int, str]]:
         """``index -> (group id, unit)`` of live samples; raises :class:`UnknownSample`."""
@@ -424,30 +331,9 @@ class ControllerState:
         """Records of the live *explicit* groups among ``group_ids`` (opened with
         :meth:`open_group`) as storage units keep them: ``allocated`` counts committed members
         only, so a rebuild gives uncommitted members' slots back to their writer."""
-        t = self._topic(topic)
-        g = t.g
-        gids = np.unique(np.fromiter(group_ids, np.int64))
-        slots, ok = g.find(gids)
-        slots = slots[ok]
-        slots = slots[g.explicit[slots]]
-        return tuple(
-            GroupRecord(
-                t.name,
-                int(g.ids[x]),
-                self._units[int(g.unit[x])],
-                int(g.size[x]),
-                int(g.committed[x]),
-                self._shared_bytes(t, x),
-            )
-            for x in slots.tolist()
-        )
+        from ._rebuild import group_records
 
-    @staticmethod
-    def _shared_bytes(t: Topic, gslot: int) -> dict[str, int]:
-        mask = int(t.g.shared[gslot])
-        return {
-            c: int(t.g.sbytes[gslot, k]) for c, k in t.shared_ix.items() if mask & t.shared_bit[c]
-        }
+        return group_records(self, self._topic(topic), group_ids)
 
     def topic_record(self, topic: str) -> TopicRecord:
         """The topic's latest version and id watermarks (what units keep for a rebuild)."""
@@ -498,41 +384,9 @@ class ControllerState:
             )
         slots, ascending = self._live(t, indexes)
         sizes = {c: byte_sizes(c, v, len(slots)) for c, v in columns.items()}
-        s, g = t.s, t.g
-        rows = rows_of(slots, ascending=ascending) if ascending else slots
-        fresh = not s.cols[rows].any()  # the first write of new samples: the common put
-        # a view over per-sample columns counts none of them yet: nothing to compute before
-        befores = t.before(rows, [v for v in t.views.values() if not fresh or not v.smask])
-        if fresh:
-            t.written += len(slots)
-            for col, new in sizes.items():
-                s.cbytes[rows, t.col_ix[col]] = new
-                total = new.sum() if isinstance(new, np.ndarray) else new * len(slots)
-                t.live_bytes += int(total)
-            s.nbytes[rows] = s.cbytes[rows].sum(axis=1)
-        else:
-            t.written += int(np.count_nonzero(s.cols[rows] == 0))
-            for col, new in sizes.items():
-                k = t.col_ix[col]
-                delta = new - s.cbytes[rows, k]
-                s.cbytes[rows, k] = new
-                s.nbytes[rows] += delta
-                t.live_bytes += int(delta.sum()) if isinstance(delta, np.ndarray) else int(delta)
-        s.cols[rows] |= mask
-        first = ~s.committed[rows]
-        committing = bool(first.any())
-        if committing:
-            s.committed[rows] = True
-            scatter_add(g.committed, s.gs[rows][first], 1)
-        t.after(rows, befores + [(v, _NONE) for v in t.views.values() if fresh and v.smask])
-        t.changes += 1
-        writes = self._writes[topic]
-        if committing and writes:
-            w = writes.get(int(s.ids[slots[0]]))
-            if w is not None:
-                exact = ascending and isinstance(rows, slice) and w.stop - w.start == len(slots)
-                if exact or not self._uncommitted(t, w).size:
-                    del writes[w.start]
+        if t.write(slots, ascending, sizes, mask):
+            rows_are_one_run = ascending and isinstance(rows_of(slots), slice)
+            self._writes.committed(t, int(t.s.ids[slots[0]]), len(slots), whole=rows_are_one_run)
 
     def commit_shared(self, topic: str, group_id: int, columns: Mapping[str, int]) -> None:
         """Record that group-shared ``columns`` (name -> bytes, stored once) of a group are stored.
@@ -551,19 +405,7 @@ class ControllerState:
                 f"topic {topic!r}: columns {names} are per-sample; write them with commit_write"
             )
         sizes = {c: int_at_least(f"nbytes of {c!r}", v, 0) for c, v in columns.items()}
-        g = t.g
-        for col, new in sizes.items():
-            k = t.shared_ix[col]
-            delta = new - int(g.sbytes[gslot, k])
-            g.sbytes[gslot, k] = new
-            g.nbytes[gslot] += delta
-            t.shared_total += delta
-        if int(g.shared[gslot]) | mask != int(g.shared[gslot]):
-            rows = t.members(gslot)
-            befores = t.before(rows)
-            g.shared[gslot] |= mask
-            t.after(rows, befores)
-        t.changes += 1
+        t.write_shared(gslot, sizes, mask)
 
     # -- claims --------------------------------------------------------------------------------
 
@@ -676,19 +518,8 @@ class ControllerState:
     def next_deadline(self) -> float | None:
         """The earliest deadline of an outstanding lease, an uncommitted allocation or an open
         group's unfilled slots (when to call :meth:`expire` next)."""
-        deadlines = [d for d in (self._lease_table.next_deadline(),) if d is not None]
-        for writes in self._writes.values():
-            if writes:
-                deadlines.append(next(iter(writes.values())).deadline)
-        while self._group_deadlines:
-            deadline, topic, gid = self._group_deadlines[0]
-            t = self._topics[topic]
-            slot = t.g.slot_of(gid)
-            if slot >= 0 and t.g.deadline[slot] == deadline and t.g.alloc[slot] < t.g.size[slot]:
-                deadlines.append(deadline)
-                break
-            heapq.heappop(self._group_deadlines)
-        return min(deadlines, default=None)
+        deadlines = (self._lease_table.next_deadline(), self._writes.next_deadline(self._topics))
+        return min((d for d in deadlines if d is not None), default=None)
 
     def expire(self, now: float) -> Update:
         """Return every lease whose deadline is ``<= now`` to the pool (``ended`` lists them);
@@ -698,15 +529,7 @@ class ControllerState:
         now = finite_time(now)
         fx = Effects()
         self._lease_table.expire(now, fx)
-        for topic, writes in self._writes.items():
-            while writes and next(iter(writes.values())).deadline <= now:
-                self._abandon_write(self._topics[topic], writes.popitem(last=False)[1], fx)
-        while self._group_deadlines and self._group_deadlines[0][0] <= now:
-            deadline, topic, gid = heapq.heappop(self._group_deadlines)
-            t = self._topics[topic]
-            slot = t.g.slot_of(gid)
-            if slot >= 0 and t.g.deadline[slot] == deadline:
-                self._abandon_slots(t, np.array([slot], np.int64), fx)
+        self._writes.expire(self._topics, now, fx)
         for t in self._topics.values():
             t.tidy()
         return fx.update()
@@ -716,43 +539,10 @@ class ControllerState:
         its uncommitted allocations and give up the unfilled slots of the groups it opened."""
         fx = Effects()
         self._lease_table.release_holder(holder, fx)
-        for topic, writes in self._writes.items():
-            for w in [w for w in writes.values() if w.holder == holder]:
-                del writes[w.start]
-                self._abandon_write(self._topics[topic], w, fx)
-        owner = self._holders.get(holder)
-        if owner is not None:
-            for t in self._topics.values():
-                g = t.g
-                n = g.n
-                slots = np.flatnonzero(g.live[:n] & (g.owner[:n] == owner))
-                self._abandon_slots(t, slots, fx)
+        self._writes.release(self._topics, holder, fx)
         for t in self._topics.values():
             t.tidy()
         return fx.update()
-
-    @staticmethod
-    def _uncommitted(t: Topic, w: _Write) -> Ints:
-        s = t.s
-        lo, hi = s.first_at_or_after(w.start), s.first_at_or_after(w.stop)
-        return lo + np.flatnonzero(s.live[lo:hi] & ~s.committed[lo:hi])
-
-    def _abandon_write(self, t: Topic, w: _Write, fx: Effects) -> None:
-        s = t.s
-        rows = self._uncommitted(t, w)
-        if rows.size:
-            fx.abandoned(t.name, s.ids[rows].tolist(), s.gid[rows].tolist())
-            self._discard(t, rows, fx)
-            t.changes += 1
-
-    def _abandon_slots(self, t: Topic, gslots: Ints, fx: Effects) -> None:
-        g = t.g
-        pending = g.size[gslots] - g.alloc[gslots]
-        gslots, pending = gslots[pending > 0], pending[pending > 0]
-        if gslots.size:
-            fx.abandoned(t.name, (), g.ids[gslots].tolist())
-            self._shrink(t, gslots, pending, fx)
-            t.changes += 1
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -779,32 +569,9 @@ class ControllerState:
         u = self._unit_ix.get(unit) if isinstance(unit, str) else None
         if u is None:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
-        lost: list[LostSamples] = []
-        leases: list[int] = []
-        for t in self._topics.values():
-            s, g = t.s, t.g
-            gslots = np.flatnonzero(g.live[: g.n] & (g.unit[: g.n] == u))
-            if not gslots.size:
-                continue
-            rows = np.flatnonzero(s.live[: s.n] & (s.unit[: s.n] == u))
-            indexes = s.ids[rows].copy()
-            committed = s.committed[rows]
-            reported = g.explicit[gslots].copy()
-            reported[np.searchsorted(gslots, s.gs[rows][committed])] = True
-            gids = tuple(g.ids[gslots][reported].tolist())
-            t.drop_samples(rows, None)
-            t.drop_groups(gslots, None)
-            t.lost_total += int(committed.sum())
-            t.discarded_total += int((~committed).sum())
-            t.lost_groups += len(gids)
-            t.changes += 1
-            if gids:
-                kept = tuple(indexes[committed].tolist())
-                lost.append(LostSamples(topic=t.name, indexes=kept, group_ids=gids))
-            leases.extend(self._lease_table.touching(t.name, indexes))
-            t.tidy()
-        assert self._load[u] == 0, self._load[u]
-        return Loss(unit=unit, lost=tuple(lost), leases=tuple(leases))
+        from ._rebuild import storage_lost
+
+        return storage_lost(self, unit, u)
 
     # -- inventory -----------------------------------------------------------------------------
 
@@ -843,17 +610,8 @@ class ControllerState:
         return rebuild(specs, units, inventory, epoch=epoch, now=now)
 
     def _rebuilt_write(self, topic: str, index: int, now: float | None) -> None:
-        """A rebuilt uncommitted sample: extend the last pending write or start one."""
-        t = self._topics[topic]
-        writes = self._writes[topic]
-        deadline = self._deadline(t, now)
-        if deadline == math.inf:
-            return
-        last = next(reversed(writes.values()), None)
-        if last is not None and last.stop == index and last.deadline == deadline:
-            last.stop = index + 1
-        else:
-            writes[index] = _Write(index, index + 1, None, deadline)
+        """A rebuilt uncommitted sample: it expires ``write_ttl`` from ``now``."""
+        self._writes.rebuilt(topic, index, self._deadline(self._topics[topic], now))
 
     # -- introspection -------------------------------------------------------------------------
 

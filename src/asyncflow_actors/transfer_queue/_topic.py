@@ -24,6 +24,7 @@ open groups, so a streaming group can always complete once opened.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -38,11 +39,13 @@ from ._table import (
     distinct,
     groups_of,
     popcount,
+    rows_of,
     runs,
     scatter_add,
 )
 
 _MAX_BITS = 63  # masks are int64
+_NONE: Bools = np.zeros((), np.bool_)  # "no candidate before": 0-d, broadcasts against any rows
 NO_MEMBER = int(np.iinfo(np.int64).max)  # ``first`` of a group with no member yet
 
 
@@ -453,6 +456,91 @@ class Topic:
         self.evicted_total += len(indexes)
         self.evicted_groups += len(gids)
         fx.evicted(self.name, gids, indexes, nbytes)
+
+    def write(self, slots: Ints, ascending: bool, sizes: dict[str, Any], mask: int) -> bool:
+        """Per-sample columns ``mask`` of live samples ``slots`` are stored now (``sizes``: bytes
+        per column, one int or one per sample). Returns whether it committed new samples."""
+        s, g = self.s, self.g
+        rows = rows_of(slots, ascending=ascending) if ascending else slots
+        fresh = not s.cols[rows].any()  # the first write of new samples: the common put
+        # a view over per-sample columns counts none of them yet: nothing to compute before
+        befores = self.before(rows, [v for v in self.views.values() if not fresh or not v.smask])
+        if fresh:
+            self.written += len(slots)
+            for col, new in sizes.items():
+                s.cbytes[rows, self.col_ix[col]] = new
+                total = new.sum() if isinstance(new, np.ndarray) else new * len(slots)
+                self.live_bytes += int(total)
+            s.nbytes[rows] = s.cbytes[rows].sum(axis=1)
+        else:
+            self.written += int(np.count_nonzero(s.cols[rows] == 0))
+            for col, new in sizes.items():
+                k = self.col_ix[col]
+                delta = new - s.cbytes[rows, k]
+                s.cbytes[rows, k] = new
+                s.nbytes[rows] += delta
+                self.live_bytes += int(delta.sum()) if isinstance(delta, np.ndarray) else int(delta)
+        s.cols[rows] |= mask
+        first = ~s.committed[rows]
+        committing = bool(first.any())
+        if committing:
+            s.committed[rows] = True
+            scatter_add(g.committed, s.gs[rows][first], 1)
+        self.after(rows, befores + [(v, _NONE) for v in self.views.values() if fresh and v.smask])
+        self.changes += 1
+        return committing
+
+    def write_shared(self, gslot: int, sizes: dict[str, int], mask: int) -> None:
+        """Group-shared columns ``mask`` of group ``gslot`` are stored now (bytes each)."""
+        g = self.g
+        for col, new in sizes.items():
+            k = self.shared_ix[col]
+            delta = new - int(g.sbytes[gslot, k])
+            g.sbytes[gslot, k] = new
+            g.nbytes[gslot] += delta
+            self.shared_total += delta
+        if int(g.shared[gslot]) | mask != int(g.shared[gslot]):
+            rows = self.members(gslot)
+            befores = self.before(rows)
+            g.shared[gslot] |= mask
+            self.after(rows, befores)
+        self.changes += 1
+
+    def shrink(self, gslots: Ints, slots: Ints, fx: Effects) -> None:
+        """Give up ``slots`` unfilled member slots of each group of ``gslots``."""
+        g = self.g
+        g.size[gslots] -= slots
+        self.reserved -= int(slots.sum())
+        scatter_add(self.load, g.unit[gslots], -slots)
+        self.lower_group_hints(int(g.ids[gslots].min()))
+        self.settle(gslots, fx)
+
+    def discard(self, rows: Ints, fx: Effects) -> None:
+        """Drop live samples on purpose: their groups shrink by as many members."""
+        s, g = self.s, self.g
+        gs = s.gs[rows]
+        where = runs(gs)
+        scatter_add(g.size, where, -1)
+        scatter_add(g.alloc, where, -1)
+        scatter_add(g.committed, where, -s.committed[rows].astype(np.int64))
+        self.drop_samples(rows_of(rows), fx)
+        self.discarded_total += len(rows)
+        self.lower_group_hints(int(s.gid[rows].min()))
+        self.settle(gs, fx)
+
+    def apply_window(self, fx: Effects) -> None:
+        """Groups with a member below the window: evicted if unheld, else doomed."""
+        s, g = self.s, self.g
+        n = s.n
+        stale = np.flatnonzero(s.live[:n] & (s.version[:n] < self.threshold))
+        if not stale.size:
+            return
+        gslots = np.unique(s.gs[stale])
+        gslots = gslots[~g.doomed[gslots]]
+        held = g.held[gslots] > 0
+        self.doom(gslots[held])
+        if not held.all():
+            self.evict(gslots[~held], fx)
 
     def doom(self, gslots: Ints) -> None:
         """Stale but held groups leave every view now; evicted when their last lease ends."""
