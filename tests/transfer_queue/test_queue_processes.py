@@ -87,10 +87,12 @@ async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 10.0
 @pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
 async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None:
     config = tq.TransferQueueConfig(
-        topics=(SPEC,), units=2, placement="process", shm_orphan_age=0.6
+        topics=(SPEC,), units=2, placement="process", shm_min_bytes=64 * 1024, shm_orphan_age=0.6
     )
     gen = torch.Generator().manual_seed(1)
-    data = {"tokens": torch.randint(0, 50_000, (8, 4096), generator=gen)}  # 256 KiB: shared
+    data = {
+        "tokens": torch.randint(0, 50_000, (8, 4096), generator=gen)
+    }  # 256 KiB: through shared memory
     async with (
         afa.open_actor_system() as system,
         tq.open_transfer_queue(system, config, options=FAST) as queue,

@@ -53,7 +53,7 @@ class ControllerShared:
     flush_linger: float = 0.005  # bookkeeping waits this long to travel with more
     unit_timeout: float = 5.0  # the controller's own requests to units
     io_timeout: float = 60.0  # clients' data requests to units
-    shm_min_bytes: int | None = 65536
+    shm_min_bytes: int | None = 1 << 20
     max_events: int = 10_000
     incarnations: int = 0
     log: EventLog = attrs.Factory(lambda self: EventLog(self.max_events), takes_self=True)

@@ -74,7 +74,7 @@ class Topology:
 
     specs: dict[str, TopicSpec]
     units: dict[str, ActorRef[Any]]
-    shm_min_bytes: int | None = 65536
+    shm_min_bytes: int | None = 1 << 20
     unit_timeout: float = 60.0
 
 

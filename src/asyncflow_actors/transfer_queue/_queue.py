@@ -76,7 +76,7 @@ class TransferQueueConfig:
     unit_timeout: float = 5.0
     io_timeout: float = 60.0
     shm: bool = True
-    shm_min_bytes: int = 65536
+    shm_min_bytes: int = 1 << 20
     shm_orphan_age: float = 60.0
     name: str = "tq"
     max_restarts: int = 10
