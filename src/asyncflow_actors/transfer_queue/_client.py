@@ -144,7 +144,6 @@ class TransferQueueClient:
             positions: dict[str, list[int]] = {}
             for position, unit in enumerate(allocation.units):
                 positions.setdefault(unit, []).append(position)
-            stored: list[str] = []
             try:
                 await self.io.store(
                     topic,
@@ -155,13 +154,12 @@ class TransferQueueClient:
                     versions=[version] * n,
                     group_ids=allocation.group_ids,
                     lengths=lens if lens is not None else [1] * n,
-                    stored=stored,
                 )
                 commit = M.Commit(topic, allocation.indexes, prepared.sizes, put_id, new=True)
                 await self._ask(commit)
                 return allocation.indexes
             except UnknownSample as exc:
-                await self._undo_put(topic, allocation.indexes, put_id, positions, stored)
+                await self._undo_put(topic, allocation.indexes, put_id, positions)
                 if self._restarts == restarts or attempt == _PUT_TRIES - 1:
                     raise StorageUnavailable(
                         f"the samples of this put were dropped before it committed (their "
@@ -169,7 +167,7 @@ class TransferQueueClient:
                     ) from exc
                 # a restarted controller rebuilt without this allocation: put again
             except BaseException:
-                await self._undo_put(topic, allocation.indexes, put_id, positions, stored)
+                await self._undo_put(topic, allocation.indexes, put_id, positions)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -179,15 +177,15 @@ class TransferQueueClient:
         indexes: Sequence[int],
         put_id: int,
         positions: Mapping[str, list[int]],
-        stored: list[str],
     ) -> None:
-        """A put failed: discard its samples and delete what reached the units."""
+        """A put failed: discard its samples, and delete what may have reached the units (the
+        controller deletes what it knows of; a restarted one may not know these)."""
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:
                 await self._ask(M.Discard(topic, tuple(indexes), put_id, missing_ok=True))
             except TransferQueueError:
                 pass  # the controller is gone: its restart never learned of these samples
-        self.io.forget(topic, {u: [indexes[p] for p in positions[u]] for u in stored})
+        self.io.forget(topic, {u: [indexes[p] for p in where] for u, where in positions.items()})
 
     async def put_columns(self, batch: Batch | Lease, data: Mapping[str, Any]) -> None:
         """Write computed columns (old_logprob, advantages...) for a leased batch's samples.

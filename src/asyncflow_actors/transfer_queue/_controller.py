@@ -109,7 +109,6 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
-        self._ctx = ctx
         shared = self.shared
         self.epoch = shared.incarnations
         shared.incarnations += 1

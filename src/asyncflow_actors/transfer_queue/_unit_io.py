@@ -129,10 +129,8 @@ class UnitIO:
         group_ids: Sequence[int] = (),
         lengths: Sequence[int] = (),
         create: bool = True,
-        stored: list[str] | None = None,
     ) -> None:
-        """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit;
-        units that took their part are appended to ``stored``."""
+        """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit."""
 
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> None:
@@ -162,8 +160,6 @@ class UnitIO:
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)
                     raise
-                if stored is not None:
-                    stored.append(unit)
 
             return one
 
