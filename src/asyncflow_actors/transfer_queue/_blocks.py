@@ -7,9 +7,10 @@ per column, so a fetch of rows stored together is one slice of one buffer (zero 
 
 Accounting is by what is held, not by what is live: a block's buffers stay allocated while any
 of its rows is referenced, so a unit reports both ``held`` bytes and ``live`` bytes. When a block
-is mostly dead (its live bytes fall under half of what it holds, past :data:`COMPACT_MIN`), its
-live rows are copied out into a new, compact block and the old buffers go: held bytes stay
-under twice the live bytes plus one small block's worth. Copies cost at most the bytes freed.
+is mostly dead (its live bytes fall under half of what it held live when filled, past
+:data:`COMPACT_MIN`), its live rows are copied out into a new, compact block and the old buffers
+go: held bytes stay under about twice the live bytes plus one small block's worth. Copies cost
+at most the bytes freed.
 
 Shared-memory segments (:mod:`._shm`) are owned here: a segment is unlinked once no row in it is
 live (the controller frees a row only once no valid lease holds it, so no reader still needs to
@@ -129,7 +130,7 @@ class Column:
 class Block:
     """The columns of one store (or one compaction): ``owners[r]`` is the sample of row r."""
 
-    __slots__ = ("columns", "held", "live", "owners", "segment")
+    __slots__ = ("columns", "held", "initial", "live", "owners", "segment")
 
     def __init__(self, columns: dict[str, Column], owners: list[Any], segment: Segment | None):
         self.columns = columns
@@ -137,6 +138,7 @@ class Block:
         self.segment = segment
         self.held = segment.size if segment is not None else sum(c.held for c in columns.values())
         self.live = 0  # bytes of live cells
+        self.initial = 0  # bytes of live cells once filled (compaction compares with it)
 
     @property
     def refs(self) -> int:

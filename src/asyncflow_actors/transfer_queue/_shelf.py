@@ -105,6 +105,9 @@ class Shelf:
                     self._unref(old[0], c, old[1], touched)
                 sample.cells[c] = (block, r)
                 self._ref(block, c, r)
+        block.initial = block.live
+        if not block.refs:
+            self._free(block)  # no rows: nothing will ever free it otherwise
         self._settle(touched)
         self.stores += 1
         self.shm_stores += segment is not None
@@ -144,7 +147,7 @@ class Shelf:
         try:
             segment = Segment(name)
         except (OSError, ValueError) as exc:
-            _shm.unlink(name) if self.prefix and name.startswith(self.prefix) else None
+            _shm.unlink(name)  # ours now, even if unusable
             raise UnitError(f"unit {self.name!r} cannot map segment {name!r}: {exc}") from None
         self.segments[name] = segment
         self.held += segment.size
@@ -298,7 +301,8 @@ class Shelf:
         for block in touched:
             if block.refs == 0:
                 self._free(block)
-            elif block.held >= COMPACT_MIN and 2 * block.live < block.held:
+            elif block.held >= COMPACT_MIN and 2 * block.live < block.initial:
+                # half of what it held live is dead: a copy of the rest (same layout) is half
                 segment = block.segment
                 if segment is not None and self.clock() - segment.last_fetch < MAP_GRACE:
                     self.deferred.add(block)  # a reader may still have to map it
@@ -344,6 +348,7 @@ class Shelf:
                 owner.cells[c] = (new, r_new)
                 self._ref(new, c, r_new)
             block.owners[r_old] = None
+        new.initial = new.live
         self._free(block)
         self.compactions += 1
 

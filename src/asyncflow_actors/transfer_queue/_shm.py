@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 SHM_DIR = "/dev/shm"
-ALIGN = 64  # byte alignment of every body in a segment (any dtype, cache lines)
+ALIGN = 16  # byte alignment of every body in a segment (enough for every dtype)
 
 
 @attrs.frozen
