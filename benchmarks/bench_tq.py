@@ -1,16 +1,23 @@
-"""TransferQueue end to end, against raw pyzmq measured in the same run.
+"""TransferQueue end to end, against raw pyzmq measured in the same run (interleaved rounds).
 
 Workload (the one used against the public ``transferqueue`` package, ``nox -s bench_peer``):
 batches of 256 samples, each ``prompt_ids`` int64[2048], ``response_ids`` int64[4096],
 ``old_logprobs`` float32[4096], ``rewards`` float32 (16,778,240 bytes a batch, prompts counted
-per sample); 2 storage units, each in its own node process (ipc); one producer task puts while
-one consumer task gets and acks. Prints JSON lines (medians over repeats):
+per sample); 2 storage units, each in its own node process (ipc) on this host; one producer task
+puts while one consumer task gets and acks. Prints JSON lines (medians over repeats):
 
-- ``tq_throughput`` (MB/s, 10^6 bytes, put → get → ack) with baseline: the same bytes pushed once
-  from this process to another over tcp loopback with raw pyzmq (PUSH/PULL, copy=False);
-- ``tq_small_batch_latency`` (ms): 8 samples put + get + ack;
+- ``tq_throughput`` (MB/s, 10^6 bytes, put → get → ack), tensor bodies through shared memory,
+  with baseline: the same bytes pushed once from this process to another over tcp loopback with
+  raw pyzmq (PUSH/PULL, copy=False), one baseline round before each TQ round;
+- ``tq_throughput_socket``: the same with shared memory off (bodies over the unit sockets);
+- ``tq_small_batch_latency`` (ms): 8 samples put + get + ack, median of 200 rounds a repeat;
 - ``tq_startup`` (s): ``open_transfer_queue`` (two node processes) to the first put done;
+- ``tq_controller_batch_us`` (µs): ``ControllerState`` alone, one 256-sample put (allocate +
+  commit) + get (claim) + ack cycle, one consumer, median of 500 cycles;
 - ``tq_claims_per_s``: controller selections per second with 100k ready samples;
+- ``tq_clients_1024`` (samples/s): 1024 concurrent client tasks in this process, 512 putting
+  groups of 4 (versions advancing) and 512 getting whole groups, units in node processes; and
+  ``tq_clients_1024_unit_rss`` (MB): the largest peak RSS of a unit process during that run;
 - ``tq_group_dedup_bytes_saved`` (bytes a batch): 32 groups of 8 sharing their prompt.
 """
 
@@ -20,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import trio
@@ -36,6 +44,7 @@ BATCHES = 30
 REPEATS = 5
 WARMUP = 10
 LATENCY_ITERATIONS = 200
+COLUMNS = ["prompt_ids", "response_ids", "old_logprobs", "rewards"]
 
 
 def spec(shared_prompt: bool = False) -> tq.TopicSpec:
@@ -67,9 +76,6 @@ def nbytes(batch: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in batch.values())
 
 
-COLUMNS = ["prompt_ids", "response_ids", "old_logprobs", "rewards"]
-
-
 async def produce(client: tq.TransferQueueClient, data: dict[str, torch.Tensor]) -> None:
     for _ in range(BATCHES):
         await client.put("rollout", data, version=0)
@@ -80,53 +86,150 @@ async def consume(client: tq.TransferQueueClient) -> None:
         await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
 
 
-async def tq_figures() -> tuple[list[float], list[float], list[float]]:
-    """Startup per fresh queue; throughput and latency in one queue (as the peer benchmark does:
-    its repeats reuse one Ray session's processes with a fresh partition)."""
-    data = make_batch()
+async def throughput(client: tq.TransferQueueClient, data: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(produce, client, data)
+        nursery.start_soon(consume, client)
+    return BATCHES * nbytes(data) / (time.perf_counter() - t0) / 1e6
+
+
+async def latency(client: tq.TransferQueueClient, small: dict[str, torch.Tensor]) -> float:
+    times = []
+    for _ in range(LATENCY_ITERATIONS):
+        t0 = time.perf_counter()
+        await client.put("rollout", small, version=0)
+        await client.ack(await client.get("rollout", "trainer", COLUMNS, 8))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def config(*, shm: bool = True) -> tq.TransferQueueConfig:
+    name = "tq" if shm else "tq-socket"
+    return tq.TransferQueueConfig(
+        topics=(spec(),), units=2, placement="process", shm=shm, name=name
+    )
+
+
+async def startups() -> list[float]:
     small = make_batch(8)
-    throughputs, latencies, startups = [], [], []
-    config = tq.TransferQueueConfig(topics=(spec(),), units=2, placement="process")
+    out = []
     for _ in range(REPEATS):
         async with afa.open_actor_system() as system:
             t0 = time.perf_counter()
-            async with tq.open_transfer_queue(system, config) as queue:
-                client = await queue.client("bench")
+            async with tq.open_transfer_queue(system, config()) as queue:
+                client = await queue.client()
                 await client.put("rollout", small, version=0)
-                startups.append(time.perf_counter() - t0)
-    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
-        client = await queue.client("bench")
-        for _ in range(WARMUP):
-            await client.put("rollout", data, version=0)
-            await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+async def data_path() -> dict[str, list[float]]:
+    """Rounds of: raw pyzmq baseline, TQ over shared memory, TQ over sockets (warm queues)."""
+    data, small = make_batch(), make_batch(8)
+    frames = [t.numpy() for t in data.values()]
+    out: dict[str, list[float]] = {"raw": [], "shm": [], "socket": [], "latency": []}
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config()) as shm_queue,
+        tq.open_transfer_queue(system, config(shm=False)) as socket_queue,
+    ):
+        shm_client, socket_client = await shm_queue.client(), await socket_queue.client()
+        for client in (shm_client, socket_client):
+            for _ in range(WARMUP):
+                await client.put("rollout", data, version=0)
+                await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
         for _ in range(REPEATS):
-            t1 = time.perf_counter()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(produce, client, data)
-                nursery.start_soon(consume, client)
-            elapsed = time.perf_counter() - t1
-            throughputs.append(BATCHES * nbytes(data) / elapsed / 1e6)
-            times = []
-            for _ in range(LATENCY_ITERATIONS):
-                t2 = time.perf_counter()
-                await client.put("rollout", small, version=0)
-                await client.ack(await client.get("rollout", "trainer", COLUMNS, 8))
-                times.append((time.perf_counter() - t2) * 1e3)
-            latencies.append(statistics.median(times))
-    print(f"# throughputs {[round(t) for t in throughputs]} MB/s", file=sys.stderr)
-    return throughputs, latencies, startups
+            raw = await trio.to_thread.run_sync(raw_push_throughput, frames, BATCHES)
+            out["raw"].append(raw / 1e6)
+            out["shm"].append(await throughput(shm_client, data))
+            out["socket"].append(await throughput(socket_client, data))
+            out["latency"].append(await latency(shm_client, small))
+    return out
 
 
-def raw_throughput() -> float:
-    data = make_batch()
-    return raw_push_throughput([t.numpy() for t in data.values()], BATCHES) / 1e6
+def controller_batch_us(cycles: int = 500) -> float:
+    state = tq.ControllerState([spec()], ["unit-0", "unit-1"])
+    columns = frozenset(COLUMNS)
+    sizes = {"prompt_ids": 2048 * 8, "response_ids": 4096 * 8, "old_logprobs": 4096 * 4}
+    sizes["rewards"] = 4
+    times = []
+    for k in range(cycles + 50):
+        t0 = time.perf_counter()
+        allocation = state.allocate("rollout", N, 0, holder="producer", now=float(k))
+        state.commit_write("rollout", allocation.indexes, sizes)
+        lease = state.claim("rollout", "trainer", columns, N, holder="consumer", now=float(k))
+        assert lease is not None
+        state.ack(lease.id)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times[50:])
+
+
+CLIENT_SPEC = tq.TopicSpec.from_dict(
+    {
+        "consumers": ["trainer"],
+        "staleness": 1000,
+        "capacity": 2048,
+        "columns": {
+            "prompt": {"dtype": "int64", "shape": [256], "shared": True},
+            "resp": {"dtype": "int64", "shape": [1024]},
+        },
+    },
+    name="rollout",
+)
+
+
+async def clients_1024(tasks: int = 1024, groups: int = 4, size: int = 4) -> tuple[float, float]:
+    """(samples/s, peak unit RSS in MB) with ``tasks`` concurrent client tasks."""
+    cfg = tq.TransferQueueConfig(topics=(CLIENT_SPEC,), units=2, placement="process")
+    writers = readers = tasks // 2
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, cfg) as queue:
+        pids = []
+        for unit in queue.units:
+            node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.GetNode())  # type: ignore[union-attr]
+            pids.append(node.pid)
+
+        async def writer(w: int) -> None:
+            client = await queue.client()
+            for g in range(groups):
+                prompt = torch.full((256,), w)
+                slot = await client.open_group("rollout", size, shared={"prompt": prompt})
+                rows = torch.full((size, 1024), w * groups + g)
+                version = (w * groups + g) // 256
+                await client.put("rollout", {"resp": rows}, version=version, group=slot)
+
+        async def reader() -> None:
+            client = await queue.client()
+            for _ in range(groups):
+                batch = await client.get(
+                    "rollout", "trainer", ["resp", "prompt"], size, sampler=tq.WHOLE_GROUPS
+                )
+                await client.ack(batch)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for w in range(writers):
+                nursery.start_soon(writer, w)
+            for _ in range(readers):
+                nursery.start_soon(reader)
+        elapsed = time.perf_counter() - t0
+        rss = max(_peak_rss_mb(pid) for pid in pids)
+    return writers * groups * size / elapsed, rss
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 async def dedup_saved() -> int:
     data = make_batch()
-    config = tq.TransferQueueConfig(topics=(spec(shared_prompt=True),), units=2)
-    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
-        client = await queue.client("dedup")
+    cfg = tq.TransferQueueConfig(topics=(spec(shared_prompt=True),), units=2)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, cfg) as queue:
+        client = await queue.client()
         per_sample = {k: v for k, v in data.items() if k != "prompt_ids"}
         for g in range(N // 8):
             slot = await client.open_group(
@@ -140,15 +243,27 @@ async def dedup_saved() -> int:
         return int(stats.controller.state.topics[0].dedup_bytes_saved)
 
 
+def spread(values: list[float]) -> str:
+    return f"[{min(values):.3g}, {max(values):.3g}]"
+
+
 def main() -> None:
-    raw = [raw_throughput() for _ in range(REPEATS)]
-    throughputs, latencies, startups = trio.run(tq_figures)
-    raw += [raw_throughput() for _ in range(REPEATS)]  # bracket our runs: same machine noise
     med = statistics.median
-    emit("tq_throughput", med(throughputs), "MB/s", med(raw))
-    emit("tq_small_batch_latency", med(latencies), "ms")
-    emit("tq_startup", med(startups), "s")
+    figures: dict[str, Any] = trio.run(data_path)
+    print(
+        f"# raw {spread(figures['raw'])} shm {spread(figures['shm'])} socket "
+        f"{spread(figures['socket'])} MB/s; latency {spread(figures['latency'])} ms",
+        file=sys.stderr,
+    )
+    emit("tq_throughput", med(figures["shm"]), "MB/s", med(figures["raw"]))
+    emit("tq_throughput_socket", med(figures["socket"]), "MB/s", med(figures["raw"]))
+    emit("tq_small_batch_latency", med(figures["latency"]), "ms")
+    emit("tq_startup", med(trio.run(startups)), "s")
+    emit("tq_controller_batch_us", controller_batch_us(), "us")
     emit("tq_claims_per_s", bench_claims(), "samples/s")
+    rate, rss = trio.run(clients_1024)
+    emit("tq_clients_1024", rate, "samples/s")
+    emit("tq_clients_1024_unit_rss", rss, "MB")
     emit("tq_group_dedup_bytes_saved", trio.run(dedup_saved), "bytes")
 
 

@@ -15,6 +15,7 @@ def topic(
     capacity: int | None = None,
     consumers: tuple[str, ...] = ("fwd", "train"),
     ttl: float = 10.0,
+    write_ttl: float | None = 600.0,
 ) -> TopicSpec:
     return TopicSpec(
         name=T,
@@ -27,6 +28,7 @@ def topic(
         staleness=staleness,
         capacity=capacity,
         lease_ttl=ttl,
+        write_ttl=write_ttl,
     )
 
 

@@ -1,11 +1,21 @@
-"""The plain-Python model of the controller state used by the state machine test.
+"""A plain-Python model of the TransferQueue controller state (``ControllerState``).
 
 It re-implements the semantics naively (scans over sets) so that each claim's exact result and
-every freed, evicted, lost or discarded report can be predicted and compared.
+every freed, evicted, lost, discarded or abandoned report can be predicted and compared. A state
+machine (``test_state_machine.py``) mixes :class:`Model` in, drives the real state and the model
+with the same operations, and calls :meth:`Model.check_update` on every ``Update`` it gets back.
+
+The model covers: samples and groups (:class:`MSample`, :class:`MGroup`), leases
+(:class:`MLease`, rank-shared ones included), candidacy and whole-group eligibility per consumer
+and column set, first-fit whole-group picks, the staleness window (stale groups are evicted
+when unheld), and writes in progress: a sample is *committed* by its first column write, and an
+uncommitted sample past its writer's deadline, or one whose writer died, is abandoned (dropped
+and counted as discarded); so are the unfilled slots of an open group past its deadline.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from asyncflow_actors.transfer_queue import (
@@ -30,7 +40,8 @@ COLUMN_SETS = (
 )
 SAMPLERS: tuple[Sampler, ...] = (FIFO, WHOLE_GROUPS, Balanced(2), Balanced(2, whole_groups=True))
 HOLDERS = ("h0", "h1", "h2")
-TTL = 10.0
+TTL = 10.0  # lease_ttl
+WRITE_TTL = 8.0  # write_ttl
 # A share key fixes every parameter of its claims, so sharing claimants always match.
 SHARE_KEYS: dict[str, tuple[str, frozenset[str], int, Sampler]] = {
     "k0": ("train", COLUMN_SETS[1], 4, FIFO),
@@ -50,6 +61,9 @@ class MSample:
     cols: set[str] = field(default_factory=set)
     acked: set[str] = field(default_factory=set)
     leased: set[str] = field(default_factory=set)
+    committed: bool = False
+    deadline: float = math.inf  # abandoned at this time unless committed
+    writer: str | None = None
 
 
 @dataclass
@@ -59,6 +73,9 @@ class MGroup:
     unit: str
     members: list[int] = field(default_factory=list)
     shared: set[str] = field(default_factory=set)
+    deadline: float = math.inf  # unfilled slots are given up at this time
+    owner: str | None = None
+    explicit: bool = True  # opened with open_group (else the group of one ungrouped sample)
 
     @property
     def pending(self) -> int:
@@ -83,6 +100,8 @@ class Expect:
     groups_released: set[int] = field(default_factory=set)
     discarded: set[int] = field(default_factory=set)
     missing: list[int] = field(default_factory=list)
+    abandoned: set[int] = field(default_factory=set)
+    abandoned_groups: set[int] = field(default_factory=set)
 
 
 class Model:
@@ -200,6 +219,37 @@ class Model:
         for gid in dict.fromkeys(touched):
             self.settle(gid, ex)
 
+    def discard_samples(self, indexes: list[int], ex: Expect) -> None:
+        """Drop samples on purpose (their groups shrink by as many members), then settle."""
+        touched = []
+        for i in sorted(indexes):
+            gid = self.samples[i].gid
+            self.groups[gid].size -= 1
+            self.groups[gid].allocated -= 1
+            self.drop(i)
+            touched.append(gid)
+        ex.discarded |= set(indexes)
+        for gid in dict.fromkeys(touched):
+            self.settle(gid, ex)
+
+    def abandon(self, ex: Expect, *, now: float | None = None, holder: str | None = None) -> None:
+        """Writes past their deadline at ``now`` (or by the dead ``holder``): uncommitted
+        samples are discarded, then the open groups' unfilled slots given up."""
+
+        def due(deadline: float, who: str | None) -> bool:
+            return deadline <= now if now is not None else who == holder
+
+        gone = [i for i, s in self.samples.items() if not s.committed and due(s.deadline, s.writer)]
+        ex.abandoned |= set(gone)
+        ex.abandoned_groups |= {self.samples[i].gid for i in gone}
+        self.discard_samples(gone, ex)
+        for gid in sorted(self.groups):
+            g = self.groups.get(gid)
+            if g is not None and g.pending > 0 and due(g.deadline, g.owner):
+                ex.abandoned_groups.add(gid)
+                g.size = g.allocated
+                self.settle(gid, ex)
+
     def check_update(self, upd: Update, ex: Expect) -> None:
         released = {i for r in upd.releases for i in r.indexes}
         assert len(released) == len(upd.freed_indexes), "an index released twice"
@@ -209,6 +259,8 @@ class Model:
         assert released == want
         assert {g for r in upd.releases for g in r.group_ids} == ex.groups_released
         assert sorted(upd.missing) == sorted(ex.missing)
+        assert {i for a in upd.abandoned for i in a.indexes} == ex.abandoned
+        assert {g for a in upd.abandoned for g in a.group_ids} == ex.abandoned_groups
         for r in upd.releases:
             for i in r.indexes:
                 assert self.unit_of[i] == r.unit

@@ -236,3 +236,46 @@ def test_statistics_snapshot() -> None:
     (view,) = ts.views
     assert (view.consumer, view.columns, view.ready) == ("fwd", ALL, 1)
     assert ts.allocated_total == 3
+
+
+def test_samples_a_writer_never_committed_expire_and_free_their_capacity() -> None:
+    state = make(capacity=4, write_ttl=5.0)
+    stuck = state.allocate(T, 3, 0, holder="w", now=0.0)  # the writer dies before committing
+    done = state.allocate(T, 1, 0, holder="w", now=1.0)
+    state.commit_write(T, done.indexes, {"resp": 8})
+    assert state.free_slots(T) == 0 and state.next_deadline() == 5.0
+    assert state.expire(4.9) == Update()
+    upd = state.expire(5.0)
+    (abandoned,) = upd.abandoned
+    assert abandoned.indexes == stuck.indexes and abandoned.group_ids == stuck.group_ids
+    assert sorted(upd.freed_indexes) == list(stuck.indexes)
+    stats = state.statistics().topics[0]
+    assert (stats.live, stats.discarded_total, state.free_slots(T)) == (1, 3, 3)
+    assert state.expire(100.0) == Update()  # committed samples never expire
+
+
+def test_a_dead_writer_gives_back_its_uncommitted_samples_and_unfilled_group_slots() -> None:
+    state = make(capacity=8)
+    slot = state.open_group(T, 4, holder="w", now=0.0)
+    member = state.allocate(T, 2, 0, group=slot.group_id, holder="w", now=0.0)
+    state.commit_write(T, member.indexes[:1], {"resp": 8})
+    other = state.allocate(T, 1, 0, holder="x", now=0.0)
+    upd = state.release_holder("w")
+    (abandoned,) = upd.abandoned
+    assert abandoned.indexes == member.indexes[1:] and abandoned.group_ids == (slot.group_id,)
+    (rec,) = state.group_records(T, [slot.group_id])
+    assert (rec.size, rec.allocated) == (1, 1)  # complete with its one committed member
+    assert state.free_slots(T) == 8 - 2 and state.locate(T, other.indexes)
+    assert state.ready_count(T, "fwd", RESP, sampler=WHOLE_GROUPS) == 1
+
+
+def test_an_open_group_waiting_too_long_for_members_gives_up_its_slots() -> None:
+    state = make(capacity=8, write_ttl=5.0)
+    slot = state.open_group(T, 3, holder="w", now=0.0)
+    a = state.allocate(T, 1, 0, group=slot.group_id, holder="w", now=4.0)  # alive: deadline 9
+    state.commit_write(T, a.indexes, {"resp": 8})
+    assert state.expire(8.0) == Update()
+    upd = state.expire(9.0)
+    assert upd.abandoned[0].group_ids == (slot.group_id,) and upd.abandoned[0].indexes == ()
+    assert state.free_slots(T) == 7
+    assert state.ready_count(T, "fwd", RESP, sampler=WHOLE_GROUPS) == 1

@@ -75,6 +75,7 @@ async def test_put_get_ack_round_trip(queue: Any) -> None:
     other = await client.get("rollout", "actor_fwd", ["tokens"], 6)
     assert other.indexes == indexes
     await client.ack(other)
+    await client.flush()
     stats = await client.statistics()
     assert stats.controller.state.topics[0].live == 0  # both consumers acked: freed
     assert all(u is not None and u.samples == 0 and u.nbytes == 0 for u in stats.units.values())
@@ -198,6 +199,7 @@ async def test_group_shared_columns_are_stored_once(queue: Any) -> None:
     await client.ack(got)
     other = await client.get("rollout", "actor_fwd", ["tokens"], 4)
     await client.ack(other)
+    await client.flush()
     stats = await client.statistics()
     assert all(u is not None and u.nbytes == 0 and u.groups == 0 for u in stats.units.values())
 
@@ -337,3 +339,51 @@ async def test_ranks_of_one_dp_group_share_a_lease(queue: Any) -> None:
     await ranks[1].ack(leases[1])  # the k-th ack consumes it
     stats = await client.statistics()
     assert stats.controller.state.topics[0].consumers[1].consumed == 4
+
+
+@pytest.mark.parametrize("units", [1, 2])
+async def test_rows_of_a_variable_column_come_back_exactly_whatever_the_puts(units: int) -> None:
+    short, long = torch.arange(6).reshape(2, 3), torch.arange(10).reshape(2, 5) + 100
+    listed = [torch.arange(7) + 200, torch.arange(1) + 300]
+    config = tq.TransferQueueConfig(topics=(ROLLOUT,), units=units)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        client = await q.client()
+        await client.put("rollout", {"response": short}, version=0)  # batch [2, 3]
+        await client.put("rollout", {"response": long}, version=0)  # batch [2, 5]
+        await client.put("rollout", {"response": listed}, version=0)  # a list of rows
+        got = await client.get("rollout", "trainer", ["response"], 6)
+        want = [*short, *long, *listed]
+        assert isinstance(got["response"], list) and len(got["response"]) == 6
+        for row, expected in zip(got["response"], want, strict=True):
+            assert row.shape == expected.shape and torch.equal(row, expected)
+        await client.ack(got)
+
+
+async def test_a_fixed_column_reads_as_one_tensor_whatever_the_puts(queue: Any) -> None:
+    _, client = queue
+    first = batch(2)
+    await client.put("rollout", first, version=0)
+    rows = [torch.arange(4) + 50, torch.arange(4) + 60]  # the same column put as a list of rows
+    await client.put(
+        "rollout",
+        {"tokens": rows, "reward": torch.zeros(2), "response": [torch.arange(1)] * 2},
+        version=0,
+    )
+    got = await client.get("rollout", "trainer", ["tokens", "reward"], 4)
+    assert torch.equal(got["tokens"], torch.cat([first["tokens"], torch.stack(rows)]))
+    assert got["reward"].shape == (4,)
+    await client.ack(got)
+
+
+async def test_members_of_an_open_group_never_wait_behind_groups_that_do_not_fit() -> None:
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        a, b = await q.client(), await q.client()
+        slot = await a.open_group("plain", 8)  # the whole capacity, reserved
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.open_group, "plain", 2)  # waits for room
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(5):  # the open group's own members use its reserved slots
+                await a.put("plain", {"x": torch.zeros(8, 3)}, version=0, group=slot)
+            got = await a.get("plain", "trainer", ["x"], 8)
+            await a.ack(got)  # room again: the waiting group opens

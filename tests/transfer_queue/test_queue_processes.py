@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
+import pytest
 import torch
 import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
+from asyncflow_actors.transfer_queue import _shm
+from asyncflow_actors.transfer_queue import _unit_messages as U
 
 SPEC = tq.TopicSpec.from_dict(
     {
@@ -67,3 +71,83 @@ async def test_units_in_node_processes_round_trip_and_survive_kill_9() -> None:
         assert back.indexes == again
         assert torch.equal(back["tokens"], data["tokens"])
         await client.ack(back)
+
+
+def segments(namespace: str) -> set[str]:
+    return {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(namespace)}
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:
+    """Wait for a condition another process brings about (polled, with a deadline)."""
+    with trio.fail_after(seconds):
+        while not await check():
+            await trio.sleep(0.02)
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None:
+    config = tq.TransferQueueConfig(
+        topics=(SPEC,), units=2, placement="process", shm_min_bytes=64 * 1024, shm_orphan_age=0.6
+    )
+    gen = torch.Generator().manual_seed(1)
+    data = {
+        "tokens": torch.randint(0, 50_000, (8, 4096), generator=gen)
+    }  # 256 KiB: through shared memory
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        ns = queue.namespace
+        client = await queue.client()
+        probes = segments(ns)
+        assert len(probes) == 2  # one probe per unit, nothing else yet
+        indexes = await client.put("rollout", data, version=0)
+        await client.put("rollout", {"tokens": data["tokens"][:1]}, version=0)  # 32 KiB: socket
+        stats = await client.statistics()
+        assert sum(u.shm_stores for u in stats.units.values() if u) == 1
+        assert len(segments(ns) - probes) == 1
+        got = await client.get("rollout", "trainer", ["tokens"], 8)
+        assert got.indexes == indexes and torch.equal(got["tokens"], data["tokens"])
+        got["tokens"][0, 0] = -1  # a reader's write stays its own (copy-on-write)
+        await client.nack(got)
+        again = await client.get("rollout", "trainer", ["tokens"], 8)
+        assert torch.equal(again["tokens"], data["tokens"])
+        assert sum(u.shm_fetches for u in (await client.statistics()).units.values() if u) == 2
+        await client.ack(again)
+
+        async def only_probes() -> bool:
+            return segments(ns) == probes
+
+        await eventually(only_probes)  # every row consumed: the segment is unlinked
+        assert torch.equal(again["tokens"], data["tokens"])  # and views stay valid after that
+        # a writer killed between creating a segment and handing it over: swept by the unit
+        info = await queue.units["unit-0"].ask(U.GetShm())
+        _shm.write_segment(f"{info.prefix}cdead-0", [memoryview(b"x" * 4096)])
+        await eventually(only_probes)
+        # a unit killed -9 leaves its segments; its next incarnation removes them
+        await client.put("rollout", data, version=0)
+        (held,) = segments(ns) - probes
+        unit = next(u for u in queue.units if held.startswith(f"{ns}{u}-"))
+        node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.GetNode())  # type: ignore[union-attr]
+        os.kill(node.pid, signal.SIGKILL)
+
+        async def swept() -> bool:
+            return held not in segments(ns) and len(segments(ns)) == 2
+
+        await eventually(swept, 30)
+    assert segments(ns) == set()  # the queue is gone: so is every segment of it
+
+
+async def test_without_shared_memory_bodies_take_the_socket() -> None:
+    config = tq.TransferQueueConfig(topics=(SPEC,), units=1, placement="process", shm=False)
+    data = {"tokens": torch.arange(8 * 4096).reshape(8, 4096)}
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        client = await queue.client()
+        await client.put("rollout", data, version=0)
+        got = await client.get("rollout", "trainer", ["tokens"], 8)
+        assert torch.equal(got["tokens"], data["tokens"])
+        (unit,) = (await client.statistics()).units.values()
+        assert unit is not None and (unit.shm_stores, unit.shm_fetches, unit.segments) == (0, 0, 0)

@@ -1,4 +1,4 @@
-"""Whole-group, length-balanced and rank-shared claims; the ordered index set."""
+"""Whole-group, length-balanced and rank-shared claims."""
 
 from __future__ import annotations
 
@@ -13,25 +13,9 @@ from asyncflow_actors.transfer_queue import (
     UnknownLease,
     Update,
 )
-from asyncflow_actors.transfer_queue._ordered import IndexSet
 from asyncflow_actors.transfer_queue._samplers import partition_lpt
 
 from .kit import ALL, RESP, T, make, put, put_group
-
-
-def test_index_set_orders_and_forgets() -> None:
-    s = IndexSet([5, 1, 3])
-    s.add(0)
-    s.discard(3)
-    s.add(3)
-    s.add(3)
-    assert len(s) == 4 and 3 in s and list(s) == [0, 1, 3, 5]
-    assert s.pop_smallest(3) == [0, 1, 3] and list(s) == [5]
-    for i in range(1000):
-        s.add(i + 10)
-        s.discard(i + 10)
-    assert len(s._heap) < 200  # compacted
-    assert s.pop_smallest(10) == [5] and len(s) == 0
 
 
 def test_whole_groups_waits_for_every_member() -> None:

@@ -309,3 +309,68 @@ def test_whole_groups_and_ungrouped_share_a_topic() -> None:
     lease = state.claim(T, "train", ALL, 3, holder="h", now=0)
     assert lease is not None and lease.indexes == (*members, single)
     assert set(lease.group_ids) == {gid, state.export_inventory().samples[-1].group_id}
+
+
+def test_new_groups_fill_the_least_loaded_units_one_sample_at_a_time() -> None:
+    import heapq
+    import random
+
+    from asyncflow_actors.transfer_queue._placement import least_loaded
+
+    def naive(loads: list[int], down: set[int], n: int, min_block: int) -> list[int]:
+        up = [r for r in range(len(loads)) if r not in down] or list(range(len(loads)))
+        k = max(1, min(len(up), -(-n // min_block)))
+        heap = sorted((loads[r], r) for r in up)[:k]
+        heapq.heapify(heap)
+        picks = []
+        for _ in range(n):  # the lowest load takes the next sample (ties: lowest rank)
+            load, rank = heapq.heappop(heap)
+            picks.append(rank)
+            heapq.heappush(heap, (load + 1, rank))
+        return sorted(picks)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        units = rng.randint(1, 6)
+        loads = [rng.randint(0, 10) for _ in range(units)]
+        down = {r for r in range(units) if rng.random() < 0.2}
+        n, block = rng.randint(1, 40), rng.choice([1, 2, 3, 1024])
+        assert least_loaded(loads, down, n, block).tolist() == naive(loads, down, n, block)
+
+
+def test_tables_compact_as_samples_die_and_keep_every_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # hundreds of samples and groups go through while some linger (never ready for "train": no
+    # "lp"), so the sample and group tables compact many times around live rows
+    from asyncflow_actors.transfer_queue import _table
+
+    monkeypatch.setattr(_table, "_COMPACT_AT", 16)
+    state = make(consumers=("fwd", "train"))
+    lingering = []
+    for k in range(400):
+        slot = state.open_group(T, 3)
+        members = state.allocate(T, 3, 0, group=slot.group_id).indexes
+        loose = put(state, 2, columns=ALL)  # two groups of one, consumed at once
+        state.commit_shared(T, slot.group_id, {"prompt": 8})
+        state.commit_write(T, members, {"resp": 8})
+        ready = members if k % 2 else members[:2]  # every other group keeps a member back
+        state.commit_write(T, ready, {"lp": 8})
+        for consumer, columns in (("fwd", RESP), ("train", ALL)):
+            want = members + loose if consumer == "fwd" else ready + loose
+            lease = state.claim(T, consumer, columns, 5, holder="h", now=0, min_count=1)
+            assert lease is not None and sorted(lease.indexes) == sorted(want)  # only these
+            state.ack(lease.id)
+        lingering += [] if k % 2 else [members[2]]
+    stats = state.statistics().topics[0]
+    assert (stats.live, stats.groups, stats.freed_total) == (200, 200, 1800)
+    t = state._topics[T]
+    assert t.s.n < 2 * 200 + 16 + 5 and t.g.n < 2 * 200 + 16 + 5  # compacted around live rows
+    state.commit_write(T, lingering, {"lp": 8})
+    assert state.ready_count(T, "train", ALL) == 200
+    lease = state.claim(T, "train", ALL, 500, holder="h", now=0, min_count=1)
+    assert lease is not None and list(lease.indexes) == lingering  # oldest first
+    state.ack(lease.id)
+    stats = state.statistics().topics[0]
+    assert (stats.live, stats.groups, stats.occupied, stats.live_bytes) == (0, 0, 0, 0)
+    assert stats.freed_total == 2000

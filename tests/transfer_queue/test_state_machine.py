@@ -10,6 +10,8 @@ lost or discarded; and a final drain frees everything (no leaks).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -47,6 +49,7 @@ from .model import (
     SHARED,
     TTL,
     UNITS,
+    WRITE_TTL,
     Expect,
     MGroup,
     MLease,
@@ -76,24 +79,27 @@ class TQMachine(Model, RuleBasedStateMachine):
             staleness=staleness,
             capacity=capacity,
             lease_ttl=TTL,
+            write_ttl=WRITE_TTL,
         )
         self.init_model(spec)
         self.state = ControllerState([spec], UNITS)
 
     # -- writers ------------------------------------------------------------------------------
 
-    @rule(size=st.integers(1, 4), prompt=st.booleans())
-    def open_group(self, size: int, prompt: bool) -> None:
+    @rule(size=st.integers(1, 4), prompt=st.booleans(), holder=st.sampled_from(HOLDERS))
+    def open_group(self, size: int, prompt: bool, holder: str) -> None:
         cap = self.spec.capacity
         if cap is not None and self.occupied() + size > cap:
             with pytest.raises(CapacityError):
-                self.state.open_group(T, size)
+                self.state.open_group(T, size, holder=holder, now=self.now)
             assert not self.state.can_allocate(T, size)
             return
         assert self.state.can_allocate(T, size)
-        slot = self.state.open_group(T, size)
+        slot = self.state.open_group(T, size, holder=holder, now=self.now)
         assert slot.group_id not in self.groups
-        self.groups[slot.group_id] = MGroup(size=size, allocated=0, unit=slot.unit)
+        self.groups[slot.group_id] = MGroup(
+            size=size, allocated=0, unit=slot.unit, deadline=self.now + WRITE_TTL, owner=holder
+        )
         if prompt:
             self.state.commit_shared(T, slot.group_id, {"prompt": 100})
             self.groups[slot.group_id].shared.add("prompt")
@@ -106,9 +112,15 @@ class TQMachine(Model, RuleBasedStateMachine):
         dv=st.integers(-2, 1),
         lengths=st.lists(st.integers(0, 50), max_size=4),
         write=st.sampled_from([(), ("resp",), ("resp", "lp")]),
+        holder=st.sampled_from(HOLDERS),
     )
     def allocate_member(
-        self, data: st.DataObject, dv: int, lengths: list[int], write: tuple[str, ...]
+        self,
+        data: st.DataObject,
+        dv: int,
+        lengths: list[int],
+        write: tuple[str, ...],
+        holder: str,
     ) -> None:
         open_ = [gid for gid, g in self.groups.items() if g.pending > 0]
         if not open_:
@@ -118,26 +130,33 @@ class TQMachine(Model, RuleBasedStateMachine):
         n = data.draw(st.integers(1, 2))  # small steps: groups stay partial for a while
         version = self._versions(dv)
         lens = (lengths + [1] * n)[:n]
+        kw = {"group": gid, "lengths": lens, "holder": holder, "now": self.now}
         if version < self.threshold or self.stale(gid):
             with pytest.raises(StaleVersionError):
-                self.state.allocate(T, n, version, group=gid, lengths=lens)
+                self.state.allocate(T, n, version, **kw)  # type: ignore[arg-type]
             return
         if n > g.pending:
             with pytest.raises(GroupError):
-                self.state.allocate(T, n, version, group=gid, lengths=lens)
+                self.state.allocate(T, n, version, **kw)  # type: ignore[arg-type]
             return
-        alloc = self.state.allocate(T, n, version, group=gid, lengths=lens)
+        alloc = self.state.allocate(T, n, version, **kw)  # type: ignore[arg-type]
         assert set(alloc.units) == {g.unit} and set(alloc.group_ids) == {gid}
-        self._record(alloc.indexes, version, gid, g.unit)
+        self._record(alloc.indexes, version, gid, g.unit, holder)
+        if g.deadline != math.inf:
+            g.deadline = self.now + WRITE_TTL  # the writer is alive: its group lives on
         if write:
             self._write(alloc.indexes, write)
 
-    def _record(self, indexes: tuple[int, ...], version: int, gid: int, unit: str) -> None:
+    def _record(
+        self, indexes: tuple[int, ...], version: int, gid: int, unit: str, writer: str
+    ) -> None:
         for i in indexes:
             assert i not in self.allocated, "index reused"
             assert all(i > j for j in self.allocated), "indexes not monotonic"
             self.allocated.add(i)
-            self.samples[i] = MSample(version=version, gid=gid, unit=unit)
+            self.samples[i] = MSample(
+                version=version, gid=gid, unit=unit, deadline=self.now + WRITE_TTL, writer=writer
+            )
             self.groups[gid].members.append(i)
             self.groups[gid].allocated += 1
             self.unit_of[i] = unit
@@ -147,30 +166,35 @@ class TQMachine(Model, RuleBasedStateMachine):
         self.state.commit_write(T, indexes, dict.fromkeys(cols, 8))
         for i in indexes:
             self.samples[i].cols |= set(cols)
+            self.samples[i].committed = True
 
     @rule(
         n=st.integers(1, 4),
         dv=st.integers(-2, 1),
         write=st.sampled_from([(), ("resp",), ("resp", "lp")]),
         prompt=st.booleans(),
+        holder=st.sampled_from(HOLDERS),
     )
-    def allocate_ungrouped(self, n: int, dv: int, write: tuple[str, ...], prompt: bool) -> None:
+    def allocate_ungrouped(
+        self, n: int, dv: int, write: tuple[str, ...], prompt: bool, holder: str
+    ) -> None:
         version = self._versions(dv)
         cap = self.spec.capacity
+        kw = {"holder": holder, "now": self.now}
         if version < self.threshold:
             with pytest.raises(StaleVersionError):
-                self.state.allocate(T, n, version)
+                self.state.allocate(T, n, version, **kw)  # type: ignore[arg-type]
             return
         if cap is not None and self.occupied() + n > cap:
             with pytest.raises(CapacityError):
-                self.state.allocate(T, n, version)
+                self.state.allocate(T, n, version, **kw)  # type: ignore[arg-type]
             return
-        alloc = self.state.allocate(T, n, version)
+        alloc = self.state.allocate(T, n, version, **kw)  # type: ignore[arg-type]
         assert len(set(alloc.group_ids)) == n
         for i, unit, gid in zip(alloc.indexes, alloc.units, alloc.group_ids, strict=True):
             assert gid not in self.groups
-            self.groups[gid] = MGroup(size=1, allocated=0, unit=unit)
-            self._record((i,), version, gid, unit)
+            self.groups[gid] = MGroup(size=1, allocated=0, unit=unit, explicit=False)
+            self._record((i,), version, gid, unit, holder)
             if prompt:
                 self.state.commit_shared(T, gid, {"prompt": 100})
                 self.groups[gid].shared.add("prompt")
@@ -209,16 +233,8 @@ class TQMachine(Model, RuleBasedStateMachine):
             return
         idx = data.draw(st.sets(st.sampled_from(sorted(self.samples)), min_size=1, max_size=3))
         upd = self.state.discard(T, sorted(idx))
-        ex = Expect(discarded=set(idx))
-        touched = []
-        for i in sorted(idx):
-            gid = self.samples[i].gid
-            self.groups[gid].size -= 1
-            self.groups[gid].allocated -= 1
-            self.drop(i)
-            touched.append(gid)
-        for gid in dict.fromkeys(touched):
-            self.settle(gid, ex)
+        ex = Expect()
+        self.discard_samples(sorted(idx), ex)
         self.check_update(upd, ex)
 
     @rule(data=st.data())
@@ -412,6 +428,7 @@ class TQMachine(Model, RuleBasedStateMachine):
         due = sorted(lid for lid, ml in self.leases.items() if ml.deadline <= self.now)
         for lid in due:
             self.return_lease(lid, ex)
+        self.abandon(ex, now=self.now)
         assert sorted(upd.ended) == due
         self.check_update(upd, ex)
 
@@ -430,6 +447,7 @@ class TQMachine(Model, RuleBasedStateMachine):
         due = sorted(lid for lid, ml in self.leases.items() if holder in ml.holders)
         for lid in due:
             self.return_lease(lid, ex)
+        self.abandon(ex, holder=holder)
         assert sorted(upd.ended) == due
         self.check_update(upd, ex)
 
@@ -462,17 +480,24 @@ class TQMachine(Model, RuleBasedStateMachine):
         loss = self.state.storage_lost(unit)
         gids = sorted(gid for gid, g in self.groups.items() if g.unit == unit)
         indexes = {i for gid in gids for i in self.groups[gid].members}
-        if gids:
+        lost = {i for i in indexes if self.samples[i].committed}  # the others were never put
+        reported = [
+            gid
+            for gid in gids
+            if self.groups[gid].explicit or any(i in lost for i in self.groups[gid].members)
+        ]
+        if reported:
             (entry,) = loss.lost
-            assert sorted(entry.group_ids) == gids
-            assert set(entry.indexes) == indexes
+            assert sorted(entry.group_ids) == reported
+            assert set(entry.indexes) == lost
         else:
             assert loss.lost == ()
         want = sorted(lid for lid, ml in self.leases.items() if indexes & set(ml.indexes))
         assert sorted(loss.leases) == want
         assert not (indexes & self.lost) and not (set(gids) & self.lost_groups)
-        self.lost |= indexes
-        self.lost_groups |= set(gids)
+        self.lost |= lost
+        self.discarded |= indexes - lost
+        self.lost_groups |= set(reported)
         for gid in gids:
             for i in list(self.groups[gid].members):
                 self.drop(i)
@@ -486,13 +511,20 @@ class TQMachine(Model, RuleBasedStateMachine):
         assert sorted(r.index for r in inventory.samples) == sorted(self.samples)
         self.epoch += 1
         self.state, upd = ControllerState.from_inventory(
-            [self.spec], UNITS, inventory, epoch=self.epoch
+            [self.spec], UNITS, inventory, epoch=self.epoch, now=self.now
         )
         ex = Expect()
         for lid in sorted(self.leases):
             self.return_lease(lid, ex)
         ex.missing = []
         self.check_update(upd, ex)
+        # writers are anonymous to the new state; their deadlines restart now
+        for s in self.samples.values():
+            if not s.committed:
+                s.deadline, s.writer = self.now + WRITE_TTL, None
+        for g in self.groups.values():
+            g.owner = None
+            g.deadline = self.now + WRITE_TTL if g.pending and g.deadline != math.inf else math.inf
 
     # -- invariants ---------------------------------------------------------------------------
 

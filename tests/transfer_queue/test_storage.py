@@ -1,13 +1,21 @@
-"""A storage unit on its own: blocks, zero-copy fetches, rewrites, deletes, inventory."""
+"""A storage unit on its own: blocks, exact rows, memory accounting, compaction, incarnations,
+bookkeeping, and the shared-memory segments it owns."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
 import torch
+import trio
 
 import asyncflow_actors as afa
-from asyncflow_actors.actors.remote._wire import RawTensor
-from asyncflow_actors.transfer_queue import _storage as S
+from asyncflow_actors.actors.remote import RawTensor
+from asyncflow_actors.transfer_queue import _shm
+from asyncflow_actors.transfer_queue import _unit_messages as S
+from asyncflow_actors.transfer_queue._storage import StorageUnit
 
 
 def raw(t: torch.Tensor) -> RawTensor:
@@ -16,41 +24,230 @@ def raw(t: torch.Tensor) -> RawTensor:
     )
 
 
+def back(value: Any) -> torch.Tensor:
+    return value.to_torch() if isinstance(value, RawTensor) else value
+
+
+def store(token: str, indexes: list[int], columns: dict[str, Any], **kw: Any) -> S.Store:
+    n = len(indexes)
+    return S.Store("t", token, indexes, [0] * n, indexes, [1] * n, columns, **kw)
+
+
+def fetch(token: str, indexes: list[int], columns: list[str], **kw: Any) -> S.Fetch:
+    return S.Fetch("t", token, indexes, columns, [], [], **kw)
+
+
+@pytest.fixture
+async def unit() -> AsyncIterator[tuple[Any, str]]:
+    async with afa.open_actor_system() as system:
+        ref = await system.spawn(lambda: StorageUnit("u"), name="u")
+        yield ref, await ref.ask(S.GetToken())
+
+
 @pytest.mark.parametrize("as_raw", [False, True])
 async def test_store_fetch_rewrite_delete(as_raw: bool) -> None:
     wrap = raw if as_raw else (lambda t: t)
     tokens = torch.arange(24).reshape(6, 4)
     async with afa.open_actor_system() as system:
-        unit = await system.spawn(lambda: S.StorageUnit("u"), name="u")
-        sizes = await unit.ask(
-            S.Store("t", [10, 11, 12, 13, 14, 15], [0] * 6, list(range(6)), [1] * 6,
-                    {"tokens": wrap(tokens), "text": ["a", "bb", "c", "d", "e", "f"]})
-        )  # fmt: skip
-        assert sizes == [32 + 1, 32 + 2, 33, 33, 33, 33]
-        got = await unit.ask(S.Fetch("t", [11, 12, 13], ["tokens", "text"], [], []))
-        value = got.columns["tokens"]
-        assert torch.equal(value.to_torch() if as_raw else value, tokens[1:4])
-        assert got.columns["text"] == ["bb", "c", "d"]
-        out_of_order = await unit.ask(S.Fetch("t", [15, 10], ["tokens"], [], []))
-        v = out_of_order.columns["tokens"]
-        assert torch.equal(v.to_torch() if as_raw else v, tokens[[5, 0]])
+        unit = await system.spawn(lambda: StorageUnit("u"), name="u")
+        me = await unit.ask(S.GetToken())
+        text = ["a", "bb", "c", "d", "e", "f"]
+        await unit.ask(store(me, [10, 11, 12, 13, 14, 15], {"tokens": wrap(tokens), "text": text}))
+        got = await unit.ask(fetch(me, [11, 12, 13], ["tokens", "text"]))
+        (part,) = got.columns["tokens"]  # rows stored together: one slice of one buffer
+        assert torch.equal(back(part), tokens[1:4])
+        assert got.columns["text"] == [["bb", "c", "d"]]
+        out_of_order = await unit.ask(fetch(me, [15, 10], ["tokens"]))
+        assert [back(p).tolist() for p in out_of_order.columns["tokens"]] == [
+            tokens[5:6].tolist(),
+            tokens[0:1].tolist(),
+        ]
         stats = await unit.ask(S.GetStorageStatistics())
-        assert (stats.samples, stats.zero_copy_fetches, stats.nbytes) == (6, 1, 32 * 6 + 7)
+        assert (stats.samples, stats.zero_copy_fetches) == (6, 1)
+        assert stats.nbytes == stats.live_nbytes == 32 * 6 + 7
         # a computed column arrives later for some samples; a rewrite replaces bytes, not adds
-        await unit.ask(
-            S.Store("t", [11, 12], [0, 0], [1, 2], [1, 1], {"lp": wrap(torch.ones(2, 4))})
-        )
-        await unit.ask(S.Store("t", [11], [0], [1], [1], {"lp": wrap(torch.zeros(1, 4))}))
-        got = await unit.ask(S.Fetch("t", [11, 12], ["lp", "tokens"], [], []))
-        lp = got.columns["lp"]
-        assert torch.equal(lp.to_torch() if as_raw else lp, torch.tensor([[0.0] * 4, [1.0] * 4]))
-        assert (await unit.ask(S.GetStorageStatistics())).nbytes == 32 * 6 + 7 + 16 * 2
+        lp = {"lp": wrap(torch.ones(2, 4))}
+        await unit.ask(store(me, [11, 12], lp, create=False))
+        await unit.ask(store(me, [11], {"lp": wrap(torch.zeros(1, 4))}, create=False))
+        got = await unit.ask(fetch(me, [11, 12], ["lp", "tokens"]))
+        assert [back(p).tolist() for p in got.columns["lp"]] == [[[0.0] * 4], [[1.0] * 4]]
+        stats = await unit.ask(S.GetStorageStatistics())
+        assert stats.live_nbytes == 32 * 6 + 7 + 16 * 2
+        assert stats.nbytes == 32 * 6 + 7 + 16 * 2 + 16  # the rewritten row is still held
         inv = await unit.ask(S.GetInventory())
         by_index = {s.index: s for s in inv.samples["t"]}
         assert by_index[11].columns == {"tokens": 32, "text": 2, "lp": 16}
-        unit.send_nowait(S.UnitBatch([S.Delete("t", [10, 11, 12, 13, 14, 15], [])]))
+        with pytest.raises(S.UnitError, match="holds no samples"):  # columns for gone samples
+            await unit.ask(store(me, [99], lp | {"lp": wrap(torch.ones(1, 4))}, create=False))
+        await unit.ask(S.UnitBatch(me, [S.Delete("t", [10, 11, 12, 13, 14, 15], [])]))
         stats = await unit.ask(S.GetStorageStatistics())
-        assert (stats.samples, stats.nbytes) == (0, 0)
-        with pytest.raises(Exception, match="holds no samples"):
-            await unit.ask(S.Fetch("t", [10], ["tokens"], [], []))
+        assert (stats.samples, stats.nbytes, stats.live_nbytes) == (0, 0, 0)
+        with pytest.raises(S.UnitError, match="holds no samples"):
+            await unit.ask(fetch(me, [10], ["tokens"]))
         assert (await unit.ask(S.GetStorageStatistics())).samples == 0  # bad input: no crash
+
+
+async def test_rows_of_different_lengths_come_back_exactly(unit: Any) -> None:
+    ref, me = unit
+    short, long = torch.arange(6).reshape(2, 3), torch.arange(10).reshape(2, 5)
+    await ref.ask(store(me, [0, 1], {"r": raw(short)}))
+    await ref.ask(store(me, [2, 3], {"r": raw(long)}))
+    await ref.ask(store(me, [4], {"r": [raw(torch.arange(7))]}))
+    got = await ref.ask(fetch(me, [0, 1, 2, 3, 4], ["r"]))
+    parts = got.columns["r"]
+    assert [back(parts[0]).tolist(), back(parts[1]).tolist()] == [short.tolist(), long.tolist()]
+    assert [back(v).tolist() for v in parts[2]] == [list(range(7))]
+
+
+async def test_shared_bytes_are_counted_exactly(unit: Any) -> None:
+    ref, me = unit
+    for gid in range(3):
+        await ref.ask(S.StoreShared("t", me, gid, {"prompt": raw(torch.arange(5))}))
+    assert (await ref.ask(S.GetStorageStatistics())).shared_nbytes == 3 * 40
+    await ref.ask(S.StoreShared("t", me, 0, {"prompt": raw(torch.arange(2))}))  # rewrite
+    assert (await ref.ask(S.GetStorageStatistics())).shared_nbytes == 2 * 40 + 16
+    await ref.ask(S.UnitBatch(me, [S.Delete("t", [], [0, 1, 2])]))
+    stats = await ref.ask(S.GetStorageStatistics())
+    assert (stats.shared_nbytes, stats.nbytes, stats.groups) == (0, 0, 0)
+
+
+async def test_memory_is_accounted_by_what_is_held_and_mostly_dead_blocks_compact(
+    unit: Any,
+) -> None:
+    ref, me = unit
+    rows = torch.arange(64 * 512, dtype=torch.int64).reshape(64, 512)  # 64 rows of 4 KiB
+    await ref.ask(store(me, list(range(64)), {"x": raw(rows), "n": list(range(64))}))
+    held = 64 * 4096 + 64 * 8
+    assert (await ref.ask(S.GetStorageStatistics())).nbytes == held
+    await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(0, 30)), [])]))
+    stats = await ref.ask(S.GetStorageStatistics())
+    assert (stats.live_nbytes, stats.nbytes, stats.compactions) == (34 * 4104, held, 0)
+    await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(30, 48)), [])]))  # under half live
+    stats = await ref.ask(S.GetStorageStatistics())
+    assert stats.compactions == 1
+    assert stats.nbytes == stats.live_nbytes == 16 * 4104  # the rest is freed
+    got = await ref.ask(fetch(me, list(range(48, 64)), ["x", "n"]))
+    (x,) = got.columns["x"]
+    assert torch.equal(back(x), rows[48:])
+    assert got.columns["n"] == [list(range(48, 64))]
+
+
+async def test_requests_for_another_incarnation_are_refused(unit: Any) -> None:
+    ref, me = unit
+    await ref.ask(store(me, [0], {"x": raw(torch.ones(1, 2))}))
+    with pytest.raises(S.IncarnationMismatch):
+        await ref.ask(store("earlier", [1], {"x": raw(torch.ones(1, 2))}))
+    with pytest.raises(S.IncarnationMismatch):
+        await ref.ask(fetch("earlier", [0], ["x"]))
+    info = S.TopicInfo("t", 3, 100, 50)
+    with pytest.raises(S.IncarnationMismatch):
+        await ref.ask(S.UnitBatch("earlier", [S.Delete("t", [0], []), info]))
+    inv = await ref.ask(S.GetInventory())
+    assert [s.index for s in inv.samples["t"]] == [0] and inv.topics == [info]  # watermarks hold
+    fresh = await ref.ask(S.Reset())
+    assert fresh != me
+    stats = await ref.ask(S.GetStorageStatistics())
+    assert (stats.samples, stats.nbytes, stats.incarnation) == (0, 0, fresh)
+
+
+async def test_bookkeeping_is_idempotent_and_feeds_the_inventory(unit: Any) -> None:
+    ref, me = unit
+    await ref.ask(store(me, [0, 1, 2], {"x": raw(torch.ones(3, 2))}))
+    items = [
+        S.GroupInfo("t", 7, 4, 1),
+        S.Committed("t", [0, 1]),
+        S.MarkConsumed("t", "fwd", [0]),
+        S.TopicInfo("t", 1, 10, 10),
+        S.GroupInfo("t", 7, 3, 2),
+        S.Delete("t", [1], []),
+    ]
+    await ref.ask(S.UnitBatch(me, items))
+    once = await ref.ask(S.GetInventory())
+    await ref.ask(S.UnitBatch(me, items))  # a controller that crashed mid-flush sends it again
+    assert await ref.ask(S.GetInventory()) == once
+    samples = {s.index: (s.committed, s.consumed) for s in once.samples["t"]}
+    assert samples == {0: (True, ["fwd"]), 2: (False, [])}
+    groups = {g.group_id: (g.size, g.committed, g.explicit) for g in once.groups["t"]}
+    assert groups == {7: (3, 2, True), 0: (1, 1, False), 2: (1, 0, False)}
+
+
+# -- shared memory -----------------------------------------------------------------------------
+
+needs_shm = pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+
+
+def segments(namespace: str) -> list[str]:
+    return sorted(n for n in os.listdir(_shm.SHM_DIR) if n.startswith(namespace))
+
+
+@needs_shm
+async def test_segments_are_owned_unlinked_and_swept_by_the_unit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    namespace = f"afa-test{os.urandom(3).hex()}-u-"
+    rows = torch.arange(4 * 1024, dtype=torch.float32).reshape(4, 1024)
+    async with afa.open_actor_system() as system:
+        ref = await system.spawn(lambda: StorageUnit("u", shm=namespace), name="u")
+        me = await ref.ask(S.GetToken())
+        info = await ref.ask(S.GetShm())
+        assert info.prefix == f"{namespace}{me}-" and segments(namespace) == [info.probe]
+        name = f"{info.prefix}c1-0"
+        (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
+        body = S.ShmBody(offset, "float32", (4, 1024))
+        await ref.ask(store(me, [0, 1, 2, 3], {"x": body}, segment=name))
+        got = await ref.ask(fetch(me, [1, 2], ["x"], shm=True))
+        (ref_part,) = got.columns["x"]
+        assert ref_part == S.ShmBody(offset + 4096, "float32", (2, 1024), name)
+        mapping = _shm.map_segment(name, shared=False)
+        view = torch.frombuffer(mapping, dtype=torch.float32, count=2048, offset=offset + 4096)
+        assert torch.equal(view.reshape(2, 1024), rows[1:3])
+        plain = await ref.ask(fetch(me, [0], ["x"]))  # a reader elsewhere: the bytes themselves
+        assert torch.equal(back(plain.columns["x"][0]), rows[:1])
+        await ref.ask(S.UnitBatch(me, [S.Delete("t", [0, 1, 2, 3], [])]))
+        assert name not in segments(namespace)  # no live row left: unlinked
+        assert torch.equal(view.reshape(2, 1024), rows[1:3])  # the reader's view stays valid
+        # a writer that died after creating a segment, before handing it over: swept
+        orphan = f"{info.prefix}c2-0"
+        _shm.write_segment(orphan, [memoryview(b"x" * 10)])
+        os.utime(_shm.path(orphan), (0, 0))
+        await trio.sleep(60)
+        assert segments(namespace) == [info.probe]
+        # a store meant for an earlier incarnation: refused, and its segment removed
+        stale = f"{namespace}earlier-c3-0"
+        _shm.write_segment(stale, [memoryview(b"y" * 16)])
+        with pytest.raises(S.IncarnationMismatch):
+            await ref.ask(
+                store("earlier", [5], {"x": S.ShmBody(0, "uint8", (1, 16))}, segment=stale)
+            )
+        assert stale not in segments(namespace)
+        last = f"{info.prefix}c1-1"
+        _shm.write_segment(last, [memoryview(rows[:1].numpy()).cast("B")])
+        await ref.ask(store(me, [9], {"x": S.ShmBody(0, "float32", (1, 1024))}, segment=last))
+        assert last in segments(namespace)
+    assert segments(namespace) == []  # the unit stopped: everything of it is gone
+
+
+@needs_shm
+async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    namespace = f"afa-test{os.urandom(3).hex()}-u-"
+    rows = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)  # 64 rows of 4 KiB
+    async with afa.open_actor_system() as system:
+        ref = await system.spawn(lambda: StorageUnit("u", shm=namespace), name="u")
+        me = await ref.ask(S.GetToken())
+        info = await ref.ask(S.GetShm())
+        name = f"{info.prefix}c1-0"
+        (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
+        body = S.ShmBody(offset, "float32", (64, 1024))
+        await ref.ask(store(me, list(range(64)), {"x": body}, segment=name))
+        await ref.ask(fetch(me, [60, 61], ["x"], shm=True))  # a reader may still have to map it
+        await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(56)), [])]))  # 8 of 64 live
+        stats = await ref.ask(S.GetStorageStatistics())
+        assert (stats.compactions, stats.nbytes) == (0, 64 * 4096)  # not yet: it waits
+        await trio.sleep(31)  # the grace passes; the unit's sweeper compacts
+        stats = await ref.ask(S.GetStorageStatistics())
+        assert stats.compactions == 1 and stats.nbytes == stats.live_nbytes == 8 * 4096
+        assert name not in segments(namespace)  # the live rows moved to a segment of the unit's
+        got = await ref.ask(fetch(me, list(range(56, 64)), ["x"]))
+        assert torch.equal(back(got.columns["x"][0]), rows[56:])

@@ -1,18 +1,18 @@
-"""TransferQueue: the data hub every role talks through (control-plane core and flow control).
+"""TransferQueue: the data hub every role talks through (``docs/transfer_queue.md``).
 
-This package holds the sans-I/O control plane (:class:`ControllerState`: topics, indexes,
-readiness, versions, leases, groups, capacity; no data) and the :class:`FlowControl` admission
-primitive. The controller and storage-unit actors and the client wrap them.
+``open_transfer_queue`` starts a supervised tree (a controller and storage units, here or in
+node processes); clients put and get through it. The sans-I/O control plane
+(:class:`ControllerState`) and the :class:`FlowControl` admission primitive are public too.
 """
 
 from __future__ import annotations
 
-from ._client import Batch as Batch
-from ._client import StorageUnavailable as StorageUnavailable
+from ._batch import Batch as Batch
 from ._client import TransferQueueClient as TransferQueueClient
 from ._client import TransferQueueStatistics as TransferQueueStatistics
 from ._controller import Controller as Controller
 from ._errors import CapacityError as CapacityError
+from ._errors import ControllerUnavailable as ControllerUnavailable
 from ._errors import FlowControlError as FlowControlError
 from ._errors import GroupError as GroupError
 from ._errors import InvalidArgument as InvalidArgument
@@ -20,6 +20,7 @@ from ._errors import InventoryError as InventoryError
 from ._errors import SchemaError as SchemaError
 from ._errors import ShareMismatch as ShareMismatch
 from ._errors import StaleVersionError as StaleVersionError
+from ._errors import StorageUnavailable as StorageUnavailable
 from ._errors import TransferQueueError as TransferQueueError
 from ._errors import UnknownColumn as UnknownColumn
 from ._errors import UnknownConsumer as UnknownConsumer
@@ -41,6 +42,7 @@ from ._queue import TransferQueue as TransferQueue
 from ._queue import TransferQueueConfig as TransferQueueConfig
 from ._queue import open_transfer_queue as open_transfer_queue
 from ._results import STALE as STALE
+from ._results import Abandoned as Abandoned
 from ._results import Allocation as Allocation
 from ._results import Eviction as Eviction
 from ._results import GroupSlot as GroupSlot
@@ -63,5 +65,7 @@ from ._stats import ConsumerStatistics as ConsumerStatistics
 from ._stats import StateStatistics as StateStatistics
 from ._stats import TopicStatistics as TopicStatistics
 from ._stats import ViewStatistics as ViewStatistics
-from ._storage import StorageStatistics as StorageStatistics
 from ._storage import StorageUnit as StorageUnit
+from ._unit_messages import IncarnationMismatch as IncarnationMismatch
+from ._unit_messages import StorageStatistics as StorageStatistics
+from ._unit_messages import UnitError as UnitError

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from ._errors import InvalidArgument
 
 
@@ -29,11 +32,11 @@ def holder_name(value: object) -> str:
     return value
 
 
-def byte_sizes(column: str, value: int | Sequence[int], n: int) -> list[int]:
+def byte_sizes(column: str, value: int | Sequence[int], n: int) -> int | npt.NDArray[np.int64]:
     """Per-sample byte sizes of ``column``: one int for all ``n`` samples, or one each."""
     if isinstance(value, int):
-        return [int_at_least(f"nbytes of {column!r}", value, 0)] * n
-    sizes = [int_at_least(f"nbytes of {column!r}", x, 0) for x in value]
+        return int_at_least(f"nbytes of {column!r}", value, 0)
+    sizes = np.array([int_at_least(f"nbytes of {column!r}", x, 0) for x in value], np.int64)
     if len(sizes) != n:
         raise InvalidArgument(f"nbytes of {column!r} has {len(sizes)} entries, expected {n}")
     return sizes

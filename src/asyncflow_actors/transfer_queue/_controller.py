@@ -2,83 +2,77 @@
 
 It owns the state machine and does what the state cannot: it parks puts while a topic is full
 and claims until enough samples qualify (deferred replies, so a waiting request never blocks
-others), expires leases on time, deletes freed data on the storage units, forwards the records
-units keep for a rebuild, watches the units (a unit that dies or restarts empty is reported
-lost, with its groups), and rebuilds its own state from the units' inventories when it is
-restarted. Everything it must report (evictions, losses) becomes a numbered ``TQEvent``.
+others), expires leases and abandoned writes on time, forwards to the storage units what they
+keep for a rebuild (kept until each unit has taken it), watches the units, and rebuilds its own
+state from their inventories when it is restarted. Everything it must report (evictions,
+losses, abandoned writes) becomes a numbered ``TQEvent``.
+
+The controller always knows which incarnation of each unit holds what: data messages name the
+incarnation, and that knowledge (with the last state, the event log, the undelivered
+bookkeeping and the replies of non-idempotent requests) lives in :class:`ControllerShared`,
+which outlives a controller incarnation. So a unit that restarted while the controller was down
+is found at the rebuild and its samples are reported lost, never silently dropped; and a client
+retrying a request across a controller restart gets the answer the first try got.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import attrs
 import trio
 
-from ..actors import Actor, ActorContext, ActorCrashed, ActorRef, Reply, Request
 from . import _messages as M
-from . import _storage as S
-from ._errors import TransferQueueError
-from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._results import Lease, Loss, Update
+from . import _unit_messages as U
+from . import _units
+from ._errors import TransferQueueError, UnknownSample
+from ._recovery import Recovery, UnitSeen
+from ._results import GroupSlot, Update
+from ._runtime import Actor, ActorContext, ActorRef, Reply, Request
 from ._spec import TopicSpec
 from ._state import ControllerState
+from ._waiters import ClaimQueues, EventLog, EventWaiters, WaitingClaim
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 
-
 _RESERVE = 4096  # ids reserved ahead per watermark update (see Controller._records)
-
-
-def _coalesce(items: list[Any]) -> list[Any]:
-    """Drop consumption marks of samples deleted in the same batch (they are gone anyway)."""
-    deleted = {(m.topic, i) for m in items if isinstance(m, S.Delete) for i in m.indexes}
-    if not deleted:
-        return items
-    out = []
-    for m in items:
-        if isinstance(m, S.MarkConsumed):
-            keep = [i for i in m.indexes if (m.topic, i) not in deleted]
-            if not keep:
-                continue
-            m = S.MarkConsumed(m.topic, m.consumer, keep)
-        out.append(m)
-    return out
+_REMEMBERED = 65536  # replies of non-idempotent requests kept for retries
 
 
 @attrs.define(eq=False)
 class ControllerShared:
-    """What outlives a controller incarnation: the topics declared, the units, the options."""
+    """What outlives a controller incarnation: topics, units, options, and the knowledge a
+    restarted controller needs to stay exact (see the module docstring)."""
 
     specs: dict[str, TopicSpec]
     units: dict[str, ActorRef[Any]]
     unit_check_interval: float = 0.5
-    unit_timeout: float = 5.0
+    flush_linger: float = 0.005  # bookkeeping waits this long to travel with more
+    unit_timeout: float = 5.0  # the controller's own requests to units
+    io_timeout: float = 60.0  # clients' data requests to units
+    shm_min_bytes: int | None = 1 << 20
     max_events: int = 10_000
     incarnations: int = 0
-    # the event log outlives a controller restart: a reported event stays reported
-    events: deque[M.TQEvent] = attrs.Factory(deque)
-    seq: int = 0
-    # bookkeeping not yet delivered to units, and the watermarks sent: a restarted controller
-    # delivers the first before it reads inventories, and never goes below the second
-    outbox: dict[str, list[Any]] = attrs.Factory(dict)
-    watermarks: dict[str, S.TopicInfo] = attrs.Factory(dict)
+    log: EventLog = attrs.Factory(lambda self: EventLog(self.max_events), takes_self=True)
+    outbox: _units.Outbox = attrs.Factory(_units.Outbox)
+    watermarks: dict[str, U.TopicInfo] = attrs.Factory(dict)
+    known: dict[str, str | None] = attrs.Factory(dict)  # unit -> incarnation holding its data
+    state: ControllerState | None = None  # the last incarnation's (its losses at a rebuild)
+    done: OrderedDict[int, Any] = attrs.Factory(OrderedDict)  # request id -> reply
+
+    def remember(self, request_id: int, reply: Any) -> None:
+        if request_id:
+            self.done[request_id] = reply
+            while len(self.done) > _REMEMBERED:
+                self.done.popitem(last=False)
 
 
 @attrs.frozen
 class _Tick:
-    """Self-message from the lease timer: expire what is due."""
-
-
-@attrs.frozen
-class _UnitSeen:
-    """Self-message from the unit watcher: ``token`` is None when the unit did not answer."""
-
-    unit: str
-    token: str | None
+    """Self-message from the timer: expire what is due."""
 
 
 @attrs.define(eq=False)
@@ -87,14 +81,7 @@ class _WaitingPut:
     reply: Reply
 
 
-@attrs.define(eq=False)
-class _WaitingClaim:
-    msg: M.Claim
-    reply: Reply
-    seen: int = -1
-
-
-class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
+class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -103,72 +90,40 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         self.shared = shared
         self.state: ControllerState | None = None
         self.epoch = 0
-        self.tokens: dict[str, str | None] = {}
         self.puts: dict[str, deque[_WaitingPut]] = {}
-        self.claims: dict[str, list[_WaitingClaim]] = {}
-        self.claim_ids: dict[int, _WaitingClaim] = {}
+        self.claims = ClaimQueues()
         self.granted: dict[int, int] = {}  # claim id -> lease id, until the lease ends
-        self.granted_puts: dict[int, Any] = {}  # put id -> Allocation/GroupSlot, until used
-        self.event_waiters: list[tuple[int, Reply]] = []
+        self.granted_by_lease: dict[int, int] = {}
+        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> Allocation | slot
+        self.waiters = EventWaiters(shared.log)
         self.evicted_groups = 0
         self.lost_samples = 0
+        self.abandoned_samples = 0
         self.timer_wake = trio.Event()
         self.check_now = trio.Event()
         self.outbox_wake = trio.Event()
+        self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
+        self.flush_now = trio.Event()
+        self.flush_waiters: list[Reply] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
-        self._ctx = ctx
-        self.epoch = self.shared.incarnations
-        self.shared.incarnations += 1
-        units = list(self.shared.units)
-        for unit, ref in self.shared.units.items():
-            self.tokens[unit] = await self._token(ref)
-        if self.epoch == 0:
-            self.state = ControllerState(self.shared.specs.values(), units, epoch=0)
+        shared = self.shared
+        self.epoch = shared.incarnations
+        shared.incarnations += 1
+        tokens = await _units.tokens(shared.units, shared.unit_timeout)
+        if shared.state is None:
+            self.state = ControllerState(shared.specs.values(), list(shared.units), epoch=0)
+            shared.state = self.state
+            shared.known.update(tokens)
+            for unit, token in tokens.items():
+                self.state.set_unit_up(unit, token is not None)
         else:
-            await self._rebuild(ctx, units)
-        ctx.start_soon(self._lease_timer, ctx)
+            await self._rebuild(tokens)
+        ctx.start_soon(self._timer, ctx)
         ctx.start_soon(self._unit_watcher, ctx)
-        ctx.start_soon(self._flusher, ctx)
-
-    async def _rebuild(self, ctx: ActorContext[Any], units: list[str]) -> None:
-        await self._flush_outbox()  # what the last incarnation decided reaches the units first
-        marks = self.shared.watermarks.values()
-        parts: list[Inventory] = [
-            Inventory(
-                topics=tuple(
-                    TopicRecord(m.topic, m.latest_version, m.next_index, m.next_group_id)
-                    for m in marks
-                )
-            )
-        ]
-        for unit, ref in self.shared.units.items():
-            try:
-                with trio.fail_after(self.shared.unit_timeout):
-                    inv: S.UnitInventory = await ref.ask(S.GetInventory())
-            except (ActorCrashed, trio.TooSlowError) as exc:
-                log.warning(
-                    "controller rebuild: unit %s unavailable (%s); its data is lost", unit, exc
-                )
-                self.tokens[unit] = None
-                continue
-            parts.append(_inventory_of(unit, inv))
-        state, update = ControllerState.from_inventory(
-            self.shared.specs.values(), units, Inventory.merge(parts), epoch=self.epoch
-        )
-        self.state = state
-        self._apply(ctx, update)
-        log.info("controller rebuilt (epoch %d) from %d units", self.epoch, len(parts))
-
-    async def _token(self, ref: ActorRef[Any]) -> str | None:
-        try:
-            with trio.fail_after(self.shared.unit_timeout):
-                token: str = await ref.ask(S.GetToken())
-                return token
-        except (ActorCrashed, trio.TooSlowError):
-            return None
+        ctx.start_soon(self._flusher)
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -184,122 +139,174 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
                 log.warning("controller: %r failed: %s", msg, exc)
             return None
         finally:
-            if self.event_waiters:  # one batch per message: events of one change arrive together
-                self._flush_events()
+            self.waiters.serve()  # one batch per message: events of one change arrive together
 
     def _handle(self, msg: Any, ctx: ActorContext[Any], state: ControllerState) -> Any:
         if isinstance(msg, M.Commit):
-            self.granted_puts.pop(msg.put_id, None)
-            state.commit_write(msg.topic, msg.indexes, msg.columns)
-            self._kick(msg.topic)
-            return None
+            return self._commit(msg, state)
         if isinstance(msg, M.Claim):
             return self._claim(msg, ctx, state)
         if isinstance(msg, M.Ack):
-            return self._end_lease(ctx, state, msg.lease_id, msg.holder, ack=True)
+            if msg.request_id in self.shared.done:
+                return self.shared.done[msg.request_id]
+            missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
+            self.shared.remember(msg.request_id, missing)
+            return missing
         if isinstance(msg, (M.Allocate, M.OpenGroup)):
+            size = _slots(msg)
+            if size == 0:  # members of an open group use its reserved slots: never wait
+                return self._put(state, msg)
             waiting = self.puts.setdefault(msg.topic, deque())
-            size = (
-                msg.n
-                if isinstance(msg, M.Allocate) and msg.group is None
-                else (msg.size if isinstance(msg, M.OpenGroup) else 0)
-            )
-            if not waiting and (size == 0 or state.can_allocate(msg.topic, size)):
-                return self._granted(msg, self._put(ctx, state, msg))
-            if size:
-                state.can_allocate(msg.topic, size)  # raises CapacityError if it never fits
+            if not waiting and state.can_allocate(msg.topic, size):
+                return self._put(state, msg)
+            state.can_allocate(msg.topic, size)  # raises CapacityError if it never fits
             waiting.append(_WaitingPut(msg, ctx.defer_reply()))
             return None
         if isinstance(msg, M.CommitShared):
             state.commit_shared(msg.topic, msg.group_id, msg.columns)
+            self._group_infos(msg.topic, (msg.group_id,))
             self._kick(msg.topic)
         elif isinstance(msg, M.CancelClaim):
-            self._cancel_claim(ctx, state, msg.claim_id)
+            self._cancel_claim(state, msg.claim_id)
         elif isinstance(msg, M.CancelPut):
-            self._cancel_put(ctx, state, msg.put_id)
+            self._cancel_put(state, msg.put_id)
         elif isinstance(msg, M.Nack):
-            self._end_lease(ctx, state, msg.lease_id, None, ack=False)
+            self._end_lease(state, msg.lease_id, None, ack=False)
         elif isinstance(msg, M.Renew):
             return state.renew(msg.lease_id, trio.current_time())
         elif isinstance(msg, M.SetVersion):
-            update = state.set_latest_version(msg.topic, msg.version)
-            self._apply(ctx, update)
-            self._records(ctx, msg.topic, self.shared.units)
+            self._apply(state.set_latest_version(msg.topic, msg.version))
+            self._records(msg.topic)
             self._kick(msg.topic)
         elif isinstance(msg, M.Discard):
             self.granted_puts.pop(msg.put_id, None)
-            self._discard(ctx, state, msg)
+            return self._discard(state, msg)
         elif isinstance(msg, M.ShrinkGroup):
-            unit = state.group_unit(msg.topic, msg.group_id)
-            self._apply(ctx, state.shrink_group(msg.topic, msg.group_id, msg.slots))
-            self._group_delta(ctx, unit, msg.topic, msg.group_id, -msg.slots, 0)
-            self._kick(msg.topic)
+            if msg.request_id not in self.shared.done:
+                self._apply(state.shrink_group(msg.topic, msg.group_id, msg.slots))
+                self._group_infos(msg.topic, (msg.group_id,))
+                self.shared.remember(msg.request_id, None)
+                self._kick(msg.topic)
         elif isinstance(msg, M.ReleaseHolder):
-            self._apply(ctx, state.release_holder(msg.holder))
+            self._apply(state.release_holder(msg.holder))
             self._kick_all()
         elif isinstance(msg, _Tick):
-            self._apply(ctx, state.expire(trio.current_time()))
+            self._apply(state.expire(trio.current_time()))
             self._kick_all()
-        elif isinstance(msg, _UnitSeen):
-            self._unit_seen(ctx, state, msg)
+        elif isinstance(msg, UnitSeen):
+            self._unit_seen(state, msg)
         elif isinstance(msg, M.WaitEvents):
-            self.event_waiters.append((msg.since, ctx.defer_reply()))
+            self.waiters.add(msg.wait_id, msg.since, ctx.defer_reply())
+        elif isinstance(msg, M.CancelWait):
+            self.waiters.cancel(msg.wait_id)
         elif isinstance(msg, M.CreateTopic):
             state.add_topic(msg.spec)
             self.shared.specs[msg.spec.name] = msg.spec
         elif isinstance(msg, M.GetTopology):
-            return M.Topology(dict(self.shared.specs), dict(self.shared.units))
-        elif isinstance(msg, M.GetControllerStatistics):
-            return M.ControllerStatistics(
-                state.statistics(),
-                sum(len(w) for w in self.puts.values()),
-                sum(len(w) for w in self.claims.values()),
-                self.evicted_groups,
-                self.lost_samples,
-                self.shared.seq,
-                self.epoch,
-                tuple(u for u, t in self.tokens.items() if t is None),
+            shared = self.shared
+            return M.Topology(
+                dict(shared.specs), dict(shared.units), shared.shm_min_bytes, shared.io_timeout
             )
+        elif isinstance(msg, M.GetControllerStatistics):
+            return self._statistics(state)
         elif isinstance(msg, M.CheckUnits):
             self.check_now.set()
+        elif isinstance(msg, M.Flushed) and len(self.shared.outbox):
+            self.flush_waiters.append(ctx.defer_reply())  # answered once it is empty
+            self.flush_now.set()
+            self.outbox_wake.set()
         return None
 
-    # -- puts --------------------------------------------------------------------------------------
-
-    def _put(
-        self, ctx: ActorContext[Any], state: ControllerState, msg: M.Allocate | M.OpenGroup
-    ) -> Any:
-        if isinstance(msg, M.OpenGroup):
-            slot = state.open_group(msg.topic, msg.size)
-            self._group_delta(ctx, slot.unit, msg.topic, slot.group_id, msg.size, 0)
-            self._records(ctx, msg.topic, self.shared.units)
-            return slot
-        allocation = state.allocate(
-            msg.topic, msg.n, msg.version, group=msg.group, lengths=msg.lengths
+    def _statistics(self, state: ControllerState) -> M.ControllerStatistics:
+        return M.ControllerStatistics(
+            state.statistics(),
+            sum(len(w) for w in self.puts.values()),
+            len(self.claims),
+            self.evicted_groups,
+            self.lost_samples,
+            self.shared.log.seq,
+            self.epoch,
+            tuple(u for u, t in self.shared.known.items() if t is None),
+            event_waiters=len(self.waiters),
+            abandoned_samples=self.abandoned_samples,
+            outbox=len(self.shared.outbox),
+            incarnations=dict(self.shared.known),
         )
-        if msg.group is not None:
-            self._group_delta(ctx, allocation.units[0], msg.topic, msg.group, 0, msg.n)
+
+    # -- puts ------------------------------------------------------------------------------------
+
+    def _incarnations(self, units: Any) -> dict[str, str]:
+        return {u: self.shared.known.get(u) or "" for u in units}
+
+    def _put(self, state: ControllerState, msg: M.Allocate | M.OpenGroup) -> Any:
+        now = trio.current_time()
+        if isinstance(msg, M.OpenGroup):
+            slot = state.open_group(msg.topic, msg.size, holder=msg.holder, now=now)
+            self._group_infos(msg.topic, (slot.group_id,))
+            self._records(msg.topic)
+            self._granted(msg.put_id, slot)
+            self.timer_wake.set()
+            return M.Opened(slot, self.shared.known.get(slot.unit) or "")
+        allocation = state.allocate(
+            msg.topic,
+            msg.n,
+            msg.version,
+            group=msg.group,
+            lengths=msg.lengths,
+            holder=msg.holder,
+            now=now,
+        )
         # every unit keeps the watermarks: a rebuild must never reuse an index, even if the
         # unit that held the newest samples is gone
-        self._records(ctx, msg.topic, self.shared.units)
+        self._records(msg.topic)
+        self._granted(msg.put_id, allocation)
+        self.timer_wake.set()
         self._kick(msg.topic, puts=False)
-        return allocation
+        return M.Placed(allocation, self._incarnations(set(allocation.units)))
 
-    def _granted(self, msg: M.Allocate | M.OpenGroup, result: Any) -> Any:
-        if msg.put_id and isinstance(msg, M.Allocate):  # an open group is the writer's to close
-            self.granted_puts[msg.put_id] = result
-        return result
+    def _granted(self, put_id: int, result: Any) -> None:
+        if put_id:
+            self.granted_puts[put_id] = result
+            while len(self.granted_puts) > _REMEMBERED:
+                self.granted_puts.popitem(last=False)
 
-    def _cancel_put(self, ctx: ActorContext[Any], state: ControllerState, put_id: int) -> None:
+    def _commit(self, msg: M.Commit, state: ControllerState) -> None:
+        if msg.put_id and msg.put_id in self.shared.done:
+            return  # a retry: the first commit went through
+        state.commit_write(msg.topic, msg.indexes, msg.columns)
+        if msg.new:
+            placed: dict[str, list[int]] = {}
+            gids = set()
+            for index, (gid, unit) in state.locate(msg.topic, msg.indexes).items():
+                placed.setdefault(unit, []).append(index)
+                gids.add(gid)
+            for unit, indexes in placed.items():
+                self._to_unit(unit, U.Committed(msg.topic, indexes))
+            self._group_infos(msg.topic, gids)
+            self.granted_puts.pop(msg.put_id, None)
+            self.shared.remember(msg.put_id, None)
+        self._kick(msg.topic)
+
+    def _cancel_put(self, state: ControllerState, put_id: int) -> None:
         for waiting in self.puts.values():
             for item in waiting:
                 if item.msg.put_id == put_id:
                     waiting.remove(item)
                     item.reply.fail(TransferQueueError(f"put {put_id} cancelled by its writer"))
                     return
-        allocation = self.granted_puts.pop(put_id, None)
-        if allocation is not None:  # allocated, but the writer never saw the indexes
-            self._discard(ctx, state, M.Discard(allocation.topic, allocation.indexes))
+        granted = self.granted_puts.pop(put_id, None)
+        if granted is None:
+            return
+        if isinstance(granted, GroupSlot):  # opened, but the writer never saw the slot
+            topic, gid = granted.topic, granted.group_id
+            try:
+                self._apply(state.shrink_group(topic, gid, granted.size))
+                self._group_infos(topic, (gid,))
+            except TransferQueueError:
+                pass  # already used or gone
+            self._kick(topic)
+        else:  # allocated, but the writer never saw the indexes
+            self._discard(state, M.Discard(granted.topic, granted.indexes, missing_ok=True))
 
     def _retry_puts(self, topic: str) -> None:
         state = self.state
@@ -307,28 +314,24 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         assert state is not None
         while waiting:
             head = waiting[0]
-            msg = head.msg
-            size = msg.size if isinstance(msg, M.OpenGroup) else (msg.n if msg.group is None else 0)
-            if size and not state.can_allocate(topic, size):
+            if not state.can_allocate(topic, _slots(head.msg)):
                 return  # FIFO: later puts wait behind the head
             waiting.popleft()
             try:
-                head.reply.send(self._granted(msg, self._put(self._ctx, state, msg)))
+                head.reply.send(self._put(state, head.msg))
             except TransferQueueError as exc:
                 head.reply.fail(exc)
 
-    # -- claims ------------------------------------------------------------------------------------
+    # -- claims ----------------------------------------------------------------------------------
 
-    def _claim(self, msg: M.Claim, ctx: ActorContext[Any], state: ControllerState) -> Lease | None:
-        lease = self._try_claim(state, msg)
-        if lease is not None or not msg.wait:
-            return lease
-        waiting = _WaitingClaim(msg, ctx.defer_reply(), state.changes(msg.topic))
-        self.claims.setdefault(msg.topic, []).append(waiting)
-        self.claim_ids[msg.claim_id] = waiting
+    def _claim(self, msg: M.Claim, ctx: ActorContext[Any], state: ControllerState) -> Any:
+        leased = self._try_claim(state, msg)
+        if leased is not None or not msg.wait:
+            return leased
+        self.claims.add(WaitingClaim(msg, ctx.defer_reply()), state.changes(msg.topic))
         return None
 
-    def _try_claim(self, state: ControllerState, msg: M.Claim) -> Lease | None:
+    def _try_claim(self, state: ControllerState, msg: M.Claim) -> M.Leased | None:
         lease = state.claim(
             msg.topic,
             msg.consumer,
@@ -341,138 +344,113 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             share_key=msg.share_key,
             share_count=msg.share_count,
         )
-        if lease is not None:
-            self.granted[msg.claim_id] = lease.id
-            self.timer_wake.set()
-        return lease
+        if lease is None:
+            return None
+        self.granted[msg.claim_id] = lease.id
+        self.granted_by_lease[lease.id] = msg.claim_id
+        self.timer_wake.set()
+        return M.Leased(lease, self._incarnations(lease.placement))
 
     def _retry_claims(self, topic: str) -> None:
         state = self.state
         assert state is not None
-        for waiting in list(self.claims.get(topic, ())):
-            changes = state.changes(topic)
-            if waiting.seen == changes:
-                continue
-            waiting.seen = changes
+
+        def attempt(waiting: WaitingClaim) -> bool:
             try:
-                lease = self._try_claim(state, waiting.msg)
+                leased = self._try_claim(state, waiting.msg)
             except TransferQueueError as exc:
-                lease = None
-                self._drop_claim(waiting)
                 waiting.reply.fail(exc)
-            if lease is not None:
-                self._drop_claim(waiting)
-                if not waiting.reply.send(lease):  # the claimant is gone: give the samples back
-                    self._apply(self._ctx, state.nack(lease.id))
+                return True
+            if leased is None:
+                return False
+            if not waiting.reply.send(leased):  # the claimant is gone: give the samples back
+                self._apply(state.nack(leased.lease.id))
+            return True
 
-    def _drop_claim(self, waiting: _WaitingClaim) -> None:
-        self.claims[waiting.msg.topic].remove(waiting)
-        self.claim_ids.pop(waiting.msg.claim_id, None)
+        self.claims.serve(topic, state.changes(topic), attempt)
 
-    def _cancel_claim(self, ctx: ActorContext[Any], state: ControllerState, claim_id: int) -> None:
-        waiting = self.claim_ids.get(claim_id)
+    def _cancel_claim(self, state: ControllerState, claim_id: int) -> None:
+        waiting = self.claims.pop(claim_id)
         if waiting is not None:
-            self._drop_claim(waiting)
             waiting.reply.fail(TransferQueueError(f"claim {claim_id} cancelled by its claimant"))
             return
         lease_id = self.granted.pop(claim_id, None)
         if lease_id is not None:  # granted, but the claimant never saw it
+            self.granted_by_lease.pop(lease_id, None)
             try:
-                self._apply(ctx, state.nack(lease_id))
+                self._apply(state.nack(lease_id))
             except TransferQueueError:
                 pass  # it ended already
             self._kick_all()
 
     def _end_lease(
-        self,
-        ctx: ActorContext[Any],
-        state: ControllerState,
-        lease_id: int,
-        holder: str | None,
-        *,
-        ack: bool,
+        self, state: ControllerState, lease_id: int, holder: str | None, *, ack: bool
     ) -> tuple[int, ...]:
         lease = state.lease(lease_id)
         update = state.ack(lease_id, holder=holder) if ack else state.nack(lease_id)
-        self._apply(ctx, update)
+        self._apply(update)
         if ack and lease_id in update.ended:
             for unit, indexes in lease.placement.items():
-                self._to_unit(ctx, unit, S.MarkConsumed(lease.topic, lease.consumer, list(indexes)))
+                self._to_unit(unit, U.MarkConsumed(lease.topic, lease.consumer, list(indexes)))
         if update.missing:
             self._event("missing", lease.topic, (), update.missing, f"lease {lease_id}")
         self._kick(lease.topic)
         return update.missing
 
-    # -- the rest of the state changes ---------------------------------------------------------------
+    # -- the rest of the state changes -----------------------------------------------------------
 
-    def _discard(self, ctx: ActorContext[Any], state: ControllerState, msg: M.Discard) -> None:
-        located = state.locate(msg.topic, msg.indexes)
-        self._apply(ctx, state.discard(msg.topic, msg.indexes))
-        for gid, unit in located.values():  # units ignore deltas of implicit groups
-            self._group_delta(ctx, unit, msg.topic, gid, -1, -1)
+    def _discard(self, state: ControllerState, msg: M.Discard) -> tuple[int, ...]:
+        indexes, missing = list(msg.indexes), tuple[int, ...]()
+        if msg.missing_ok:
+            try:
+                state.locate(msg.topic, indexes)
+            except UnknownSample as exc:
+                missing = exc.indexes
+                indexes = [i for i in indexes if i not in set(missing)]
+            if not indexes:
+                return missing
+        located = state.locate(msg.topic, indexes)
+        self._apply(state.discard(msg.topic, indexes))
+        self._group_infos(msg.topic, {gid for gid, _ in located.values()})
         self._kick(msg.topic)
+        return missing
 
-    def _unit_seen(self, ctx: ActorContext[Any], state: ControllerState, msg: _UnitSeen) -> None:
-        old = self.tokens.get(msg.unit)
-        if old == msg.token:
-            return
-        self.tokens[msg.unit] = msg.token
-        if msg.token is not None:  # a fresh, empty incarnation: give it the watermarks again
-            for info in self.shared.watermarks.values():
-                self._to_unit(ctx, msg.unit, S.Records([info], []))
-        if old is None:
-            log.info("storage unit %s is back (empty)", msg.unit)
-            return
-        loss = state.storage_lost(msg.unit)
-        self._report_loss(loss)
-        self._kick_all()
-
-    def _report_loss(self, loss: Loss) -> None:
-        for lost in loss.lost:
-            self.lost_samples += len(lost.indexes)
-            self._event("lost", lost.topic, lost.group_ids, lost.indexes, f"unit {loss.unit}")
-        log.warning("storage unit %s lost: %s", loss.unit, loss.group_ids)
-
-    def _apply(self, ctx: ActorContext[Any], update: Update) -> None:
+    def _apply(self, update: Update) -> None:
         for release in update.releases:
             self._to_unit(
-                ctx,
                 release.unit,
-                S.Delete(release.topic, list(release.indexes), list(release.group_ids)),
+                U.Delete(release.topic, list(release.indexes), list(release.group_ids)),
             )
         for eviction in update.evictions:
             self.evicted_groups += len(eviction.group_ids)
             self._event(
                 "evicted", eviction.topic, eviction.group_ids, eviction.indexes, eviction.reason
             )
+        for gone in update.abandoned:
+            self.abandoned_samples += len(gone.indexes)
+            self._event("abandoned", gone.topic, gone.group_ids, gone.indexes, "writer gone")
+            self._group_infos(gone.topic, gone.group_ids)
         for lease_id in update.ended:
-            for claim_id in [c for c, lid in self.granted.items() if lid == lease_id]:
-                del self.granted[claim_id]
-        if update.ended:
+            claim_id = self.granted_by_lease.pop(lease_id, None)
+            if claim_id is not None:
+                self.granted.pop(claim_id, None)
+        if update.ended or update.abandoned:
             self.timer_wake.set()
 
-    def _to_unit(self, ctx: ActorContext[Any], unit: str, msg: Any) -> None:
-        """Queue bookkeeping for a unit; its flusher sends what piled up as one ``UnitBatch``."""
-        if unit not in self.shared.units or self.tokens.get(unit) is None:
-            return
-        self.shared.outbox.setdefault(unit, []).append(msg)
+    def _to_unit(self, unit: str, item: Any) -> None:
+        """Queue bookkeeping for a unit; the flusher delivers it (kept until taken)."""
+        if unit not in self.shared.units or self.shared.known.get(unit) is None:
+            return  # the unit is down: its loss covers what this item described
+        self.shared.outbox.put(unit, item)
         self.outbox_wake.set()
 
-    async def _flusher(self, ctx: ActorContext[Any]) -> None:
-        while True:
-            await self.outbox_wake.wait()
-            self.outbox_wake = trio.Event()
-            await self._flush_outbox()
+    def _group_infos(self, topic: str, gids: Any) -> None:
+        """Send explicit groups' records (absolute values) to their units."""
+        assert self.state is not None
+        for rec in self.state.group_records(topic, gids):
+            self._to_unit(rec.unit, U.GroupInfo(topic, rec.group_id, rec.size, rec.allocated))
 
-    async def _flush_outbox(self) -> None:
-        boxes, self.shared.outbox = self.shared.outbox, {}
-        for unit, items in boxes.items():
-            try:
-                await self.shared.units[unit].send(S.UnitBatch(_coalesce(items)))
-            except ActorCrashed:
-                self.check_now.set()
-
-    def _records(self, ctx: ActorContext[Any], topic: str, units: dict[str, ActorRef[Any]]) -> None:
+    def _records(self, topic: str) -> None:
         """Tell units the topic's version and id watermarks. Ids are reserved ahead in blocks,
         so allocations only reach the units once per block: a rebuild skips the rest of a block
         but never reuses an id."""
@@ -487,23 +465,17 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
             and record.next_group_id <= sent.next_group_id
         ):
             return
-        info = S.TopicInfo(
+        info = U.TopicInfo(
             topic,
             record.latest_version,
             record.next_index + _RESERVE,
             record.next_group_id + _RESERVE,
         )
         self.shared.watermarks[topic] = info
-        for unit in units:
-            self._to_unit(ctx, unit, S.Records([info], []))
+        for unit in self.shared.units:
+            self._to_unit(unit, info)
 
-    def _group_delta(
-        self, ctx: ActorContext[Any], unit: str, topic: str, gid: int, size: int, allocated: int
-    ) -> None:
-        if unit:
-            self._to_unit(ctx, unit, S.Records([], [S.GroupDelta(topic, gid, size, allocated)]))
-
-    # -- waking waiters ------------------------------------------------------------------------------
+    # -- waking waiters --------------------------------------------------------------------------
 
     def _kick(self, topic: str, *, puts: bool = True) -> None:
         if puts:
@@ -511,33 +483,17 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
         self._retry_claims(topic)
 
     def _kick_all(self) -> None:
-        for topic in set(self.puts) | set(self.claims):
+        for topic in set(self.puts) | set(self.claims.topics()):
             self._kick(topic)
 
     def _event(
         self, kind: str, topic: str, groups: tuple[int, ...], indexes: tuple[int, ...], detail: str
     ) -> None:
-        shared = self.shared
-        shared.seq += 1
-        shared.events.append(
-            M.TQEvent(shared.seq, kind, topic, tuple(groups), tuple(indexes), detail)
-        )
-        while len(shared.events) > shared.max_events:
-            shared.events.popleft()
+        self.shared.log.add(kind, topic, groups, indexes, detail)
 
-    def _flush_events(self) -> None:
-        keep = []
-        for since, reply in self.event_waiters:
-            fresh = tuple(e for e in self.shared.events if e.seq > since)
-            if fresh:
-                reply.send(M.EventBatch(self.shared.seq, fresh))
-            elif not reply.done:
-                keep.append((since, reply))
-        self.event_waiters = keep
+    # -- helper tasks ----------------------------------------------------------------------------
 
-    # -- helper tasks ------------------------------------------------------------------------------
-
-    async def _lease_timer(self, ctx: ActorContext[Any]) -> None:
+    async def _timer(self, ctx: ActorContext[Any]) -> None:
         while True:
             self.timer_wake = trio.Event()
             state = self.state
@@ -547,29 +503,30 @@ class Controller(Actor[M.ControllerMessage | _Tick | _UnitSeen]):
                 continue
             await ctx.self.send(_Tick())
 
-    async def _unit_watcher(self, ctx: ActorContext[Any]) -> None:
+    async def _flusher(self) -> None:
+        """Deliver bookkeeping to the units: a few milliseconds after it is queued (so that
+        what many operations queue travels together), at once when someone waits for it."""
+        shared = self.shared
         while True:
-            with trio.move_on_after(self.shared.unit_check_interval):
-                await self.check_now.wait()
-            self.check_now = trio.Event()
-            for unit, ref in self.shared.units.items():
-                token = await self._token(ref)
-                if token != self.tokens.get(unit):
-                    await ctx.self.send(_UnitSeen(unit, token))
+            await self.outbox_wake.wait()
+            with trio.move_on_after(shared.flush_linger):
+                await self.flush_now.wait()
+            self.outbox_wake = trio.Event()
+            self.flush_now = trio.Event()
+            failed = await shared.outbox.flush(shared.units, shared.known, shared.unit_timeout)
+            if not len(shared.outbox):
+                waiters, self.flush_waiters = self.flush_waiters, []
+                for reply in waiters:
+                    reply.send(None)
+            if failed:  # gone, restarted or slow: look at them, and try again in a while
+                self.check_now.set()
+                with trio.move_on_after(shared.unit_check_interval):
+                    await trio.sleep_forever()
+                self.outbox_wake.set()
 
 
-def _inventory_of(unit: str, inv: S.UnitInventory) -> Inventory:
-    topics = tuple(
-        TopicRecord(t.topic, t.latest_version, t.next_index, t.next_group_id) for t in inv.topics
-    )
-    groups = tuple(
-        GroupRecord(topic, g.group_id, unit, g.size, g.allocated, g.shared)
-        for topic, records in inv.groups.items()
-        for g in records
-    )
-    samples = tuple(
-        SampleRecord(topic, s.index, s.version, s.group_id, unit, s.length, s.columns, s.consumed)
-        for topic, records in inv.samples.items()
-        for s in records
-    )
-    return Inventory(topics, groups, samples)
+def _slots(msg: M.Allocate | M.OpenGroup) -> int:
+    """Capacity slots a put needs (0: members of an open group use its reserved slots)."""
+    if isinstance(msg, M.OpenGroup):
+        return msg.size
+    return msg.n if msg.group is None else 0

@@ -88,5 +88,18 @@ class InventoryError(TransferQueueError, ValueError):
     """Inventory records are inconsistent (duplicate indexes, a member without its group...)."""
 
 
+class StorageUnavailable(TransferQueueError):
+    """A storage unit did not take or return data (it crashed, restarted, or its node is down).
+
+    A failed ``put`` stored nothing (its samples were discarded): put again. A failed ``get``
+    returned its lease (the samples that survive go out again; the lost ones are reported as a
+    ``lost`` event).
+    """
+
+
+class ControllerUnavailable(TransferQueueError):
+    """The controller did not answer: it stopped for good, or crashed again on every retry."""
+
+
 class FlowControlError(TransferQueueError):
     """A :class:`FlowControl` call does not fit its state (releasing more than is in flight)."""

@@ -28,8 +28,10 @@ def _names(value: Iterable[str]) -> frozenset[str]:
 
 @attrs.frozen
 class SampleRecord:
-    """One live sample: where it is, its version and length, its columns (bytes each), and the
-    consumers that acked it."""
+    """One live sample: where it is, its version and length, its columns (bytes each), the
+    consumers that acked it, and whether its writer committed it (an uncommitted sample was
+    stored but its put had not finished: it expires ``write_ttl`` after a rebuild unless the
+    writer commits it)."""
 
     topic: str
     index: int
@@ -39,12 +41,14 @@ class SampleRecord:
     length: int
     columns: Mapping[str, int] = attrs.field(converter=_frozen_map, hash=False)
     acked: frozenset[str] = attrs.field(converter=_names)
+    committed: bool = True
 
 
 @attrs.frozen
 class GroupRecord:
     """One live group: expected ``size``, members ``allocated`` so far (not discarded, freed ones
-    included), and its shared columns present (bytes each)."""
+    included), and its shared columns present (bytes each). ``explicit``: opened with
+    ``open_group`` (else the implicit group of one ungrouped sample)."""
 
     topic: str
     group_id: int
@@ -52,6 +56,7 @@ class GroupRecord:
     size: int
     allocated: int
     shared: Mapping[str, int] = attrs.field(converter=_frozen_map, hash=False)
+    explicit: bool = True
 
 
 @attrs.frozen

@@ -1,9 +1,9 @@
 """Leases: who holds which samples for which consumer, until ack, nack, expiry or holder death.
 
 :class:`LeaseTable` is internal to :class:`ControllerState`, which validates arguments and
-documents the public contract; the table selects with the samplers, marks samples leased, and
-on every lease ending updates the topic's views, frees what every consumer acked, and evicts
-stale groups whose last lease ended.
+documents the public contract; the table selects (vectorized, from the view's hint onwards),
+marks samples leased, and on every lease ending updates the topic's views, frees what every
+consumer acked, and evicts stale groups whose last lease ended.
 """
 
 from __future__ import annotations
@@ -12,21 +12,25 @@ import heapq
 from collections.abc import Hashable
 
 import attrs
+import numpy as np
 
 from ._errors import ShareMismatch, UnknownLease
 from ._results import Lease
-from ._samplers import Balanced, Sampler, partition_lpt, select_groups, select_samples, uses_groups
-from ._topic import Effects, Group, Topic, View
+from ._samplers import MAX_SKIPPED_GROUPS, Balanced, Sampler, partition_lpt, uses_groups
+from ._table import Ints, groups_of, rows_of, runs, scatter_add
+from ._topic import Effects, Topic, View
 
 #: Lease ids of epoch ``e`` are ``e << EPOCH_BITS`` onwards, so ids never repeat across restarts.
 EPOCH_BITS = 40
 
 
 class _LeaseRec:
-    __slots__ = ("acked_by", "ci", "holders", "lease", "sampler", "topic")
+    __slots__ = ("acked_by", "ascending", "ci", "holders", "ids", "lease", "sampler", "topic")
 
-    def __init__(self, lease: Lease, topic: Topic, ci: int, sampler: Sampler) -> None:
+    def __init__(self, lease: Lease, ids: Ints, topic: Topic, ci: int, sampler: Sampler) -> None:
         self.lease = lease
+        self.ids = ids  # the lease's indexes as an array
+        self.ascending = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
         self.topic = topic
         self.ci = ci
         self.sampler = sampler
@@ -81,31 +85,36 @@ class LeaseTable:
             if lid is not None:
                 return self._join(self._leases[lid], cols, count, low, sampler, share_count, holder)
         v = t.view(ci, cols)
+        chunks: list[Ints] | None = None
         if uses_groups(sampler):
-            gids = select_groups(v.groups, v.amount.__getitem__, count, low)
-            if gids is None:
+            picked = self._pick_groups(t, v, count, low)
+            if picked is None:
                 return None
-            # Eligible: every member this consumer has not acked is a candidate of v.
-            chunks = [[i for i in t.groups[gid].members if i in v.ready] for gid in gids]
-            for chunk in chunks:
-                for index in chunk:
-                    v.ready.discard(index)
-            picked = [i for chunk in chunks for i in chunk]
+            rows, chunks = picked
         else:
-            chosen = select_samples(v.ready, count, low)
-            if chosen is None:
+            fifo = _pick_fifo(t, v, count, low)
+            if fifo is None:
                 return None
-            picked = chosen
-            chunks = [[i] for i in picked]
-        self._mark_leased(t, v, picked)
+            rows = fifo
+        self._mark_leased(t, v, rows)
+        ids = t.s.ids[rows]
         if isinstance(sampler, Balanced):
-            items = [(sum(t.samples[i].length for i in c), c) for c in chunks]
+            lengths = t.s.length[rows]
+            if chunks is None:
+                items = [(int(x), [int(i)]) for x, i in zip(lengths, ids, strict=True)]
+            else:
+                items, k = [], 0
+                for chunk in chunks:
+                    items.append(
+                        (int(lengths[k : k + len(chunk)].sum()), ids[k : k + len(chunk)].tolist())
+                    )
+                    k += len(chunk)
             parts = partition_lpt(items, sampler.dp_size, equal_count=not sampler.whole_groups)
             partitions = tuple(tuple(p) for p in parts)
         else:
-            partitions = (tuple(picked),)
-        lease = self._new_lease(t, ci, holder, v, picked, partitions, now, share_key, share_count)
-        rec = _LeaseRec(lease, t, ci, sampler)
+            partitions = (tuple(ids.tolist()),)
+        lease = self._new_lease(t, ci, holder, v, rows, partitions, now, share_key, share_count)
+        rec = _LeaseRec(lease, ids, t, ci, sampler)
         self._leases[lease.id] = rec
         self._by_holder.setdefault(holder, set()).add(lease.id)
         heapq.heappush(self._expiry, (lease.deadline, lease.id))
@@ -114,6 +123,47 @@ class LeaseTable:
         t.leases += 1
         t.changes += 1
         return lease
+
+    @staticmethod
+    def _pick_groups(t: Topic, v: View, count: int, low: int) -> tuple[Ints, list[Ints]] | None:
+        """Oldest eligible groups, first fit up to ``count`` samples: their unacked members,
+        group by group (the rows, and each group's rows), or ``None`` below ``low``."""
+        g = t.g
+        n = g.n
+        pos = g.first_at_or_after(v.glo)
+        chosen: list[int] = []
+        total = skipped = 0
+        first = -1
+        step = 256
+        while pos < n and total < count and skipped < MAX_SKIPPED_GROUPS:
+            end = min(n, pos + step)
+            found = pos + np.flatnonzero(t.eligible(v, pos, end))
+            if first < 0 and found.size:
+                first = int(found[0])
+            amounts = g.unacked[found, v.ci].tolist()
+            for slot, amount in zip(found.tolist(), amounts, strict=True):
+                if total + amount <= count:
+                    chosen.append(slot)
+                    total += amount
+                    if total == count:
+                        break
+                else:
+                    skipped += 1
+                    if skipped >= MAX_SKIPPED_GROUPS:
+                        break
+            pos = end
+            step *= 2
+        v.glo = int(g.ids[first]) if first >= 0 else (int(g.ids[pos - 1]) + 1 if pos else v.glo)
+        if total < low or not chosen:
+            return None
+        s = t.s
+        gslots = np.array(chosen, np.int64)
+        rows = t.members_of(gslots)
+        rows = rows[(s.acked[rows] & v.bit) == 0]
+        order = np.lexsort((rows, s.gs[rows]))  # group by group (oldest first), then by index
+        rows = rows[order]
+        cuts = np.flatnonzero(np.diff(s.gs[rows])) + 1
+        return rows, np.split(rows, cuts)
 
     def _join(
         self,
@@ -145,25 +195,16 @@ class LeaseTable:
         return attrs.evolve(lease, holder=holder)
 
     @staticmethod
-    def _mark_leased(t: Topic, v: View, picked: list[int]) -> None:
-        """``picked`` were just taken out of ``v.ready``: lease them to ``v``'s consumer."""
-        ci, bit = v.ci, v.bit
-        others = [w for w in t.views_of[ci] if w is not v]
-        touched: dict[int, Group] = {}
-        for index in picked:
-            s = t.samples[index]
-            g = t.groups[s.gid]
-            s.leased |= bit
-            g.held += 1
-            t.leased_count[ci] += 1
-            t.uncand(v, g.gid)
-            for w in others:
-                if index in w.ready:
-                    w.ready.discard(index)
-                    t.uncand(w, g.gid)
-            touched[g.gid] = g
-        for g in touched.values():
-            t.refresh_all(g, t.views_of[ci])
+    def _mark_leased(t: Topic, v: View, rows: Ints) -> None:
+        """``rows`` are candidates of ``v``: lease them to its consumer."""
+        s = t.s
+        index = rows_of(rows, ascending=True)  # set semantics: a permuted run is that run
+        befores = t.before(index, t.views_of[v.ci])
+        s.leased[index] |= v.bit
+        gs = s.gs[index]
+        scatter_add(t.g.held, gs, 1)
+        t.leased_count[v.ci] += len(rows)
+        t.uncount(befores, gs)  # leased: no view of this consumer counts them any more
 
     def _new_lease(
         self,
@@ -171,22 +212,23 @@ class LeaseTable:
         ci: int,
         holder: str,
         v: View,
-        picked: list[int],
+        rows: Ints,
         partitions: tuple[tuple[int, ...], ...],
         now: float,
         share_key: Hashable | None,
         share_count: int,
     ) -> Lease:
-        placement: dict[str, list[int]] = {}
-        shared: dict[str, list[int]] = {}
-        gids: dict[int, None] = {}
-        for index in picked:
-            s = t.samples[index]
-            placement.setdefault(s.unit, []).append(index)
-            if s.gid not in gids:
-                gids[s.gid] = None
-                if v.gmask:
-                    shared.setdefault(s.unit, []).append(s.gid)
+        s = t.s
+        ids = s.ids[rows]
+        units = s.unit[rows]
+        gids = s.gid[rows]
+        placement = {t.units[u]: tuple(ids[mine].tolist()) for u, mine in groups_of(units)}
+        shared: dict[str, tuple[int, ...]] = {}
+        if v.gmask:
+            _, first = np.unique(gids, return_index=True)
+            first.sort()
+            for u in np.unique(units[first]).tolist():
+                shared[t.units[u]] = tuple(gids[first][units[first] == u].tolist())
         lid = self._next
         self._next += 1
         return Lease(
@@ -195,11 +237,11 @@ class LeaseTable:
             consumer=t.spec.consumers[ci],
             holder=holder,
             columns=v.columns,
-            indexes=tuple(picked),
-            versions=tuple(t.samples[i].version for i in picked),
-            group_ids=tuple(t.samples[i].gid for i in picked),
-            placement={u: tuple(x) for u, x in placement.items()},
-            shared={u: tuple(x) for u, x in shared.items()},
+            indexes=tuple(ids.tolist()),
+            versions=tuple(s.version[rows].tolist()),
+            group_ids=tuple(gids.tolist()),
+            placement=placement,
+            shared=shared,
             partitions=partitions,
             deadline=now + t.spec.lease_ttl,
             share_key=share_key,
@@ -221,28 +263,24 @@ class LeaseTable:
                 if len(rec.acked_by) < lease.share_count:
                     return
         t, ci = rec.topic, rec.ci
-        bit = 1 << ci
-        touched: dict[int, Group] = {}
-        for index in lease.indexes:
-            s = t.samples.get(index)
-            if s is None:
-                fx.missing.append(index)
-                continue
-            g = t.groups[s.gid]
-            s.leased &= ~bit
-            g.held -= 1
-            t.leased_count[ci] -= 1
-            s.acked |= bit
-            g.unconsumed[ci] -= 1
-            t.consumed_count[ci] += 1
-            if s.acked == t.full:
-                t.freed_total += 1
-                t.drop_sample(s, g, fx)
-            touched[g.gid] = g
-        for g in touched.values():
-            if g.gid in t.groups:
-                t.refresh_all(g, t.views_of[ci])
-                t.settle(g, fx)
+        s, g = t.s, t.g
+        rows = _present(rec, fx)
+        if len(rows):
+            bit = 1 << ci
+            index = rows_of(rows, ascending=rec.ascending)
+            gs = s.gs[index]
+            s.leased[index] &= ~bit
+            s.acked[index] |= bit
+            where = runs(gs)
+            scatter_add(g.held, where, -1)
+            scatter_add(g.unacked[:, ci], where, -1)
+            t.leased_count[ci] -= len(rows)
+            t.consumed_count[ci] += len(rows)
+            done = rows[s.acked[index] == t.full]
+            t.freed_total += len(done)
+            t.drop_samples(rows_of(done, ascending=rec.ascending), fx, consumed=True)
+            t.lower_group_hints(int(s.gid[index].min()), t.views_of[ci])
+            t.settle(gs, fx)
         self._end(rec, fx)
 
     def nack(self, lease_id: int, fx: Effects) -> None:
@@ -274,33 +312,27 @@ class LeaseTable:
             if rec is not None:
                 self._return(rec, fx)
 
-    def touching(self, topic: str, indexes: set[int]) -> tuple[int, ...]:
+    def touching(self, topic: str, indexes: Ints) -> tuple[int, ...]:
         """Ids of outstanding leases of ``topic`` that include any of ``indexes``."""
         return tuple(
             lid
             for lid, rec in self._leases.items()
-            if rec.topic.name == topic and not indexes.isdisjoint(rec.lease.indexes)
+            if rec.topic.name == topic and bool(np.isin(rec.ids, indexes).any())
         )
 
     def _return(self, rec: _LeaseRec, fx: Effects) -> None:
         t, ci = rec.topic, rec.ci
-        bit = 1 << ci
-        views = t.views_of[ci]
-        touched: dict[int, Group] = {}
-        for index in rec.lease.indexes:
-            s = t.samples.get(index)
-            if s is None:
-                fx.missing.append(index)
-                continue
-            g = t.groups[s.gid]
-            s.leased &= ~bit
-            g.held -= 1
-            t.leased_count[ci] -= 1
-            if not g.doomed:
-                t.sync(s, g, views)
-            touched[g.gid] = g
-        for g in touched.values():
-            t.settle(g, fx)
+        s = t.s
+        rows = _present(rec, fx)
+        if len(rows):
+            index = rows_of(rows, ascending=rec.ascending)
+            befores = t.before(index, t.views_of[ci])
+            s.leased[index] &= ~(1 << ci)
+            gs = s.gs[index]
+            scatter_add(t.g.held, gs, -1)
+            t.leased_count[ci] -= len(rows)
+            t.after(index, befores)
+            t.settle(gs, fx)
         self._end(rec, fx)
 
     def _end(self, rec: _LeaseRec, fx: Effects) -> None:
@@ -316,4 +348,40 @@ class LeaseTable:
             rec.topic.shares.pop((rec.ci, lease.share_key), None)
         rec.topic.leases -= 1
         rec.topic.changes += 1
+        rec.topic.tidy()
         fx.ended.append(lease.id)
+
+
+def _pick_fifo(t: Topic, v: View, count: int, low: int) -> Ints | None:
+    """The oldest ``min(count, ready)`` candidates of ``v`` (slots), or ``None`` below ``low``."""
+    if v.nready < low:
+        return None
+    s = t.s
+    n = s.n
+    need = min(count, v.nready)
+    pos = s.first_at_or_after(v.lo)
+    step = max(2 * need, 512)
+    found: list[Ints] = []
+    first = -1
+    while need > 0 and pos < n:
+        end = min(n, pos + step)
+        hits = pos + np.flatnonzero(t.cand(v, slice(pos, end)))
+        if hits.size:
+            if first < 0:
+                first = int(hits[0])
+            found.append(hits[:need])
+            need -= min(need, hits.size)
+        pos = end
+        step *= 2
+    assert first >= 0 and need == 0, "the view's ready count is out of step"
+    v.lo = int(s.ids[first])
+    return found[0] if len(found) == 1 else np.concatenate(found)
+
+
+def _present(rec: _LeaseRec, fx: Effects) -> Ints:
+    """Slots of the lease's samples still live; the others go to ``fx.missing``."""
+    slots, ok = rec.topic.s.find(rec.ids)
+    if not ok.all():
+        fx.missing.extend(rec.ids[~ok].tolist())
+        return slots[ok]
+    return slots

@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 
-from ..actors import ActorRef, Request
 from ._results import Allocation, GroupSlot, Lease
+from ._runtime import ActorRef, Request
 from ._samplers import FIFO, Sampler
 from ._spec import TopicSpec
 from ._stats import StateStatistics
@@ -17,8 +17,9 @@ from ._stats import StateStatistics
 @attrs.frozen
 class TQEvent:
     """Something the driver must hear about: groups ``evicted`` from the staleness window,
-    samples ``lost`` with a storage unit (re-inject those prompts), or lease samples ``missing``
-    at ack. ``seq`` numbers events from 1."""
+    samples ``lost`` with a storage unit (re-inject those prompts), samples and group slots
+    ``abandoned`` by a writer that died or went silent past ``write_ttl`` (re-inject those
+    prompts too), or lease samples ``missing`` at ack. ``seq`` numbers events from 1."""
 
     seq: int
     kind: str
@@ -38,6 +39,9 @@ class EventBatch:
 
 @attrs.frozen
 class ControllerStatistics:
+    """The controller's counts: its state, waiting requests, reported events, its epoch (one
+    per incarnation), the units it considers down and every unit's known incarnation."""
+
     state: StateStatistics
     waiting_puts: int
     waiting_claims: int
@@ -46,6 +50,10 @@ class ControllerStatistics:
     events: int
     epoch: int
     units_down: tuple[str, ...]
+    event_waiters: int = 0
+    abandoned_samples: int = 0
+    outbox: int = 0  # bookkeeping items not yet taken by their unit
+    incarnations: dict[str, str | None] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -60,12 +68,40 @@ class GetTopology(Request["Topology"]):
 
 @attrs.frozen
 class Topology:
+    """What a client needs: the topics, the units, and how to talk to the units (data messages
+    at least ``shm_min_bytes`` big go through shared memory to a unit on the same host; ``None``:
+    never; every unit request is bounded by ``unit_timeout`` seconds)."""
+
     specs: dict[str, TopicSpec]
     units: dict[str, ActorRef[Any]]
+    shm_min_bytes: int | None = 1 << 20
+    unit_timeout: float = 60.0
 
 
 @attrs.frozen
-class Allocate(Request[Allocation]):
+class Placed:
+    """An allocation and the incarnation of each unit it places samples on (stores name it)."""
+
+    allocation: Allocation
+    incarnations: dict[str, str]
+
+
+@attrs.frozen
+class Opened:
+    slot: GroupSlot
+    incarnation: str
+
+
+@attrs.frozen
+class Leased:
+    """A lease and the incarnation of each unit holding its samples (fetches name it)."""
+
+    lease: Lease
+    incarnations: dict[str, str]
+
+
+@attrs.frozen
+class Allocate(Request[Placed]):
     """Assign indexes; waits (does not fail) while the topic is at capacity."""
 
     topic: str
@@ -74,15 +110,17 @@ class Allocate(Request[Allocation]):
     group: int | None = None
     lengths: tuple[int, ...] | None = None
     put_id: int = 0  # names the request for CancelPut
+    holder: str | None = None  # the writer: its uncommitted samples go when it does
 
 
 @attrs.frozen
-class OpenGroup(Request[GroupSlot]):
+class OpenGroup(Request[Opened]):
     """Open a group of ``size`` members; waits while the topic is at capacity."""
 
     topic: str
     size: int
     put_id: int = 0
+    holder: str | None = None
 
 
 @attrs.frozen
@@ -94,12 +132,15 @@ class CancelPut:
 
 @attrs.frozen
 class Commit(Request[None]):
-    """The bytes of these cells are stored: mark them present (``columns``: nbytes per index)."""
+    """The bytes of these cells are stored: mark them present (``columns``: nbytes per index,
+    or one for all). ``new``: the first write of new samples (a put, not ``put_columns``).
+    ``put_id`` makes a retry after a controller restart harmless."""
 
     topic: str
     indexes: tuple[int, ...]
-    columns: dict[str, list[int]]
+    columns: dict[str, list[int] | int]
     put_id: int = 0
+    new: bool = False
 
 
 @attrs.frozen
@@ -110,7 +151,7 @@ class CommitShared(Request[None]):
 
 
 @attrs.frozen
-class Claim(Request["Lease | None"]):
+class Claim(Request["Leased | None"]):
     """Lease ready ∩ unconsumed ∩ fresh samples; with ``wait``, waits until enough qualify."""
 
     topic: str
@@ -135,10 +176,12 @@ class CancelClaim:
 
 @attrs.frozen
 class Ack(Request[tuple[int, ...]]):
-    """Complete a lease; replies with the indexes that had gone missing (lost, discarded)."""
+    """Complete a lease; replies with the indexes that had gone missing (lost, discarded).
+    ``request_id`` makes a retry after a controller restart answer what the first got."""
 
     lease_id: int
     holder: str | None = None
+    request_id: int = 0
 
 
 @attrs.frozen
@@ -160,10 +203,14 @@ class SetVersion(Request[None]):
 
 
 @attrs.frozen
-class Discard(Request[None]):
+class Discard(Request[tuple[int, ...]]):
+    """Drop samples on purpose; with ``missing_ok`` indexes no longer live are skipped (and
+    returned), else they fail the whole request (``UnknownSample``)."""
+
     topic: str
     indexes: tuple[int, ...]
     put_id: int = 0
+    missing_ok: bool = False
 
 
 @attrs.frozen
@@ -171,6 +218,7 @@ class ShrinkGroup(Request[None]):
     topic: str
     group_id: int
     slots: int
+    request_id: int = 0
 
 
 @attrs.frozen
@@ -185,11 +233,24 @@ class WaitEvents(Request[EventBatch]):
     """Events with ``seq > since``; waits until there is one (bound it with fail_after)."""
 
     since: int = 0
+    wait_id: int = 0  # names the wait for CancelWait
+
+
+@attrs.frozen
+class CancelWait:
+    """The watcher gave up waiting for events."""
+
+    wait_id: int
 
 
 @attrs.frozen
 class GetControllerStatistics(Request[ControllerStatistics]):
     pass
+
+
+@attrs.frozen
+class Flushed(Request[None]):
+    """Reply once every unit has taken the bookkeeping queued so far (or was declared lost)."""
 
 
 @attrs.frozen
@@ -215,6 +276,8 @@ ControllerMessage = (
     | ShrinkGroup
     | ReleaseHolder
     | WaitEvents
+    | CancelWait
     | GetControllerStatistics
+    | Flushed
     | CheckUnits
 )

@@ -22,20 +22,23 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from ..actors import (
+from . import _shm
+from ._client import TransferQueueClient
+from ._controller import Controller, ControllerShared
+from ._errors import SchemaError
+from ._runtime import (
     ActorRef,
     ActorSystem,
     ChildSpec,
+    GetNode,
     NodeOptions,
     OneForOne,
     StartChild,
     StartChildren,
+    SubprocessLauncher,
     Supervisor,
+    node_spec,
 )
-from ..actors.remote import GetNode, SubprocessLauncher, node_spec
-from ._client import TransferQueueClient
-from ._controller import Controller, ControllerShared
-from ._errors import SchemaError
 from ._spec import TopicSpec, topic_specs_from_dict
 from ._storage import StorageUnit
 
@@ -58,6 +61,11 @@ class TransferQueueConfig:
     ``units``: number of storage units; ``placement``: ``"local"`` (actors in this process) or
     ``"process"`` (each unit in its own node process, over ``transport``). ``unit_check_interval``:
     how often the controller checks that units are alive (and detects a restarted, empty one).
+    ``shm``: clients on a unit's host pass tensor bodies of at least ``shm_min_bytes`` through
+    shared memory (``/dev/shm``) instead of the socket; a segment a writer created but never
+    handed over (it died) is removed after ``shm_orphan_age`` seconds. ``unit_timeout``: the
+    controller's bound
+    on its own requests to units; ``io_timeout``: a client's bound on a store or fetch.
     """
 
     topics: tuple[TopicSpec, ...] = attrs.field(default=(), converter=_specs)
@@ -65,6 +73,11 @@ class TransferQueueConfig:
     placement: Literal["local", "process"] = "local"
     transport: Literal["ipc", "tcp"] = "ipc"
     unit_check_interval: float = 0.5
+    unit_timeout: float = 5.0
+    io_timeout: float = 60.0
+    shm: bool = True
+    shm_min_bytes: int = 1 << 20
+    shm_orphan_age: float = 60.0
     name: str = "tq"
     max_restarts: int = 10
     restart_window: float = 60.0
@@ -101,18 +114,24 @@ class TransferQueue:
     """A running TransferQueue: make clients, inspect it. From ``open_transfer_queue``."""
 
     def __init__(
-        self, system: ActorSystem, controller: ActorRef[Any], shared: ControllerShared
+        self,
+        system: ActorSystem,
+        controller: ActorRef[Any],
+        shared: ControllerShared,
+        namespace: str = "",
     ) -> None:
         self.system = system
         self.controller = controller
         self.shared = shared
+        self.namespace = namespace  # names of this queue's shared-memory segments start so
 
     @property
     def units(self) -> dict[str, ActorRef[Any]]:
         return dict(self.shared.units)
 
-    async def client(self, holder: str = "client") -> TransferQueueClient:
-        """A new client; ``holder`` names it in leases (one per consumer process or task)."""
+    async def client(self, holder: str | None = None) -> TransferQueueClient:
+        """A new client; ``holder`` names it in leases and writes (default: a unique name).
+        Clients sharing a holder share its fate: ``aclose`` of one returns the leases of all."""
         return await TransferQueueClient.connect(self.controller, holder=holder)
 
 
@@ -129,6 +148,7 @@ async def open_transfer_queue(
     """
     cfg = config if config is not None else TransferQueueConfig()
     names = [f"unit-{i}" for i in range(cfg.units)]
+    namespace = f"afa-{os.urandom(4).hex()}-"  # this queue's shared-memory segments
     strategy = OneForOne(max_restarts=cfg.max_restarts, within=cfg.restart_window)
     sup = await system.spawn(lambda: Supervisor((), strategy), name=cfg.name)
     try:
@@ -138,15 +158,23 @@ async def open_transfer_queue(
                 spec = ChildSpec(lambda unit=unit: StorageUnit(unit), unit)  # type: ignore[misc]
                 units[unit] = await sup.ask(StartChild(spec))
         else:
-            await _start_unit_nodes(system, sup, cfg, names, units, options)
+            shm = namespace if cfg.shm and _shm.available() else ""
+            await _start_unit_nodes(system, sup, cfg, names, units, options, shm)
         shared = ControllerShared(
-            {t.name: t for t in cfg.topics}, units, unit_check_interval=cfg.unit_check_interval
+            {t.name: t for t in cfg.topics},
+            units,
+            unit_check_interval=cfg.unit_check_interval,
+            unit_timeout=cfg.unit_timeout,
+            io_timeout=cfg.io_timeout,
+            shm_min_bytes=cfg.shm_min_bytes if cfg.shm else None,
         )
         controller = await sup.ask(StartChild(ChildSpec(lambda: Controller(shared), "controller")))
-        yield TransferQueue(system, controller, shared)
+        yield TransferQueue(system, controller, shared, namespace)
     finally:
         with trio.CancelScope(shield=True):
             await sup.stop()
+        if _shm.available():
+            _shm.sweep(namespace)  # what units killed with their node left behind
 
 
 async def _start_unit_nodes(
@@ -156,8 +184,10 @@ async def _start_unit_nodes(
     names: list[str],
     units: dict[str, ActorRef[Any]],
     options: NodeOptions | None,
+    shm: str,
 ) -> None:
-    """One node process per unit, launched concurrently (startup is dominated by process start)."""
+    """One node process per unit, launched concurrently (startup is dominated by process start).
+    ``shm``: the queue's segment namespace (empty: no shared memory)."""
     allow = ("asyncflow_actors.transfer_queue",)
     launcher = SubprocessLauncher(allow, transport=cfg.transport)
     specs = tuple(
@@ -168,7 +198,12 @@ async def _start_unit_nodes(
 
     async def spawn(unit: str) -> None:
         node = await node_refs[unit].ask(GetNode())
-        units[unit] = await node.spawn(StorageUnit, name=unit, kwargs={"name": unit})
+        kwargs = {
+            "name": unit,
+            "shm": f"{shm}{unit}-" if shm else "",
+            "orphan_age": cfg.shm_orphan_age,
+        }
+        units[unit] = await node.spawn(StorageUnit, name=unit, kwargs=kwargs)
 
     async with trio.open_nursery() as nursery:
         for unit in names:

@@ -7,18 +7,24 @@ the wrapper must forward to the storage units to keep them accurate.
 
 from __future__ import annotations
 
-import heapq
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ._errors import InventoryError, TransferQueueError
 from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._results import Update
+from ._results import Loss, LostSamples, Update
 from ._spec import TopicSpec
-from ._topic import Effects, Group, Sample, Topic
+from ._topic import Effects, Topic
 
 if TYPE_CHECKING:
     from ._state import ControllerState
+
+
+def _present(names: dict[str, int], mask: int, sizes: list[int]) -> dict[str, int]:
+    return {c: sizes[k] for k, c in enumerate(names) if mask >> k & 1}
 
 
 def export_inventory(state: ControllerState, unit: str | None) -> Inventory:
@@ -29,25 +35,40 @@ def export_inventory(state: ControllerState, unit: str | None) -> Inventory:
     for t in state._topics.values():
         topics.append(TopicRecord(t.name, t.latest, t.next_index, t.next_gid))
         consumers = t.spec.consumers
-        for g in t.groups.values():
-            if unit is not None and g.unit != unit:
-                continue
-            groups.append(GroupRecord(t.name, g.gid, g.unit, g.size, g.allocated, g.shared_bytes))
-            for index in g.members:
-                s = t.samples[index]
-                acked = frozenset(c for i, c in enumerate(consumers) if s.acked >> i & 1)
-                samples.append(
-                    SampleRecord(
-                        topic=t.name,
-                        index=s.index,
-                        version=s.version,
-                        group_id=s.gid,
-                        unit=s.unit,
-                        length=s.length,
-                        columns=s.col_bytes,
-                        acked=acked,
-                    )
+        s, g = t.s, t.g
+        gm = g.live[: g.n].copy()
+        sm = s.live[: s.n].copy()
+        if unit is not None:
+            u = state._unit_ix[unit]
+            gm &= g.unit[: g.n] == u
+            sm &= s.unit[: s.n] == u
+        for x in np.flatnonzero(gm).tolist():
+            groups.append(
+                GroupRecord(
+                    t.name,
+                    int(g.ids[x]),
+                    state.units[int(g.unit[x])],
+                    int(g.size[x]),
+                    int(g.alloc[x]),
+                    _present(t.shared_ix, int(g.shared[x]), g.sbytes[x].tolist()),
+                    bool(g.explicit[x]),
                 )
+            )
+        for x in np.flatnonzero(sm).tolist():
+            acked = int(s.acked[x])
+            samples.append(
+                SampleRecord(
+                    topic=t.name,
+                    index=int(s.ids[x]),
+                    version=int(s.version[x]),
+                    group_id=int(s.gid[x]),
+                    unit=state.units[int(s.unit[x])],
+                    length=int(s.length[x]),
+                    columns=_present(t.col_ix, int(s.cols[x]), s.cbytes[x].tolist()),
+                    acked=frozenset(c for i, c in enumerate(consumers) if acked >> i & 1),
+                    committed=bool(s.committed[x]),
+                )
+            )
     return Inventory(topics=tuple(topics), groups=tuple(groups), samples=tuple(samples))
 
 
@@ -56,13 +77,20 @@ def _bad(message: str) -> InventoryError:
 
 
 def rebuild(
-    specs: Iterable[TopicSpec], units: Iterable[str], inventory: Inventory, *, epoch: int
+    specs: Iterable[TopicSpec],
+    units: Iterable[str],
+    inventory: Inventory,
+    *,
+    epoch: int,
+    now: float | None = None,
 ) -> tuple[ControllerState, Update]:
     """A state equivalent to the one that wrote ``inventory``, with every lease returned.
 
     Returns the state and what rebuilding did: samples every consumer had acked are freed, groups
     with nothing left are freed, and groups that are stale at the recorded latest version are
-    evicted (no lease holds them any more).
+    evicted (no lease holds them any more). With ``now``, uncommitted samples and open groups'
+    unfilled slots expire ``write_ttl`` from ``now`` (their writers may have died while the
+    controller was down).
     """
     from ._state import ControllerState
 
@@ -84,35 +112,47 @@ def rebuild(
         t.latest = max(t.latest, trec.latest_version)
         t.next_index = max(t.next_index, trec.next_index)
         t.next_gid = max(t.next_gid, trec.next_group_id)
+    seen: set[tuple[str, int]] = set()
     for grec in sorted(inventory.groups, key=lambda r: (r.topic, r.group_id)):
-        t = topic_of(grec.topic)
-        _add_group(state, t, grec)
+        _add_group(state, topic_of(grec.topic), grec, seen, now)
+    seen.clear()
     for srec in sorted(inventory.samples, key=lambda r: (r.topic, r.index)):
-        t = topic_of(srec.topic)
-        _add_sample(state, t, srec)
+        _add_sample(state, topic_of(srec.topic), srec, seen)
+        if not srec.committed:
+            state._rebuilt_write(srec.topic, srec.index, now)
     for t in state._topics.values():
-        for g in t.groups.values():
-            if len(g.members) > g.allocated:
-                raise _bad(
-                    f"group {g.gid} of topic {t.name!r} has {len(g.members)} live members but "
-                    f"records only {g.allocated} allocated"
-                )
-        for s in [s for s in t.samples.values() if s.acked == t.full]:
-            t.freed_total += 1
-            t.drop_sample(s, t.groups[s.gid], fx)
-        for g in list(t.groups.values()):
-            t.settle(g, fx)
-        state._apply_window(t, fx)
+        g, s = t.g, t.s
+        over = np.flatnonzero(g.nmem[: g.n] > g.alloc[: g.n])
+        if over.size:
+            x = int(over[0])
+            raise _bad(
+                f"group {int(g.ids[x])} of topic {t.name!r} has {int(g.nmem[x])} live members "
+                f"but records only {int(g.alloc[x])} allocated"
+            )
+        done = np.flatnonzero(s.live[: s.n] & (s.acked[: s.n] == t.full))
+        t.freed_total += len(done)
+        t.drop_samples(done, fx, consumed=True)
+        t.settle(np.flatnonzero(g.live[: g.n]), fx)
+        t.apply_window(fx)
+        t.tidy()
     return state, fx.update()
 
 
-def _add_group(state: ControllerState, t: Topic, rec: GroupRecord) -> None:
+def _add_group(
+    state: ControllerState,
+    t: Topic,
+    rec: GroupRecord,
+    seen: set[tuple[str, int]],
+    now: float | None,
+) -> None:
     where = f"group {rec.group_id!r} of topic {t.name!r}"
     if not isinstance(rec.group_id, int) or rec.group_id < 0:
         raise _bad(f"{where}: group id must be an int >= 0")
-    if rec.group_id in t.groups:
+    if (t.name, rec.group_id) in seen:
         raise _bad(f"{where} is recorded twice")
-    if rec.unit not in state._load:
+    seen.add((t.name, rec.group_id))
+    u = state._unit_ix.get(rec.unit)
+    if u is None:
         raise _bad(f"{where} is on unknown unit {rec.unit!r} (units: {list(state.units)})")
     if not (isinstance(rec.size, int) and isinstance(rec.allocated, int)):
         raise _bad(f"{where}: size and allocated must be ints")
@@ -124,29 +164,40 @@ def _add_group(state: ControllerState, t: Topic, rec: GroupRecord) -> None:
         raise _bad(f"{where}: {exc}") from None
     if per_sample:
         raise _bad(f"{where}: shared columns {sorted(rec.shared)} include per-sample columns")
-    g = Group(rec.group_id, rec.unit, rec.size, len(t.spec.consumers))
-    g.allocated = rec.allocated
-    g.shared = mask
-    g.shared_bytes = dict(rec.shared)
-    g.nbytes = sum(rec.shared.values())
-    t.groups[g.gid] = g
-    t.next_gid = max(t.next_gid, g.gid + 1)
-    t.reserved += g.pending
-    state._load[g.unit] += g.pending
-    t.shared_total += g.nbytes
+    ttl = t.spec.write_ttl
+    pending = rec.size > rec.allocated
+    deadline = now + ttl if now is not None and ttl is not None and pending else math.inf
+    t.next_gid, gid = rec.group_id, t.next_gid  # new_groups numbers from next_gid
+    rows = t.new_groups(np.array([u], np.int64), rec.size, explicit=rec.explicit, deadline=deadline)
+    t.next_gid = max(gid, rec.group_id + 1)
+    g = t.g
+    g.alloc[rows] = rec.allocated
+    g.committed[rows] = rec.allocated
+    g.shared[rows] = mask
+    for col, nbytes in rec.shared.items():
+        g.sbytes[rows, t.shared_ix[col]] = nbytes
+    g.nbytes[rows] = sum(rec.shared.values())
+    t.reserved -= rec.allocated  # only the unfilled slots stay reserved
+    state._load[u] -= rec.allocated
+    t.shared_total += sum(rec.shared.values())
+    state._writes.group_deadline(t.name, rec.group_id, deadline)
 
 
-def _add_sample(state: ControllerState, t: Topic, rec: SampleRecord) -> None:
+def _add_sample(
+    state: ControllerState, t: Topic, rec: SampleRecord, seen: set[tuple[str, int]]
+) -> None:
     where = f"sample {rec.index!r} of topic {t.name!r}"
     if not isinstance(rec.index, int) or rec.index < 0:
         raise _bad(f"{where}: index must be an int >= 0")
-    if rec.index in t.samples:
+    if (t.name, rec.index) in seen:
         raise _bad(f"{where} is recorded twice")
-    g = t.groups.get(rec.group_id)
-    if g is None:
+    seen.add((t.name, rec.index))
+    gslot = t.g.slot_of(rec.group_id) if isinstance(rec.group_id, int) else -1
+    if gslot < 0:
         raise _bad(f"{where} belongs to group {rec.group_id!r}, which has no record")
-    if rec.unit != g.unit:
-        raise _bad(f"{where} is on unit {rec.unit!r} but its group is on {g.unit!r}")
+    unit = state.units[int(t.g.unit[gslot])]
+    if rec.unit != unit:
+        raise _bad(f"{where} is on unit {rec.unit!r} but its group is on {unit!r}")
     if not isinstance(rec.version, int) or rec.version < 0:
         raise _bad(f"{where}: version must be an int >= 0, got {rec.version!r}")
     if not isinstance(rec.length, int) or rec.length < 0:
@@ -160,21 +211,78 @@ def _add_sample(state: ControllerState, t: Topic, rec: SampleRecord) -> None:
         raise _bad(f"{where}: {exc}") from None
     if shared:
         raise _bad(f"{where}: columns {sorted(rec.columns)} include group-shared columns")
-    s = Sample(rec.index, rec.version, g.gid, g.unit, rec.length)
-    s.cols = mask
-    s.col_bytes = dict(rec.columns)
-    s.nbytes = sum(rec.columns.values())
-    s.acked = acked
-    t.samples[s.index] = s
-    t.next_index = max(t.next_index, s.index + 1)
-    g.members.append(s.index)
-    for ci in range(len(t.spec.consumers)):
+    # new_samples numbers from next_index and takes a reserved slot: put both back after
+    next_index, t.next_index = t.next_index, rec.index
+    t.reserved += 1
+    g = t.g
+    alloc, committed = int(g.alloc[gslot]), int(g.committed[gslot])
+    rows = t.new_samples(np.array([gslot], np.int64), rec.version, np.array([rec.length]))
+    g.alloc[gslot], g.committed[gslot] = alloc, committed - (not rec.committed)
+    t.next_index = max(next_index, rec.index + 1)
+    s = t.s
+    s.cols[rows] = mask
+    for col, nbytes in rec.columns.items():
+        s.cbytes[rows, t.col_ix[col]] = nbytes
+    nbytes = sum(rec.columns.values())
+    s.nbytes[rows] = nbytes
+    s.acked[rows] = acked
+    s.committed[rows] = rec.committed
+    consumers = len(t.spec.consumers)
+    for ci in range(consumers):
         if acked >> ci & 1:
             t.consumed_count[ci] += 1
-        else:
-            g.unconsumed[ci] += 1
+            g.unacked[gslot, ci] -= 1
     t.written += bool(mask)
-    t.live_bytes += s.nbytes
-    t.allocated_total += 1
-    state._load[g.unit] += 1
-    heapq.heappush(t.vheap, (s.version, g.gid))
+    t.live_bytes += nbytes
+    state._load[int(g.unit[gslot])] += 1
+
+
+def storage_lost(state: ControllerState, unit: str, u: int) -> Loss:
+    """``ControllerState.storage_lost`` on unit number ``u`` (see there)."""
+    lost: list[LostSamples] = []
+    leases: list[int] = []
+    for t in state._topics.values():
+        s, g = t.s, t.g
+        gslots = np.flatnonzero(g.live[: g.n] & (g.unit[: g.n] == u))
+        if not gslots.size:
+            continue
+        rows = np.flatnonzero(s.live[: s.n] & (s.unit[: s.n] == u))
+        indexes = s.ids[rows].copy()
+        committed = s.committed[rows]
+        reported = g.explicit[gslots].copy()  # explicit groups, and those with committed data
+        reported[np.searchsorted(gslots, s.gs[rows][committed])] = True
+        gids = tuple(g.ids[gslots][reported].tolist())
+        t.drop_samples(rows, None)
+        t.drop_groups(gslots, None)
+        t.lost_total += int(committed.sum())
+        t.discarded_total += int((~committed).sum())
+        t.lost_groups += len(gids)
+        t.changes += 1
+        if gids:
+            kept = tuple(indexes[committed].tolist())
+            lost.append(LostSamples(topic=t.name, indexes=kept, group_ids=gids))
+        leases.extend(state._lease_table.touching(t.name, indexes))
+        t.tidy()
+    assert state._load[u] == 0, state._load[u]
+    return Loss(unit=unit, lost=tuple(lost), leases=tuple(leases))
+
+
+def group_records(
+    state: ControllerState, t: Topic, group_ids: Iterable[int]
+) -> tuple[GroupRecord, ...]:
+    """``ControllerState.group_records`` (see there)."""
+    g = t.g
+    slots, ok = g.find(np.unique(np.fromiter(group_ids, np.int64)))
+    slots = slots[ok]
+    slots = slots[g.explicit[slots]]
+    return tuple(
+        GroupRecord(
+            t.name,
+            int(g.ids[x]),
+            state.units[int(g.unit[x])],
+            int(g.size[x]),
+            int(g.committed[x]),
+            _present(t.shared_ix, int(g.shared[x]), g.sbytes[x].tolist()),
+        )
+        for x in slots.tolist()
+    )

@@ -103,19 +103,32 @@ class Eviction:
 
 
 @attrs.frozen
+class Abandoned:
+    """Samples a writer allocated but never committed (it died, or stayed silent past the
+    topic's ``write_ttl``), and slots of open groups it never filled: they were dropped (counted
+    as discarded), so re-inject those prompts by group id."""
+
+    topic: str
+    indexes: tuple[int, ...]
+    group_ids: tuple[int, ...]
+
+
+@attrs.frozen
 class Update:
     """What a mutating call changed that the outside must act on.
 
     ``releases``: data to delete, per unit (freed after every consumer acked, evicted, discarded,
     or groups whose last member went). ``evictions``: groups evicted by this call (report them).
     ``ended``: lease ids this call ended. ``missing``: indexes of an acked/nacked lease that had
-    already disappeared (lost with a storage unit or discarded by the writer).
+    already disappeared (lost with a storage unit or discarded by the writer). ``abandoned``:
+    allocations and open-group slots of writers that died or went silent (see :class:`Abandoned`).
     """
 
     releases: tuple[Release, ...] = ()
     evictions: tuple[Eviction, ...] = ()
     ended: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
+    abandoned: tuple[Abandoned, ...] = ()
 
     @property
     def nbytes_freed(self) -> int:

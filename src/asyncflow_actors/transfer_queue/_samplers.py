@@ -1,8 +1,7 @@
 """Samplers: which ready samples a claim hands out, and how they split across DP ranks.
 
-A sampler is a small frozen value passed to ``claim``; the selection functions here work on the
-ordered index structures the state maintains incrementally, so a claim costs O(count log n), never
-a scan of the ready pool.
+A sampler is a small frozen value passed to ``claim``; the selection itself is vectorized in the
+lease table (``_leases``), from each view's hint onwards, never a scan from the oldest sample.
 
 - :class:`Fifo`: ready samples, oldest index first; group members may go to different claims.
 - :class:`WholeGroups`: complete groups only (every remaining member ready, fresh and not held by
@@ -18,13 +17,12 @@ Rank sharing (every rank of a DP group receiving the same samples) is orthogonal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Union
 
 import attrs
 
 from ._errors import InvalidArgument
-from ._ordered import IndexSet
 
 #: Non-fitting groups a whole-group claim skips before it stops looking further.
 MAX_SKIPPED_GROUPS = 64
@@ -64,43 +62,6 @@ def uses_groups(sampler: Sampler) -> bool:
     return isinstance(sampler, WholeGroups) or (
         isinstance(sampler, Balanced) and sampler.whole_groups
     )
-
-
-def select_samples(ready: IndexSet, count: int, min_count: int) -> list[int] | None:
-    """Take between ``min_count`` and ``count`` oldest indexes from ``ready``, or none at all."""
-    if len(ready) < min_count:
-        return None
-    return ready.pop_smallest(count)
-
-
-def select_groups(
-    groups: IndexSet, size_of: Callable[[int], int], count: int, min_count: int
-) -> list[int] | None:
-    """Take the oldest eligible groups, first fit, totalling ``min_count..count`` samples.
-
-    Returns the chosen group ids (removed from ``groups``), or ``None`` with ``groups`` unchanged.
-    """
-    chosen: list[int] = []
-    skipped: list[int] = []
-    total = 0
-    for gid in groups.iter_smallest():
-        size = size_of(gid)
-        if total + size <= count:
-            chosen.append(gid)
-            total += size
-            if total == count:
-                break
-        else:
-            skipped.append(gid)
-            if len(skipped) >= MAX_SKIPPED_GROUPS:
-                break
-    for gid in skipped:
-        groups.add(gid)
-    if total < min_count:
-        for gid in chosen:
-            groups.add(gid)
-        return None
-    return chosen
 
 
 def partition_lpt(

@@ -150,7 +150,10 @@ class TopicSpec:
     ``staleness`` is the number of versions a sample may lag the latest (0: exactly the latest).
     ``capacity`` bounds live samples plus reserved group slots (``None``: unbounded); allocation
     past it is refused so the writer waits. ``lease_ttl`` (seconds) bounds how long a claim may be
-    held before it returns to the pool.
+    held before it returns to the pool. ``write_ttl`` (seconds, ``None``: never) bounds how long
+    a writer may take between allocating samples and committing them, and how long an open
+    group may wait for its next member: past it the writer is presumed dead, its uncommitted
+    samples are dropped and the group's unfilled slots given up (reported as abandoned).
     """
 
     name: str = attrs.field()
@@ -159,6 +162,7 @@ class TopicSpec:
     staleness: int = attrs.field(default=0)
     capacity: int | None = attrs.field(default=None)
     lease_ttl: float = attrs.field(default=60.0)
+    write_ttl: float | None = attrs.field(default=600.0)
 
     @name.validator
     def _check_name(self, _attr: attrs.Attribute[str], value: str) -> None:
@@ -179,6 +183,17 @@ class TopicSpec:
         if not ok or not math.isfinite(value) or value <= 0:
             raise SchemaError(
                 f"topic {self.name!r} lease_ttl must be a finite number of seconds > 0, got {value!r}"
+            )
+
+    @write_ttl.validator
+    def _check_write_ttl(self, _attr: attrs.Attribute[float | None], value: float | None) -> None:
+        if value is None:
+            return
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value <= 0:
+            raise SchemaError(
+                f"topic {self.name!r} write_ttl must be a finite number of seconds > 0 or None, "
+                f"got {value!r}"
             )
 
     @property
@@ -210,14 +225,22 @@ class TopicSpec:
         """Build a spec from a parsed TOML table (or any dict).
 
         Keys: ``name`` (or the ``name`` argument, e.g. the TOML table key), ``consumers``,
-        ``staleness``, ``capacity``, ``lease_ttl`` and ``columns``: a table of column tables with
+        ``staleness``, ``capacity``, ``lease_ttl``, ``write_ttl`` and ``columns``: a table of column tables with
         ``dtype``, ``shape`` (a list; ``-1`` or ``None`` marks a variable dimension) and ``shared``.
         Unknown keys are errors. Raises :class:`SchemaError` naming the offending key.
         """
         where = f"topic {name!r}" if name is not None else "topic"
         if not isinstance(table, Mapping):
             raise SchemaError(f"{where}: expected a table, got {table!r}")
-        allowed = {"name", "consumers", "staleness", "capacity", "lease_ttl", "columns"}
+        allowed = {
+            "name",
+            "consumers",
+            "staleness",
+            "capacity",
+            "lease_ttl",
+            "write_ttl",
+            "columns",
+        }
         _no_extra(where, table, allowed)
         if name is not None and "name" in table and table["name"] != name:
             raise SchemaError(f"{where}: 'name' is {table['name']!r} but the table is {name!r}")
@@ -247,7 +270,7 @@ class TopicSpec:
             except SchemaError as exc:
                 raise SchemaError(f"{cwhere}: {exc}") from None
         kwargs: dict[str, Any] = {
-            k: table[k] for k in ("staleness", "capacity", "lease_ttl") if k in table
+            k: table[k] for k in ("staleness", "capacity", "lease_ttl", "write_ttl") if k in table
         }
         try:
             return cls(name=topic, columns=columns, consumers=table["consumers"], **kwargs)

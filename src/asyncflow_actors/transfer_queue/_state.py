@@ -2,16 +2,20 @@
 
 :class:`ControllerState` is the whole control plane of the TransferQueue and nothing else: topics,
 index allocation and placement, per (sample, column) readiness, versions and staleness windows,
-per-consumer consumption, leases, group reference counts, capacity. It holds no data and does no
-I/O: the controller actor wraps it, forwards data to storage units, and acts on the values each
-call returns (:class:`Update`, :class:`Loss`). Every call checks all its arguments before it
-mutates anything, so a call that raises leaves the state unchanged. Time is an argument (``now``).
+per-consumer consumption, leases, group reference counts, capacity, and the deadlines of writes
+still in progress. It holds no data and does no I/O: the controller actor wraps it, forwards data
+to storage units, and acts on the values each call returns (:class:`Update`, :class:`Loss`).
+Every call checks all its arguments before it mutates anything, so a call that raises leaves the
+state unchanged. Time is an argument (``now``). Bookkeeping is vectorized (numpy, see
+``_topic``): a put, a claim or an ack of n samples costs a few array operations, not n steps.
 """
 
 from __future__ import annotations
 
-import heapq
+import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from ._check import byte_sizes, finite_time, holder_name, int_at_least
 from ._errors import (
@@ -24,13 +28,16 @@ from ._errors import (
     UnknownTopic,
     UnknownUnit,
 )
-from ._inventory import Inventory, TopicRecord
+from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
-from ._results import Allocation, GroupSlot, Lease, Loss, LostSamples, Update
+from ._placement import least_loaded
+from ._results import Allocation, GroupSlot, Lease, Loss, Update
 from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from ._spec import TopicSpec
 from ._stats import StateStatistics, topic_statistics
-from ._topic import Effects, Group, Sample, Topic
+from ._table import Ints, rows_of
+from ._topic import Effects, Topic
+from ._writes import Writes
 
 
 class ControllerState:
@@ -62,9 +69,13 @@ class ControllerState:
             )
         if len(set(self._units)) != len(self._units):
             raise InvalidArgument(f"unit ids must be unique, got {list(self._units)}")
-        self._load = dict.fromkeys(self._units, 0)
+        self._unit_ix = {u: k for k, u in enumerate(self._units)}
+        self._unit_names = np.array(self._units, dtype=object)
+        self._load: Ints = np.zeros(len(self._units), np.int64)
+        self._down: set[int] = set()  # units new groups avoid (see set_unit_up)
         self._topics: dict[str, Topic] = {}
         self._lease_table = LeaseTable(int_at_least("epoch", epoch, 0))
+        self._writes = Writes()  # writes in progress and their deadlines
         for spec in specs:
             self.add_topic(spec)
 
@@ -76,7 +87,8 @@ class ControllerState:
             raise SchemaError(f"expected a TopicSpec, got {spec!r}")
         if spec.name in self._topics:
             raise SchemaError(f"topic {spec.name!r} is already declared")
-        self._topics[spec.name] = Topic(spec, self._load)
+        self._topics[spec.name] = Topic(spec, self._units, self._load)
+        self._writes.add_topic(spec.name)
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -92,7 +104,7 @@ class ControllerState:
     def _topic(self, name: str) -> Topic:
         try:
             return self._topics[name]
-        except KeyError:
+        except (KeyError, TypeError):
             raise UnknownTopic(f"no topic {name!r} (declared: {sorted(self._topics)})") from None
 
     # -- versions ------------------------------------------------------------------------------
@@ -123,21 +135,10 @@ class ControllerState:
         if version == t.latest:
             return fx.update()
         t.latest = version
-        self._apply_window(t, fx)
+        t.apply_window(fx)
         t.changes += 1
+        t.tidy()
         return fx.update()
-
-    def _apply_window(self, t: Topic, fx: Effects) -> None:
-        threshold = t.threshold
-        while t.vheap and t.vheap[0][0] < threshold:
-            _, gid = heapq.heappop(t.vheap)
-            g = t.groups.get(gid)
-            if g is None or g.doomed or not t.is_stale(g):
-                continue  # that member is gone; a stale live member has its own entry
-            if g.held:
-                t.doom(g)
-            else:
-                t.evict(g, fx)
 
     # -- capacity and allocation ---------------------------------------------------------------
 
@@ -158,7 +159,8 @@ class ControllerState:
         cap = t.spec.capacity
         return None if cap is None else cap - t.occupied
 
-    def _fits(self, t: Topic, n: int, *, raise_full: bool) -> bool:
+    @staticmethod
+    def _fits(t: Topic, n: int, *, raise_full: bool) -> bool:
         cap = t.spec.capacity
         if cap is None:
             return True
@@ -172,36 +174,41 @@ class ControllerState:
             )
         return fits
 
-    def _least_loaded(self, n: int) -> list[str]:
-        """Units for ``n`` new groups: the least-loaded ``k`` units, ``k`` growing with ``n`` in
-        steps of ``min_block`` samples, each taking one contiguous run (a small batch goes to
-        one unit whole; a large one splits into one slice per unit, never interleaved rows)."""
-        k = max(1, min(len(self._units), -(-n // self._min_block)))
-        ranked = sorted(range(len(self._units)), key=lambda r: (self._load[self._units[r]], r))
-        heap = [(self._load[self._units[r]], r) for r in ranked[:k]]
-        heapq.heapify(heap)
-        picks: list[int] = []
-        for _ in range(n):  # fill the least loaded first, one sample at a time
-            load, rank = heapq.heappop(heap)
-            picks.append(rank)
-            heapq.heappush(heap, (load + 1, rank))
-        return [self._units[rank] for rank in sorted(picks)]
+    def _least_loaded(self, n: int) -> Ints:
+        """Units (as numbers) for ``n`` new groups (see :func:`least_loaded`)."""
+        return least_loaded(self._load.tolist(), self._down, n, self._min_block)
 
-    def open_group(self, topic: str, size: int) -> GroupSlot:
+    def _deadline(self, t: Topic, now: float | None) -> float:
+        ttl = t.spec.write_ttl
+        return math.inf if now is None or ttl is None else finite_time(now) + ttl
+
+    def open_group(
+        self, topic: str, size: int, *, holder: str | None = None, now: float | None = None
+    ) -> GroupSlot:
         """Open a group of ``size`` members (e.g. n responses of one prompt) on one storage unit.
 
         The group reserves ``size`` slots of capacity at once (so a group being streamed member
         by member can always complete). It is *complete* once ``size`` members are allocated;
-        ``shrink_group`` and ``discard`` lower ``size``. Raises :class:`CapacityError` if it does
-        not fit now (check :meth:`can_allocate` first).
+        ``shrink_group`` and ``discard`` lower ``size``. With ``now`` and a topic ``write_ttl``,
+        slots still unfilled ``write_ttl`` seconds after the last allocation into the group are
+        given up by :meth:`expire` (a writer that died); ``holder`` owns the group, and
+        :meth:`release_holder` gives up its unfilled slots at once. Raises
+        :class:`CapacityError` if it does not fit now (check :meth:`can_allocate` first).
         """
         t = self._topic(topic)
         int_at_least("size", size, 1)
+        deadline = self._deadline(t, now)
+        if holder is not None:
+            holder_name(holder)
         self._fits(t, size, raise_full=True)
-        (unit,) = self._least_loaded(1)
-        g = t.new_group(unit, size)
+        rows = t.new_groups(self._least_loaded(1), size, explicit=True, deadline=deadline)
+        gid = int(t.g.ids[rows][0])
+        t.g.owner[rows] = self._writes.holder_id(holder)
+        self._writes.group_deadline(topic, gid, deadline)
         t.changes += 1
-        return GroupSlot(topic=topic, group_id=g.gid, unit=unit, size=size)
+        return GroupSlot(
+            topic=topic, group_id=gid, unit=self._units[int(t.g.unit[rows][0])], size=size
+        )
 
     def allocate(
         self,
@@ -211,12 +218,17 @@ class ControllerState:
         *,
         group: int | None = None,
         lengths: Sequence[int] | None = None,
+        holder: str | None = None,
+        now: float | None = None,
     ) -> Allocation:
         """Assign ``n`` new indexes (monotonic per topic) written with policy ``version``.
 
         With ``group``, the samples become members of that open group (on its unit; they use its
         reserved slots). Without, each sample is its own implicit group of size 1, placed on the
-        least-loaded unit. ``lengths`` (default 1 each) feed the length-balanced sampler.
+        least-loaded unit. ``lengths`` (default 1 each) feed the length-balanced sampler. With
+        ``now`` and a topic ``write_ttl``, samples not committed within ``write_ttl`` seconds are
+        dropped by :meth:`expire` (reported in :attr:`Update.abandoned`); ``holder`` names the
+        writer, and :meth:`release_holder` drops its uncommitted samples at once.
         Raises :class:`StaleVersionError` if ``version`` is outside the window (or the group is
         stale), :class:`GroupError` if the group has fewer than ``n`` free slots,
         :class:`UnknownGroup`, :class:`CapacityError` if ungrouped samples do not fit now.
@@ -225,42 +237,48 @@ class ControllerState:
         int_at_least("n", n, 1)
         int_at_least("version", version, 0)
         if lengths is None:
-            lens = [1] * n
+            lens = np.ones(n, np.int64)
         else:
-            lens = [int_at_least("length", x, 0) for x in lengths]
+            lens = np.array([int_at_least("length", x, 0) for x in lengths], np.int64)
             if len(lens) != n:
                 raise InvalidArgument(f"lengths has {len(lens)} entries, expected n={n}")
+        deadline = self._deadline(t, now)
+        if holder is not None:
+            holder_name(holder)
         if version < t.threshold:
             raise StaleVersionError(
                 f"topic {topic!r}: version {version} is outside the window (oldest fresh version "
                 f"{t.threshold}: latest {t.latest}, staleness {t.spec.staleness})"
             )
+        g = t.g
         if group is not None:
-            g = t.group(group)
-            if g.doomed:
+            gslot = t.group(group)
+            if g.doomed[gslot]:
                 raise StaleVersionError(f"topic {topic!r}: group {group} is stale (being evicted)")
-            if n > g.pending:
+            pending = int(g.size[gslot] - g.alloc[gslot])
+            if n > pending:
                 raise GroupError(
-                    f"topic {topic!r}: group {group} has {g.pending} free slots, asked for {n}"
+                    f"topic {topic!r}: group {group} has {pending} free slots, asked for {n}"
                 )
-            groups = [g] * n
+            gslots = np.full(n, gslot, np.int64)
+            if g.deadline[gslot] != math.inf and deadline != math.inf:
+                g.deadline[gslot] = deadline  # the writer is alive: its open group lives on
+                self._writes.group_deadline(topic, group, deadline)
+            t.lower_group_hints(group)
         else:
             self._fits(t, n, raise_full=True)
-            groups = [t.new_group(unit, 1) for unit in self._least_loaded(n)]
-        views = list(t.views.values())
-        samples: list[Sample] = []
-        for g, length in zip(groups, lens, strict=True):
-            s = t.new_sample(g, version, length)
-            samples.append(s)
-            heapq.heappush(t.vheap, (version, g.gid))
-            t.sync(s, g, views)
+            rows = t.new_groups(self._least_loaded(n), 1, explicit=False, deadline=math.inf)
+            gslots = np.arange(rows.start, rows.stop, dtype=np.int64)
+        rows = t.new_samples(gslots, version, lens)
+        ids = t.s.ids[rows]
+        self._writes.allocated(topic, ids, holder, deadline)
         t.changes += 1
         return Allocation(
             topic=topic,
             version=version,
-            indexes=tuple(s.index for s in samples),
-            units=tuple(s.unit for s in samples),
-            group_ids=tuple(s.gid for s in samples),
+            indexes=tuple(ids.tolist()),
+            units=tuple(self._unit_names[t.s.unit[rows]].tolist()),
+            group_ids=tuple(t.s.gid[rows].tolist()),
         )
 
     def shrink_group(self, topic: str, group_id: int, slots: int) -> Update:
@@ -268,19 +286,17 @@ class ControllerState:
         produce them). The reservation is released; a group left with no members and no slots is
         freed (its shared blob in ``releases``). Raises :class:`GroupError` if fewer are free."""
         t = self._topic(topic)
-        g = t.group(group_id)
+        gslot = t.group(group_id)
         int_at_least("slots", slots, 1)
-        if slots > g.pending:
+        pending = int(t.g.size[gslot] - t.g.alloc[gslot])
+        if slots > pending:
             raise GroupError(
-                f"topic {topic!r}: group {group_id} has {g.pending} free slots, cannot shrink by {slots}"
+                f"topic {topic!r}: group {group_id} has {pending} free slots, cannot shrink by {slots}"
             )
-        g.size -= slots
-        t.reserved -= slots
-        self._load[g.unit] -= slots
         fx = Effects()
-        t.refresh_all(g)
-        t.settle(g, fx)
+        t.shrink(np.array([gslot], np.int64), np.array([slots], np.int64), fx)
         t.changes += 1
+        t.tidy()
         return fx.update()
 
     def discard(self, topic: str, indexes: Iterable[int]) -> Update:
@@ -289,45 +305,59 @@ class ControllerState:
         Leases holding them skip them on ack (listed in ``missing``). Counted as discarded,
         not evicted. Raises :class:`UnknownSample` if any index is not live."""
         t = self._topic(topic)
-        targets = self._live(t, indexes)
+        rows, _ = self._live(t, indexes)
         fx = Effects()
-        touched: dict[int, Group] = {}
-        for s in targets:
-            g = t.groups[s.gid]
-            g.size -= 1
-            g.allocated -= 1
-            t.drop_sample(s, g, fx)
-            t.discarded_total += 1
-            touched[g.gid] = g
-        for g in touched.values():
-            t.refresh_all(g)
-            t.settle(g, fx)
+        t.discard(rows, fx)
         t.changes += 1
+        t.tidy()
         return fx.update()
 
     def locate(self, topic: str, indexes: Iterable[int]) -> dict[int, tuple[int, str]]:
         """``index -> (group id, unit)`` of live samples; raises :class:`UnknownSample`."""
-        return {s.index: (s.gid, s.unit) for s in self._live(self._topic(topic), indexes)}
+        t = self._topic(topic)
+        rows, _ = self._live(t, indexes)
+        units = t.s.unit[rows].tolist()
+        return {
+            i: (gid, self._units[u])
+            for i, gid, u in zip(t.s.ids[rows].tolist(), t.s.gid[rows].tolist(), units, strict=True)
+        }
 
     def group_unit(self, topic: str, group_id: int) -> str:
         """The unit holding a live group; raises :class:`UnknownGroup`."""
-        return self._topic(topic).group(group_id).unit
+        t = self._topic(topic)
+        return self._units[int(t.g.unit[t.group(group_id)])]
+
+    def group_records(self, topic: str, group_ids: Iterable[int]) -> tuple[GroupRecord, ...]:
+        """Records of the live *explicit* groups among ``group_ids`` (opened with
+        :meth:`open_group`) as storage units keep them: ``allocated`` counts committed members
+        only, so a rebuild gives uncommitted members' slots back to their writer."""
+        from ._rebuild import group_records
+
+        return group_records(self, self._topic(topic), group_ids)
 
     def topic_record(self, topic: str) -> TopicRecord:
         """The topic's latest version and id watermarks (what units keep for a rebuild)."""
         t = self._topic(topic)
         return TopicRecord(t.name, t.latest, t.next_index, t.next_gid)
 
-    def _live(self, t: Topic, indexes: Iterable[int]) -> list[Sample]:
-        wanted = list(indexes)
-        if not wanted:
+    @staticmethod
+    def _live(t: Topic, indexes: Iterable[int]) -> tuple[Ints, bool]:
+        """Slots of live samples ``indexes`` (distinct), and whether they are ascending."""
+        try:
+            wanted = np.fromiter(indexes, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidArgument(f"indexes must be ints, got {indexes!r}") from None
+        if not wanted.size:
             raise InvalidArgument("indexes must not be empty")
-        if len(set(wanted)) != len(wanted):
-            raise InvalidArgument(f"indexes must be distinct, got duplicates in {wanted[:16]}")
-        missing = [i for i in wanted if i not in t.samples]
-        if missing:
-            raise UnknownSample(t.name, missing)
-        return [t.samples[i] for i in wanted]
+        ascending = bool((wanted[1:] > wanted[:-1]).all())
+        if not ascending and np.unique(wanted).size != wanted.size:
+            raise InvalidArgument(
+                f"indexes must be distinct, got duplicates in {wanted[:16].tolist()}"
+            )
+        slots, ok = t.s.find(wanted)
+        if not ok.all():
+            raise UnknownSample(t.name, wanted[~ok].tolist())
+        return slots, ascending
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -337,6 +367,7 @@ class ControllerState:
         """Record that per-sample ``columns`` of ``indexes`` are now stored (after the unit stored
         them): ``columns`` maps each column to its byte size per sample (one int for every index,
         or a sequence aligned with ``indexes``). Rewriting a present column replaces its bytes.
+        The first write of a sample *commits* it (its allocation no longer expires).
 
         Raises :class:`UnknownColumn`, :class:`SchemaError` (a group-shared column: use
         :meth:`commit_shared`), :class:`UnknownSample` (not live: freed, evicted, lost), and
@@ -351,21 +382,11 @@ class ControllerState:
             raise SchemaError(
                 f"topic {topic!r}: columns {names} are group-shared; write them with commit_shared"
             )
-        targets = self._live(t, indexes)
-        sizes = {c: byte_sizes(c, v, len(targets)) for c, v in columns.items()}
-        views = list(t.views.values())
-        for k, s in enumerate(targets):
-            for col, per in sizes.items():
-                new = per[k]
-                s.nbytes += new - s.col_bytes.get(col, 0)
-                t.live_bytes += new - s.col_bytes.get(col, 0)
-                s.col_bytes[col] = new
-            if not s.cols:
-                t.written += 1
-            if s.cols | mask != s.cols:
-                s.cols |= mask
-                t.sync(s, t.groups[s.gid], views)
-        t.changes += 1
+        slots, ascending = self._live(t, indexes)
+        sizes = {c: byte_sizes(c, v, len(slots)) for c, v in columns.items()}
+        if t.write(slots, ascending, sizes, mask):
+            rows_are_one_run = ascending and isinstance(rows_of(slots), slice)
+            self._writes.committed(t, int(t.s.ids[slots[0]]), len(slots), whole=rows_are_one_run)
 
     def commit_shared(self, topic: str, group_id: int, columns: Mapping[str, int]) -> None:
         """Record that group-shared ``columns`` (name -> bytes, stored once) of a group are stored.
@@ -374,7 +395,7 @@ class ControllerState:
         column: use :meth:`commit_write`), :class:`InvalidArgument` for bad sizes.
         """
         t = self._topic(topic)
-        g = t.group(group_id)
+        gslot = t.group(group_id)
         if not columns:
             raise InvalidArgument("columns must name at least one column")
         per_sample, mask = t.masks(columns)
@@ -384,15 +405,7 @@ class ControllerState:
                 f"topic {topic!r}: columns {names} are per-sample; write them with commit_write"
             )
         sizes = {c: int_at_least(f"nbytes of {c!r}", v, 0) for c, v in columns.items()}
-        for col, new in sizes.items():
-            delta = new - g.shared_bytes.get(col, 0)
-            g.nbytes += delta
-            t.shared_total += delta
-            g.shared_bytes[col] = new
-        if g.shared | mask != g.shared:
-            g.shared |= mask
-            t.resync_group(g)
-        t.changes += 1
+        t.write_shared(gslot, sizes, mask)
 
     # -- claims --------------------------------------------------------------------------------
 
@@ -404,11 +417,11 @@ class ControllerState:
     def ready_count(
         self, topic: str, consumer: str, columns: Iterable[str], *, sampler: Sampler = FIFO
     ) -> int:
-        """Samples ``consumer`` could claim now for ``columns``: candidates, or samples in
-        eligible groups for a whole-group sampler. O(1) after the first call (builds the view)."""
+        """Samples ``consumer`` could claim now for ``columns``: candidates (O(1)), or samples
+        in eligible groups for a whole-group sampler (one vectorized pass over the groups)."""
         t = self._topic(topic)
         v = t.view(t.consumer(consumer), self._columns(t, columns))
-        return v.total if uses_groups(sampler) else len(v.ready)
+        return t.ready_groups(v)[1] if uses_groups(sampler) else v.nready
 
     @staticmethod
     def _columns(t: Topic, columns: Iterable[str]) -> frozenset[str]:
@@ -503,63 +516,69 @@ class ControllerState:
         return self._lease_table.renew(lease_id, finite_time(now))
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline of an outstanding lease (when to call :meth:`expire` next)."""
-        return self._lease_table.next_deadline()
+        """The earliest deadline of an outstanding lease, an uncommitted allocation or an open
+        group's unfilled slots (when to call :meth:`expire` next)."""
+        deadlines = (self._lease_table.next_deadline(), self._writes.next_deadline(self._topics))
+        return min((d for d in deadlines if d is not None), default=None)
 
     def expire(self, now: float) -> Update:
         """Return every lease whose deadline is ``<= now`` to the pool (``ended`` lists them);
-        stale groups they were the last to hold are evicted."""
+        stale groups they were the last to hold are evicted. Also drops the samples of writes
+        not committed by their deadline and gives up the unfilled slots of open groups past
+        theirs (``abandoned``: a writer that died)."""
         now = finite_time(now)
         fx = Effects()
         self._lease_table.expire(now, fx)
+        self._writes.expire(self._topics, now, fx)
+        for t in self._topics.values():
+            t.tidy()
         return fx.update()
 
     def release_holder(self, holder: str) -> Update:
-        """Return every lease ``holder`` created or joined (a dead holder loses no samples)."""
+        """Return every lease ``holder`` created or joined (a dead holder loses no samples), drop
+        its uncommitted allocations and give up the unfilled slots of the groups it opened."""
         fx = Effects()
         self._lease_table.release_holder(holder, fx)
+        self._writes.release(self._topics, holder, fx)
+        for t in self._topics.values():
+            t.tidy()
         return fx.update()
 
     # -- failures ------------------------------------------------------------------------------
 
+    def set_unit_up(self, unit: str, up: bool) -> None:
+        """Whether new groups and samples may be placed on ``unit`` (a unit that is down or
+        restarting gets none; if every unit is down, placement ignores this). Raises
+        :class:`UnknownUnit`."""
+        u = self._unit_ix.get(unit) if isinstance(unit, str) else None
+        if u is None:
+            raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
+        if up:
+            self._down.discard(u)
+        else:
+            self._down.add(u)
+
     def storage_lost(self, unit: str) -> Loss:
         """Drop everything placed on ``unit`` (its data is gone) and report it, per topic, so the
-        driver can re-inject those prompts. Outstanding leases keep their other samples; their
-        ack/nack skip the lost ones (``Update.missing``); :attr:`Loss.leases` names them. The
-        unit stays usable (its supervisor restarts it empty). Raises :class:`UnknownUnit`."""
-        if unit not in self._load:
+        driver can re-inject those prompts: the committed samples, and the groups that had one
+        or were opened explicitly. Samples not committed yet are dropped as discarded, not
+        reported (their writer's put fails, and it knows). Outstanding leases keep their other
+        samples; their ack/nack skip the lost ones (``Update.missing``); :attr:`Loss.leases`
+        names them. The unit stays usable (its supervisor restarts it empty). Raises
+        :class:`UnknownUnit`."""
+        u = self._unit_ix.get(unit) if isinstance(unit, str) else None
+        if u is None:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
-        lost: list[LostSamples] = []
-        for t in self._topics.values():
-            gids = [g.gid for g in t.groups.values() if g.unit == unit]
-            indexes: list[int] = []
-            for gid in gids:
-                g = t.groups[gid]
-                for index in list(g.members):
-                    t.drop_sample(t.samples[index], g, None)
-                    indexes.append(index)
-                t.drop_group(g, None)
-            if gids:
-                t.lost_total += len(indexes)
-                t.lost_groups += len(gids)
-                t.changes += 1
-                lost.append(
-                    LostSamples(topic=t.name, indexes=tuple(indexes), group_ids=tuple(gids))
-                )
-        assert self._load[unit] == 0, self._load[unit]
-        leases = tuple(
-            lid
-            for entry in lost
-            for lid in self._lease_table.touching(entry.topic, set(entry.indexes))
-        )
-        return Loss(unit=unit, lost=tuple(lost), leases=leases)
+        from ._rebuild import storage_lost
+
+        return storage_lost(self, unit, u)
 
     # -- inventory -----------------------------------------------------------------------------
 
     def export_inventory(self, unit: str | None = None) -> Inventory:
         """The records storage units keep (all units, or ``unit`` only, plus every topic record):
         what :meth:`from_inventory` rebuilds from. Raises :class:`UnknownUnit`."""
-        if unit is not None and unit not in self._load:
+        if unit is not None and unit not in self._unit_ix:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
         from ._rebuild import export_inventory
 
@@ -573,6 +592,7 @@ class ControllerState:
         inventory: Inventory,
         *,
         epoch: int,
+        now: float | None = None,
     ) -> tuple[ControllerState, Update]:
         """Rebuild a state from the storage units' merged inventory (after a controller restart).
 
@@ -581,11 +601,17 @@ class ControllerState:
         did: samples every consumer had acked and empty groups are released, and groups stale at
         the recorded latest version are evicted. Totals in :meth:`statistics` restart from the
         rebuilt live samples. ``epoch`` must exceed every earlier incarnation's (e.g. the restart
-        count). Raises :class:`InventoryError` for inconsistent records.
+        count). Uncommitted samples stay uncommitted (their writer may still commit them); with
+        ``now`` they and open groups' unfilled slots expire ``write_ttl`` from ``now``. Raises
+        :class:`InventoryError` for inconsistent records.
         """
         from ._rebuild import rebuild
 
-        return rebuild(specs, units, inventory, epoch=epoch)
+        return rebuild(specs, units, inventory, epoch=epoch, now=now)
+
+    def _rebuilt_write(self, topic: str, index: int, now: float | None) -> None:
+        """A rebuilt uncommitted sample: it expires ``write_ttl`` from ``now``."""
+        self._writes.rebuilt(topic, index, self._deadline(self._topics[topic], now))
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -593,6 +619,6 @@ class ControllerState:
         """A frozen snapshot: per-topic counts, occupied slots per unit, outstanding leases."""
         return StateStatistics(
             topics=tuple(topic_statistics(t) for t in self._topics.values()),
-            units=dict(self._load),
+            units=dict(zip(self._units, self._load.tolist(), strict=True)),
             leases=len(self._lease_table),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
+import numpy as np
 
 from ._topic import Topic
 
@@ -81,11 +82,12 @@ class StateStatistics:
 def topic_statistics(t: Topic) -> TopicStatistics:
     """Build the snapshot of one topic (O(groups + views))."""
     consumers = t.spec.consumers
-    complete = doomed = saved = 0
-    for g in t.groups.values():
-        complete += g.pending == 0
-        doomed += g.doomed
-        saved += g.nbytes * max(g.size - 1, 0)
+    g = t.g
+    live = g.live[: g.n]
+    complete = int(np.count_nonzero(live & (g.alloc[: g.n] == g.size[: g.n])))
+    doomed = t.ndoomed
+    saved = int((g.nbytes[: g.n] * np.maximum(g.size[: g.n] - 1, 0))[live].sum())
+    views = [(v, t.ready_groups(v)) for v in t.views.values()]
     return TopicStatistics(
         topic=t.name,
         latest_version=t.latest,
@@ -94,9 +96,9 @@ def topic_statistics(t: Topic) -> TopicStatistics:
         capacity=t.spec.capacity,
         occupied=t.occupied,
         reserved=t.reserved,
-        live=len(t.samples),
+        live=t.s.nlive,
         written=t.written,
-        groups=len(t.groups),
+        groups=g.nlive,
         complete_groups=complete,
         pending_eviction_groups=doomed,
         consumers=tuple(
@@ -107,11 +109,11 @@ def topic_statistics(t: Topic) -> TopicStatistics:
             ViewStatistics(
                 consumer=consumers[v.ci],
                 columns=v.columns,
-                ready=len(v.ready),
-                ready_groups=len(v.amount),
-                ready_group_samples=v.total,
+                ready=v.nready,
+                ready_groups=groups,
+                ready_group_samples=samples,
             )
-            for v in t.views.values()
+            for v, (groups, samples) in views
         ),
         leases=t.leases,
         live_bytes=t.live_bytes,

@@ -1,13 +1,21 @@
-"""Per-topic bookkeeping behind :class:`ControllerState` (internal).
+"""Per-topic bookkeeping behind :class:`ControllerState` (internal), vectorized.
 
-Samples, groups and *views* live here. A view is the incremental answer to "which samples may
-consumer c claim for columns C": a sample is a candidate of view (c, C) iff its per-sample columns
-of C are present, its group's shared columns of C are present, c has neither acked nor leased it,
-and its group is not pending eviction. Each view keeps its candidates in an ordered set, and its
-*eligible groups* (complete, with every member c has not acked a candidate) in another, so claims
-never scan. Every mutation keeps the views in sync through :meth:`Topic.sync` and
-:meth:`Topic.refresh`; freshness needs no per-claim check because stale groups leave every view
-the moment the version moves past them (see ``ControllerState.set_latest_version``).
+Samples and groups are rows of two :class:`Table`\\ s (one numpy array per field), so a put, a
+claim or an ack of n samples is a handful of array operations, not n Python steps. Per-sample
+fields: version, group, unit, length, present columns (a bit mask), consumers that acked and
+that lease it (bit masks), bytes per column, committed. Per-group fields: unit, size, members
+allocated and committed, shared columns present, live members, live members each consumer has
+not acked, (member, consumer) pairs under lease, pending-eviction flag, first and last member.
+
+A *view* (consumer c, columns C) answers "which samples may c claim for C": a sample is a
+candidate iff its per-sample columns of C and its group's shared columns of C are present, c
+has neither acked nor leased it, and its group is not pending eviction. A claim computes that
+predicate over the rows in index order, from a per-view hint below which no candidate exists
+(every change that may create one lowers the hint). For whole-group claims each view keeps,
+per group, its number of candidates (a group field kept up to date by every change): a group
+is eligible iff it is complete and that count equals its live members c has not acked.
+Freshness needs no per-claim check: stale groups leave every view the moment the version moves
+past them (see ``ControllerState.set_latest_version``).
 
 Capacity is counted in *occupied* slots: live samples plus reserved (not yet allocated) slots of
 open groups, so a streaming group can always complete once opened.
@@ -16,98 +24,44 @@ open groups, so a streaming group can always complete once opened.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from ._errors import UnknownColumn, UnknownConsumer, UnknownGroup
-from ._ordered import IndexSet
-from ._results import STALE, Eviction, Release, Update
+import numpy as np
+
+from ._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
+from ._results import STALE, Abandoned, Eviction, Release, Update
 from ._spec import TopicSpec
+from ._table import (
+    Bools,
+    Index,
+    Ints,
+    Table,
+    distinct,
+    groups_of,
+    popcount,
+    rows_of,
+    runs,
+    scatter_add,
+)
 
-
-class Sample:
-    __slots__ = (
-        "acked",
-        "col_bytes",
-        "cols",
-        "gid",
-        "index",
-        "leased",
-        "length",
-        "nbytes",
-        "unit",
-        "version",
-    )
-
-    def __init__(self, index: int, version: int, gid: int, unit: str, length: int) -> None:
-        self.index = index
-        self.version = version
-        self.gid = gid
-        self.unit = unit
-        self.length = length
-        self.cols = 0  # bitmask of per-sample columns present
-        self.col_bytes: dict[str, int] = {}
-        self.nbytes = 0
-        self.acked = 0  # bitmask of consumers that acked
-        self.leased = 0  # bitmask of consumers holding it under a lease
-
-
-class Group:
-    __slots__ = (
-        "allocated",
-        "doomed",
-        "gid",
-        "held",
-        "members",
-        "nbytes",
-        "shared",
-        "shared_bytes",
-        "size",
-        "unconsumed",
-        "unit",
-    )
-
-    def __init__(self, gid: int, unit: str, size: int, consumers: int) -> None:
-        self.gid = gid
-        self.unit = unit
-        self.size = size  # expected members (shrinks with discards)
-        self.allocated = 0  # members allocated and not discarded (incl. freed ones)
-        self.members: list[int] = []  # live member indexes
-        self.shared = 0  # bitmask of shared columns present
-        self.shared_bytes: dict[str, int] = {}
-        self.nbytes = 0
-        self.unconsumed = [0] * consumers  # live members not acked, per consumer
-        self.held = 0  # (member, consumer) pairs under a lease
-        self.doomed = False  # stale but held: evicted when the last lease on it ends
-
-    @property
-    def pending(self) -> int:
-        return self.size - self.allocated
+_MAX_BITS = 63  # masks are int64
+_NONE: Bools = np.zeros((), np.bool_)  # "no candidate before": 0-d, broadcasts against any rows
+NO_MEMBER = int(np.iinfo(np.int64).max)  # ``first`` of a group with no member yet
 
 
 class View:
-    __slots__ = (
-        "amount",
-        "bit",
-        "cand",
-        "ci",
-        "columns",
-        "gmask",
-        "groups",
-        "ready",
-        "smask",
-        "total",
-    )
+    __slots__ = ("bit", "ci", "columns", "field", "glo", "gmask", "lo", "nready", "smask")
 
-    def __init__(self, ci: int, columns: frozenset[str], smask: int, gmask: int) -> None:
+    def __init__(self, ci: int, columns: frozenset[str], smask: int, gmask: int, field: str):
         self.ci = ci
         self.bit = 1 << ci
         self.columns = columns
         self.smask = smask
         self.gmask = gmask
-        self.ready = IndexSet()  # candidate sample indexes
-        self.cand: dict[int, int] = {}  # group id -> candidates in it
-        self.groups = IndexSet()  # eligible group ids
-        self.amount: dict[int, int] = {}  # eligible group id -> samples it hands out
-        self.total = 0  # sum of amount
+        self.field = field  # the group-table field counting this view's candidates per group
+        self.lo = 0  # no candidate has a lower index
+        self.glo = 0  # no eligible group has a lower id
+        self.nready = 0  # candidates
 
 
 class Effects:
@@ -116,6 +70,7 @@ class Effects:
     def __init__(self) -> None:
         self._rel: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
         self._evi: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        self._aba: dict[str, tuple[list[int], list[int]]] = {}
         self.ended: list[int] = []
         self.missing: list[int] = []
 
@@ -125,21 +80,23 @@ class Effects:
             entry = self._rel[(unit, topic)] = ([], [], [0])
         return entry
 
-    def free_sample(self, unit: str, topic: str, index: int, nbytes: int) -> None:
-        entry = self._entry(unit, topic)
-        entry[0].append(index)
-        entry[2][0] += nbytes
+    def free(self, t: Topic, unit_ix: Ints, ids: Ints, nbytes: Ints, *, groups: bool) -> None:
+        """Release rows (samples, or group blobs with ``groups``) placed on ``unit_ix``."""
+        for u, mine in groups_of(unit_ix):
+            entry = self._entry(t.units[u], t.name)
+            entry[1 if groups else 0].extend(ids[mine].tolist())
+            entry[2][0] += int(nbytes[mine].sum())
 
-    def free_group(self, unit: str, topic: str, gid: int, nbytes: int) -> None:
-        entry = self._entry(unit, topic)
-        entry[1].append(gid)
-        entry[2][0] += nbytes
-
-    def evicted(self, topic: str, gid: int, indexes: Iterable[int], nbytes: int) -> None:
+    def evicted(self, topic: str, gids: Iterable[int], indexes: Iterable[int], nbytes: int) -> None:
         entry = self._evi.setdefault(topic, ([], [], [0]))
-        entry[0].append(gid)
+        entry[0].extend(gids)
         entry[1].extend(indexes)
         entry[2][0] += nbytes
+
+    def abandoned(self, topic: str, indexes: Iterable[int], gids: Iterable[int]) -> None:
+        entry = self._aba.setdefault(topic, ([], []))
+        entry[0].extend(indexes)
+        entry[1].extend(gids)
 
     def update(self) -> Update:
         return Update(
@@ -153,36 +110,60 @@ class Effects:
             ),
             ended=tuple(self.ended),
             missing=tuple(self.missing),
+            abandoned=tuple(
+                Abandoned(topic=t, indexes=tuple(i), group_ids=tuple(dict.fromkeys(g)))
+                for t, (i, g) in self._aba.items()
+            ),
         )
 
 
-def _popcount(mask: int) -> int:
-    return bin(mask).count("1")
+def _bits(kind: str, topic: str, names: Iterable[str]) -> dict[str, int]:
+    table = {name: 1 << k for k, name in enumerate(names)}
+    if len(table) > _MAX_BITS:
+        raise SchemaError(f"topic {topic!r}: at most {_MAX_BITS} {kind}, got {len(table)}")
+    return table
 
 
 class Topic:
     """The mutable state of one topic; :class:`ControllerState` validates, this mutates."""
 
-    def __init__(self, spec: TopicSpec, load: dict[str, int]) -> None:
+    def __init__(self, spec: TopicSpec, units: tuple[str, ...], load: Ints) -> None:
         self.spec = spec
         self.name = spec.name
+        self.units = units
         self.load = load  # shared with the state: occupied slots per unit, all topics
         self.consumer_ix = {c: i for i, c in enumerate(spec.consumers)}
         self.full = (1 << len(spec.consumers)) - 1
-        self.col_bit: dict[str, int] = {}
-        self.shared_bit: dict[str, int] = {}
-        for name, col in spec.columns.items():
-            table = self.shared_bit if col.shared else self.col_bit
-            table[name] = 1 << len(table)
+        self.col_bit = _bits("per-sample columns", spec.name, sorted(spec.sample_columns))
+        self.shared_bit = _bits("shared columns", spec.name, sorted(spec.shared_columns))
+        _bits("consumers", spec.name, spec.consumers)
+        self.col_ix = {c: k for k, c in enumerate(self.col_bit)}
+        self.shared_ix = {c: k for k, c in enumerate(self.shared_bit)}
+        self.s = s = Table()
+        for name in ("version", "gid", "gs", "unit", "length", "cols", "acked", "leased"):
+            s.add(name, np.int64)
+        s.add("nbytes", np.int64)
+        s.add("cbytes", np.int64, max(1, len(self.col_bit)))
+        s.add("committed", np.bool_)
+        self.g = g = Table()
+        for name in ("unit", "size", "alloc", "committed", "shared", "nbytes", "nmem", "held"):
+            g.add(name, np.int64)
+        g.add("first", np.int64)
+        g.add("last", np.int64)
+        g.add("owner", np.int64)
+        g.add("sbytes", np.int64, max(1, len(self.shared_bit)))
+        g.add("unacked", np.int64, len(spec.consumers))
+        g.add("doomed", np.bool_)
+        g.add("explicit", np.bool_)
+        g.add("deadline", np.float64)
+        g.on_compact.append(self._groups_compacted)
         self.latest = 0
         self.next_index = 0
         self.next_gid = 0
-        self.samples: dict[int, Sample] = {}
-        self.groups: dict[int, Group] = {}
         self.views: dict[tuple[int, frozenset[str]], View] = {}
         self.views_of: list[list[View]] = [[] for _ in spec.consumers]
-        self.vheap: list[tuple[int, int]] = []  # (member version, group id), lazily checked
         self.shares: dict[tuple[int, object], int] = {}  # (consumer, share key) -> lease id
+        self.ndoomed = 0
         self.reserved = 0
         self.written = 0
         self.live_bytes = 0
@@ -208,7 +189,7 @@ class Topic:
 
     @property
     def occupied(self) -> int:
-        return len(self.samples) + self.reserved
+        return self.s.nlive + self.reserved
 
     def consumer(self, name: str) -> int:
         try:
@@ -219,16 +200,17 @@ class Topic:
                 f"(declared: {list(self.spec.consumers)})"
             ) from None
 
-    def group(self, gid: int) -> Group:
-        g = self.groups.get(gid)
-        if g is None:
+    def group(self, gid: int) -> int:
+        """The slot of live group ``gid``; raises :class:`UnknownGroup`."""
+        slot = self.g.slot_of(gid) if isinstance(gid, int) and not isinstance(gid, bool) else -1
+        if slot < 0:
             state = (
                 "is no longer live (freed, evicted or lost)"
-                if 0 <= gid < self.next_gid
+                if isinstance(gid, int) and 0 <= gid < self.next_gid
                 else "was never opened"
             )
             raise UnknownGroup(f"group {gid!r} of topic {self.name!r} {state}")
-        return g
+        return slot
 
     def masks(self, columns: Iterable[str]) -> tuple[int, int]:
         """(per-sample mask, shared mask) of ``columns``; raises :class:`UnknownColumn`."""
@@ -245,182 +227,343 @@ class Topic:
                 )
         return smask, gmask
 
+    def members(self, gslot: int) -> Ints:
+        """Slots of the live members of group ``gslot``, ascending."""
+        s, g = self.s, self.g
+        first = int(g.first[gslot])
+        if first == NO_MEMBER:
+            return np.zeros(0, np.int64)
+        lo = s.first_at_or_after(first)
+        hi = s.first_at_or_after(int(g.last[gslot]) + 1)
+        return lo + np.flatnonzero(s.live[lo:hi] & (s.gs[lo:hi] == gslot))
+
+    def members_of(self, gslots: Ints) -> Ints:
+        """Slots of the live members of several groups, ascending."""
+        if len(gslots) == 1:
+            return self.members(int(gslots[0]))
+        s, g = self.s, self.g
+        sel = np.zeros(g.n, np.bool_)
+        sel[gslots] = True
+        n = s.n
+        return np.flatnonzero(s.live[:n] & sel[np.minimum(s.gs[:n], g.n - 1)])
+
+    def is_stale(self, gslot: int) -> bool:
+        rows = self.members(gslot)
+        return bool(rows.size) and int(self.s.version[rows].min()) < self.threshold
+
     # -- views ---------------------------------------------------------------------------------
 
     def view(self, ci: int, columns: frozenset[str]) -> View:
-        """The view of consumer ``ci`` over ``columns``, built on first use (one O(n) scan)."""
+        """The view of consumer ``ci`` over ``columns``, built on first use (one O(n) pass)."""
         key = (ci, columns)
         v = self.views.get(key)
         if v is None:
             smask, gmask = self.masks(columns)
-            v = View(ci, columns, smask, gmask)
+            field = f"cand{len(self.views)}"
+            self.g.add(field, np.int64)
+            v = View(ci, columns, smask, gmask, field)
             self.views[key] = v
             self.views_of[ci].append(v)
-            for g in self.groups.values():
-                for index in g.members:
-                    s = self.samples[index]
-                    if self.is_candidate(s, g, v):
-                        v.ready.add(index)
-                        v.cand[g.gid] = v.cand.get(g.gid, 0) + 1
-                self.refresh(v, g)
+            rows = slice(0, self.s.n)
+            c = self.cand(v, rows)
+            self._count(v, self.s.gs[rows][c], 1)
         return v
 
-    def is_candidate(self, s: Sample, g: Group, v: View) -> bool:
-        return (
-            s.cols & v.smask == v.smask
-            and g.shared & v.gmask == v.gmask
-            and not (s.acked | s.leased) & v.bit
-            and not g.doomed
-        )
+    def cand(self, v: View, rows: Index) -> Bools:
+        """Whether each sample of ``rows`` is a candidate of ``v``."""
+        s = self.s
+        m: Bools = s.live[rows] & ((s.cols[rows] & v.smask) == v.smask)
+        m &= ((s.acked[rows] | s.leased[rows]) & v.bit) == 0
+        if self.ndoomed or v.gmask:
+            g = self.g
+            gs = np.minimum(s.gs[rows], g.n - 1)
+            if self.ndoomed:
+                m &= ~g.doomed[gs]
+            if v.gmask:
+                m &= (g.shared[gs] & v.gmask) == v.gmask
+        return m
 
-    def sync(self, s: Sample, g: Group, views: Iterable[View]) -> None:
-        """Re-evaluate sample ``s`` (of group ``g``) in ``views``."""
-        for v in views:
-            index = s.index
-            if self.is_candidate(s, g, v):
-                if index not in v.ready:
-                    v.ready.add(index)
-                    v.cand[g.gid] = v.cand.get(g.gid, 0) + 1
-            elif index in v.ready:
-                v.ready.discard(index)
-                self.uncand(v, g.gid)
-            self.refresh(v, g)
+    def _count(self, v: View, gslots: Ints, sign: int) -> None:
+        if gslots.size:
+            scatter_add(getattr(self.g, v.field), gslots, sign)
+            v.nready += sign * int(gslots.size)
 
-    def unview(self, s: Sample, g: Group, views: Iterable[View]) -> None:
-        """Remove sample ``s`` from ``views`` (it was leased, dropped or doomed)."""
-        for v in views:
-            if s.index in v.ready:
-                v.ready.discard(s.index)
-                self.uncand(v, g.gid)
-                self.refresh(v, g)
+    def before(self, rows: Index, views: Iterable[View] | None = None) -> list[tuple[View, Bools]]:
+        """Candidacy of ``rows`` in ``views`` (default: all), to pass to :meth:`after`."""
+        return [(v, self.cand(v, rows)) for v in (self.views.values() if views is None else views)]
 
-    @staticmethod
-    def uncand(v: View, gid: int) -> None:
-        left = v.cand[gid] - 1
-        if left:
-            v.cand[gid] = left
-        else:
-            del v.cand[gid]
+    def uncount(self, befores: list[tuple[View, Bools]], gs: Ints) -> None:
+        """The candidates of :meth:`before` (on rows of groups ``gs``) are no longer any."""
+        for v, was in befores:
+            self._count(v, gs[was], -1)
 
-    def refresh(self, v: View, g: Group) -> None:
-        """Re-evaluate whether group ``g`` is eligible for whole-group claims in view ``v``."""
-        cand = v.cand.get(g.gid, 0)
-        eligible = cand > 0 and g.pending == 0 and not g.doomed and cand == g.unconsumed[v.ci]
-        old = v.amount.get(g.gid)
-        if eligible:
-            if old is None:
-                v.groups.add(g.gid)
-                old = 0
-            v.amount[g.gid] = cand
-            v.total += cand - old
-        elif old is not None:
-            del v.amount[g.gid]
-            v.total -= old
-            v.groups.discard(g.gid)
+    def after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
+        """Apply the candidacy changes of ``rows`` since :meth:`before` to the views' counts."""
+        s = self.s
+        for v, was in befores:
+            now = self.cand(v, rows)
+            if np.array_equal(now, was):
+                continue
+            gs = s.gs[rows]
+            gained = now & ~was
+            self._count(v, gs[was & ~now], -1)
+            if gained.any():
+                self._count(v, gs[gained], 1)
+                v.lo = min(v.lo, int(s.ids[rows][gained].min()))
+                v.glo = min(v.glo, int(s.gid[rows][gained].min()))
 
-    def refresh_all(self, g: Group, views: Iterable[View] | None = None) -> None:
+    def lower_group_hints(self, gid: int, views: Iterable[View] | None = None) -> None:
+        """A group at or above ``gid`` may have become eligible (members, acks, size)."""
         for v in self.views.values() if views is None else views:
-            self.refresh(v, g)
+            v.glo = min(v.glo, gid)
 
-    def resync_group(self, g: Group) -> None:
-        """Re-evaluate every member of ``g`` in every view (a group-level change)."""
-        views = list(self.views.values())
-        for index in g.members:
-            self.sync(self.samples[index], g, views)
-        self.refresh_all(g, views)
+    def eligible(self, v: View, lo: int, hi: int) -> Bools:
+        """Whether each group of slots ``lo:hi`` is eligible for whole-group claims in ``v``."""
+        g = self.g
+        un = g.unacked[lo:hi, v.ci]
+        m: Bools = g.live[lo:hi] & (g.alloc[lo:hi] == g.size[lo:hi]) & (un > 0)
+        m &= getattr(g, v.field)[lo:hi] == un
+        return m
+
+    def ready_groups(self, v: View) -> tuple[int, int]:
+        """(eligible groups, samples they hand out) for ``v``: one pass over the groups."""
+        n = self.g.n
+        m = self.eligible(v, 0, n)
+        return int(m.sum()), int(self.g.unacked[:n, v.ci][m].sum())
 
     # -- structure -----------------------------------------------------------------------------
 
-    def new_group(self, unit: str, size: int) -> Group:
-        g = Group(self.next_gid, unit, size, len(self.spec.consumers))
-        self.next_gid += 1
-        self.groups[g.gid] = g
-        self.reserved += size
-        self.load[unit] += size
-        return g
+    def new_groups(self, unit_ix: Ints, size: int, *, explicit: bool, deadline: float) -> slice:
+        """Open ``len(unit_ix)`` groups of ``size`` slots each (reserved at once)."""
+        k = len(unit_ix)
+        g = self.g
+        rows = g.append(np.arange(self.next_gid, self.next_gid + k, dtype=np.int64))
+        self.next_gid += k
+        g.unit[rows] = unit_ix
+        g.size[rows] = size
+        g.first[rows] = NO_MEMBER
+        g.last[rows] = -1
+        g.owner[rows] = -1
+        g.explicit[rows] = explicit
+        g.deadline[rows] = deadline
+        self.reserved += k * size
+        scatter_add(self.load, unit_ix, size)
+        return rows
 
-    def new_sample(self, g: Group, version: int, length: int) -> Sample:
-        s = Sample(self.next_index, version, g.gid, g.unit, length)
-        self.next_index += 1
-        self.samples[s.index] = s
-        g.members.append(s.index)
-        g.allocated += 1
-        self.reserved -= 1  # the reserved slot becomes a live sample: load unchanged
-        for ci in range(len(g.unconsumed)):
-            g.unconsumed[ci] += 1
-        self.allocated_total += 1
-        return s
+    def new_samples(self, gslots: Ints, version: int, lengths: Ints) -> slice:
+        """Allocate one sample into each group of ``gslots`` (a slot may repeat)."""
+        k = len(gslots)
+        s, g = self.s, self.g
+        ids = np.arange(self.next_index, self.next_index + k, dtype=np.int64)
+        self.next_index += k
+        rows = s.append(ids)
+        s.version[rows] = version
+        s.gid[rows] = g.ids[gslots]
+        s.gs[rows] = gslots
+        s.unit[rows] = g.unit[gslots]
+        s.length[rows] = lengths
+        where = runs(gslots)
+        scatter_add(g.alloc, where, 1)
+        scatter_add(g.nmem, where, 1)
+        scatter_add(g.unacked, where, 1)
+        np.minimum.at(g.first, gslots, ids)
+        np.maximum.at(g.last, gslots, ids)
+        self.reserved -= k  # the reserved slots become live samples: load unchanged
+        self.allocated_total += k
+        befores = [(v, np.zeros(k, np.bool_)) for v in self.views.values() if v.smask == 0]
+        if befores:
+            self.after(rows, befores)
+        return rows
 
-    def drop_sample(self, s: Sample, g: Group, fx: Effects | None) -> None:
-        """Remove a live sample from everything; ``fx`` gets its data to delete (if given)."""
-        self.unview(s, g, self.views.values())
-        g.members.remove(s.index)
-        for ci in range(len(g.unconsumed)):
-            bit = 1 << ci
-            if s.acked & bit:
-                self.consumed_count[ci] -= 1
-            else:
-                g.unconsumed[ci] -= 1
-            if s.leased & bit:
-                self.leased_count[ci] -= 1
-                g.held -= 1
-        if s.cols:
-            self.written -= 1
-        self.live_bytes -= s.nbytes
-        self.load[s.unit] -= 1
-        del self.samples[s.index]
-        if fx is not None:
-            fx.free_sample(s.unit, self.name, s.index, s.nbytes)
-        self.refresh_all(g)
-
-    def drop_group(self, g: Group, fx: Effects | None) -> None:
-        """Remove a group with no live members (its pending slots and shared blobs go too)."""
-        assert not g.members, g.members
-        for v in self.views.values():
-            v.cand.pop(g.gid, None)
-            old = v.amount.pop(g.gid, None)
-            if old is not None:
-                v.total -= old
-                v.groups.discard(g.gid)
-        self.reserved -= g.pending
-        self.load[g.unit] -= g.pending
-        self.shared_total -= g.nbytes
-        del self.groups[g.gid]
-        if fx is not None:
-            fx.free_group(g.unit, self.name, g.gid, g.nbytes)
-
-    def settle(self, g: Group, fx: Effects) -> None:
-        """After ``g`` lost a member or a lease: evict it if stale and unheld, free it if done."""
-        if g.gid not in self.groups:
+    def drop_samples(self, rows: Index, fx: Effects | None, *, consumed: bool = False) -> None:
+        """Remove live samples from everything; ``fx`` gets their data to delete (if given).
+        ``consumed``: every consumer acked them (so no view counts them as candidates)."""
+        s, g = self.s, self.g
+        gs = s.gs[rows]
+        k = len(gs)
+        if not k:
             return
-        if g.doomed and not self.is_stale(g):
-            # Its stale members were freed or discarded: the rest is fresh, back in the pool.
-            g.doomed = False
-            self.resync_group(g)
-        if g.doomed and g.held == 0:
-            self.evict(g, fx)
-        elif not g.members and g.pending == 0:
-            self.drop_group(g, fx)
+        where = runs(gs)
+        scatter_add(g.nmem, where, -1)
+        if consumed:  # acked by every consumer, leased by none: no view counts them
+            for ci in range(len(self.consumed_count)):
+                self.consumed_count[ci] -= k
+        else:
+            for v in self.views.values():
+                self._count(v, gs[self.cand(v, rows)], -1)
+            acked = s.acked[rows]
+            leased = s.leased[rows]
+            ncons = len(self.consumed_count)
+            bits = (acked[:, None] >> np.arange(ncons, dtype=np.int64)) & 1
+            lbits = (leased[:, None] >> np.arange(ncons, dtype=np.int64)) & 1
+            scatter_add(g.unacked, where, bits - 1)
+            if leased.any():
+                scatter_add(g.held, where, -popcount(leased))
+            counts = zip(bits.sum(0).tolist(), lbits.sum(0).tolist(), strict=True)
+            for ci, (a, lz) in enumerate(counts):
+                self.consumed_count[ci] -= a
+                self.leased_count[ci] -= lz
+        self.written -= int(np.count_nonzero(s.cols[rows]))
+        nbytes = s.nbytes[rows]
+        self.live_bytes -= int(nbytes.sum())
+        units = s.unit[rows]
+        scatter_add(self.load, units, -1)
+        s.kill(rows, k)
+        if fx is not None:
+            fx.free(self, units, s.ids[rows], nbytes, groups=False)
 
-    def evict(self, g: Group, fx: Effects) -> None:
-        indexes = list(g.members)
-        nbytes = g.nbytes
-        for index in indexes:
-            s = self.samples[index]
-            nbytes += s.nbytes
-            self.drop_sample(s, g, fx)
-        self.drop_group(g, fx)
+    def drop_groups(self, gslots: Ints, fx: Effects | None) -> None:
+        """Remove groups with no live members (their pending slots and shared blobs go too)."""
+        if not gslots.size:
+            return
+        g = self.g
+        pending = g.size[gslots] - g.alloc[gslots]
+        self.reserved -= int(pending.sum())
+        units = g.unit[gslots]
+        scatter_add(self.load, units, -pending)
+        nbytes = g.nbytes[gslots]
+        self.shared_total -= int(nbytes.sum())
+        doomed = int(np.count_nonzero(g.doomed[gslots]))
+        self.ndoomed -= doomed
+        g.doomed[gslots] = False
+        g.kill(gslots, len(gslots))
+        if fx is not None:
+            fx.free(self, units, g.ids[gslots], nbytes, groups=True)
+
+    def settle(self, gslots: Ints, fx: Effects) -> None:
+        """After groups lost members or leases: evict the stale unheld ones, free the done ones."""
+        g = self.g
+        gslots = distinct(gslots)
+        gslots = gslots[g.live[gslots]]
+        for x in gslots[g.doomed[gslots]].tolist():
+            if not self.is_stale(x):
+                self.undoom(x)  # its stale members were freed or discarded: back in the pool
+            elif g.held[x] == 0:
+                self.evict(np.array([x], np.int64), fx)
+        gslots = gslots[g.live[gslots]]
+        done = (g.nmem[gslots] == 0) & (g.alloc[gslots] == g.size[gslots])
+        self.drop_groups(gslots[done], fx)
+
+    def evict(self, gslots: Ints, fx: Effects) -> None:
+        """Evict whole groups (stale and unheld): members and shared blobs, reported once."""
+        s, g = self.s, self.g
+        rows = self.members_of(gslots)
+        nbytes = int(g.nbytes[gslots].sum()) + int(s.nbytes[rows].sum())
+        indexes = s.ids[rows].tolist()
+        gids = g.ids[gslots].tolist()
+        self.drop_samples(rows, fx)
+        self.drop_groups(gslots, fx)
         self.evicted_total += len(indexes)
-        self.evicted_groups += 1
-        fx.evicted(self.name, g.gid, indexes, nbytes)
+        self.evicted_groups += len(gids)
+        fx.evicted(self.name, gids, indexes, nbytes)
 
-    def doom(self, g: Group) -> None:
-        g.doomed = True
-        views = list(self.views.values())
-        for index in g.members:
-            self.unview(self.samples[index], g, views)
-        self.refresh_all(g, views)
+    def write(self, slots: Ints, ascending: bool, sizes: dict[str, Any], mask: int) -> bool:
+        """Per-sample columns ``mask`` of live samples ``slots`` are stored now (``sizes``: bytes
+        per column, one int or one per sample). Returns whether it committed new samples."""
+        s, g = self.s, self.g
+        rows = rows_of(slots, ascending=ascending) if ascending else slots
+        fresh = not s.cols[rows].any()  # the first write of new samples: the common put
+        # a view over per-sample columns counts none of them yet: nothing to compute before
+        befores = self.before(rows, [v for v in self.views.values() if not fresh or not v.smask])
+        if fresh:
+            self.written += len(slots)
+            for col, new in sizes.items():
+                s.cbytes[rows, self.col_ix[col]] = new
+                total = new.sum() if isinstance(new, np.ndarray) else new * len(slots)
+                self.live_bytes += int(total)
+            s.nbytes[rows] = s.cbytes[rows].sum(axis=1)
+        else:
+            self.written += int(np.count_nonzero(s.cols[rows] == 0))
+            for col, new in sizes.items():
+                k = self.col_ix[col]
+                delta = new - s.cbytes[rows, k]
+                s.cbytes[rows, k] = new
+                s.nbytes[rows] += delta
+                self.live_bytes += int(delta.sum()) if isinstance(delta, np.ndarray) else int(delta)
+        s.cols[rows] |= mask
+        first = ~s.committed[rows]
+        committing = bool(first.any())
+        if committing:
+            s.committed[rows] = True
+            scatter_add(g.committed, s.gs[rows][first], 1)
+        self.after(rows, befores + [(v, _NONE) for v in self.views.values() if fresh and v.smask])
+        self.changes += 1
+        return committing
 
-    def is_stale(self, g: Group) -> bool:
-        threshold = self.threshold
-        return any(self.samples[i].version < threshold for i in g.members)
+    def write_shared(self, gslot: int, sizes: dict[str, int], mask: int) -> None:
+        """Group-shared columns ``mask`` of group ``gslot`` are stored now (bytes each)."""
+        g = self.g
+        for col, new in sizes.items():
+            k = self.shared_ix[col]
+            delta = new - int(g.sbytes[gslot, k])
+            g.sbytes[gslot, k] = new
+            g.nbytes[gslot] += delta
+            self.shared_total += delta
+        if int(g.shared[gslot]) | mask != int(g.shared[gslot]):
+            rows = self.members(gslot)
+            befores = self.before(rows)
+            g.shared[gslot] |= mask
+            self.after(rows, befores)
+        self.changes += 1
+
+    def shrink(self, gslots: Ints, slots: Ints, fx: Effects) -> None:
+        """Give up ``slots`` unfilled member slots of each group of ``gslots``."""
+        g = self.g
+        g.size[gslots] -= slots
+        self.reserved -= int(slots.sum())
+        scatter_add(self.load, g.unit[gslots], -slots)
+        self.lower_group_hints(int(g.ids[gslots].min()))
+        self.settle(gslots, fx)
+
+    def discard(self, rows: Ints, fx: Effects) -> None:
+        """Drop live samples on purpose: their groups shrink by as many members."""
+        s, g = self.s, self.g
+        gs = s.gs[rows]
+        where = runs(gs)
+        scatter_add(g.size, where, -1)
+        scatter_add(g.alloc, where, -1)
+        scatter_add(g.committed, where, -s.committed[rows].astype(np.int64))
+        self.drop_samples(rows_of(rows), fx)
+        self.discarded_total += len(rows)
+        self.lower_group_hints(int(s.gid[rows].min()))
+        self.settle(gs, fx)
+
+    def apply_window(self, fx: Effects) -> None:
+        """Groups with a member below the window: evicted if unheld, else doomed."""
+        s, g = self.s, self.g
+        n = s.n
+        stale = np.flatnonzero(s.live[:n] & (s.version[:n] < self.threshold))
+        if not stale.size:
+            return
+        gslots = np.unique(s.gs[stale])
+        gslots = gslots[~g.doomed[gslots]]
+        held = g.held[gslots] > 0
+        self.doom(gslots[held])
+        if not held.all():
+            self.evict(gslots[~held], fx)
+
+    def doom(self, gslots: Ints) -> None:
+        """Stale but held groups leave every view now; evicted when their last lease ends."""
+        rows = self.members_of(gslots)
+        befores = self.before(rows)
+        self.g.doomed[gslots] = True
+        self.ndoomed += len(gslots)
+        self.after(rows, befores)
+
+    def undoom(self, gslot: int) -> None:
+        rows = self.members(gslot)
+        befores = self.before(rows)
+        self.g.doomed[gslot] = False
+        self.ndoomed -= 1
+        self.after(rows, befores)
+        self.lower_group_hints(int(self.g.ids[gslot]))
+
+    def tidy(self) -> None:
+        """Compact the tables once dead rows dominate (call between operations only)."""
+        self.s.maybe_compact()
+        self.g.maybe_compact()
+
+    def _groups_compacted(self, keep: Bools) -> None:
+        s, g = self.s, self.g
+        if g.n:
+            s.gs[: s.n] = np.minimum(np.searchsorted(g.ids[: g.n], s.gid[: s.n]), g.n - 1)

@@ -1,0 +1,279 @@
+"""A client's data path to the storage units: stores and fetches, through shared memory when
+the unit is on this host (and its ``/dev/shm`` is this process's), else through its socket.
+
+Every request names the unit incarnation the controller placed the data on; a unit that
+restarted refuses it. Whatever goes wrong on the way to a unit (it crashed, restarted, did not
+answer in time, its segment is gone) surfaces as one :class:`StorageUnavailable`, never an
+``ExceptionGroup`` of the units asked concurrently; the controller is told to check its units.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import trio
+
+from . import _shm
+from ._batch import dtype_name, is_tensor, take, torch_module
+from ._errors import StorageUnavailable, TransferQueueError
+from ._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
+from ._unit_messages import (
+    Delete,
+    Fetch,
+    Fetched,
+    GetShm,
+    IncarnationMismatch,
+    ShmBody,
+    Store,
+    StoreShared,
+)
+
+THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
+
+# unit incarnation token -> its segment prefix if this process can map it (shared by clients)
+_prefixes: dict[str, str | None] = {}
+
+
+class UnitIO:
+    """Stores and fetches for one client. ``on_failure`` is called when a unit fails (the
+    client tells the controller to check its units)."""
+
+    def __init__(
+        self,
+        units: Mapping[str, ActorRef[Any]],
+        *,
+        shm_min_bytes: int | None,
+        timeout: float,
+        on_failure: Callable[[], None],
+    ) -> None:
+        self.units = dict(units)
+        self.shm_min_bytes = shm_min_bytes
+        self.timeout = timeout
+        self.on_failure = on_failure
+        self._nonce = os.urandom(4).hex()
+        self._seq = itertools.count()
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    async def _ask(self, unit: str, msg: Any) -> Any:
+        try:
+            with trio.fail_after(self.timeout):
+                return await self.units[unit].ask(msg)
+        except (ActorCrashed, IncarnationMismatch, trio.TooSlowError) as exc:
+            self.on_failure()
+            raise StorageUnavailable(f"storage unit {unit!r} failed: {exc}") from exc
+
+    async def _each(self, work: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+        """Run one coroutine per unit concurrently; raise the first error (after all ended)."""
+        results: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        async def run(unit: str) -> None:
+            try:
+                results[unit] = await work[unit]()
+            except Exception as exc:
+                errors.append(exc)
+
+        if len(work) == 1:  # the common case: no nursery, no task
+            (unit,) = work
+            results[unit] = await work[unit]()
+            return results
+        async with trio.open_nursery() as nursery:
+            for unit in work:
+                nursery.start_soon(run, unit)
+        if errors:
+            storage = [e for e in errors if isinstance(e, StorageUnavailable)]
+            raise (storage or errors)[0]
+        return results
+
+    def tell(self, unit: str, msg: Any) -> None:
+        """A tell that never waits (clean-up): dropped if the unit is swamped or gone."""
+        try:
+            self.units[unit].send_nowait(msg)
+        except (trio.WouldBlock, ActorCrashed, KeyError):
+            pass
+
+    async def _prefix(self, unit: str, incarnation: str) -> str | None:
+        """The unit incarnation's segment prefix if this process can share its memory."""
+        if self.shm_min_bytes is None or not incarnation:
+            return None
+        if incarnation not in _prefixes:
+            try:
+                with trio.fail_after(self.timeout):
+                    info = await self.units[unit].ask(GetShm())
+            except (ActorCrashed, trio.TooSlowError, TransferQueueError):
+                info = None
+            ok = (
+                info is not None
+                and info.prefix.endswith(f"{incarnation}-")
+                and _shm.reachable(info)
+            )
+            _prefixes[incarnation] = info.prefix if ok and info is not None else None
+        return _prefixes[incarnation]
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def store(
+        self,
+        topic: str,
+        incarnations: Mapping[str, str],
+        positions: Mapping[str, list[int]],
+        indexes: Sequence[int],
+        columns: Mapping[str, Any],
+        *,
+        versions: Sequence[int] = (),
+        group_ids: Sequence[int] = (),
+        lengths: Sequence[int] = (),
+        create: bool = True,
+    ) -> None:
+        """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit."""
+
+        def make(unit: str) -> Callable[[], Any]:
+            async def one() -> None:
+                where = positions[unit]
+                part = {name: take(value, where) for name, value in columns.items()}
+                msg = Store(
+                    topic,
+                    incarnations.get(unit, ""),
+                    [indexes[p] for p in where],
+                    [versions[p] for p in where] if create else [],
+                    [group_ids[p] for p in where] if create else [],
+                    [lengths[p] for p in where] if create else [],
+                    part,
+                    create=create,
+                )
+                prefix = await self._prefix(unit, msg.incarnation)
+                segment = ""
+                if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
+                    segment, part = await self._to_segment(prefix, part)
+                    msg = Store(
+                        msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
+                        msg.lengths, part, segment, create,
+                    )  # fmt: skip
+                try:
+                    await self._ask(unit, msg)
+                except BaseException:
+                    if segment:
+                        _shm.unlink(segment)  # not taken (the unit unlinks those it took)
+                    raise
+
+            return one
+
+        await self._each({unit: make(unit) for unit in positions})
+
+    async def _to_segment(self, prefix: str, part: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Write the part's tensor bodies into a new segment; the part with :class:`ShmBody`
+        references instead of the tensors."""
+        tensors: list[Any] = []
+        for value in part.values():
+            tensors.extend([value] if is_tensor(value) else [v for v in value if is_tensor(v)])
+        bodies = [_bytes(t) for t in tensors]
+        name = f"{prefix}c{self._nonce}-{next(self._seq)}"
+        if sum(b.nbytes for b in bodies) >= THREAD_BYTES:
+            offsets = await trio.to_thread.run_sync(_shm.write_segment, name, bodies)
+        else:
+            offsets = _shm.write_segment(name, bodies)
+        where = iter(offsets)
+
+        def ref(t: Any) -> ShmBody:
+            return ShmBody(next(where), dtype_name(t), tuple(t.shape))
+
+        out = {
+            c: ref(v) if is_tensor(v) else [ref(x) if is_tensor(x) else x for x in v]
+            for c, v in part.items()
+        }
+        return name, out
+
+    async def store_shared(
+        self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
+    ) -> None:
+        await self._ask(unit, StoreShared(topic, incarnation, group_id, dict(columns)))
+
+    def forget(
+        self, topic: str, parts: Mapping[str, list[int]], group_ids: Sequence[int] = ()
+    ) -> None:
+        """Delete what a failed write left on units (tells: best effort)."""
+        for unit, indexes in parts.items():
+            self.tell(unit, Delete(topic, list(indexes), list(group_ids)))
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def fetch(
+        self,
+        topic: str,
+        incarnations: Mapping[str, str],
+        placement: Mapping[str, Sequence[int]],
+        columns: list[str],
+        shared_groups: Mapping[str, Sequence[int]],
+        shared_columns: list[str],
+    ) -> dict[str, Fetched]:
+        """Each unit's part of a lease, tensors as torch tensors (views of shared memory where
+        the unit is on this host)."""
+
+        def make(unit: str) -> Callable[[], Any]:
+            async def one() -> Fetched:
+                incarnation = incarnations.get(unit, "")
+                shm = await self._prefix(unit, incarnation) is not None
+                groups = list(shared_groups.get(unit, ())) if shared_columns else []
+                msg = Fetch(
+                    topic, incarnation, list(placement[unit]), columns, groups,
+                    shared_columns, shm,
+                )  # fmt: skip
+                fetched: Fetched = await self._ask(unit, msg)
+                return _mapped(fetched, unit) if shm else fetched
+
+            return one
+
+        return await self._each({unit: make(unit) for unit in placement})
+
+
+def _payload(part: Mapping[str, Any]) -> int:
+    total = 0
+    for value in part.values():
+        if is_tensor(value):
+            total += value.numel() * value.element_size()
+        else:
+            total += sum(v.numel() * v.element_size() for v in value if is_tensor(v))
+    return int(total)
+
+
+def _bytes(t: Any) -> memoryview:
+    torch = torch_module()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _mapped(fetched: Fetched, unit: str) -> Fetched:
+    """``fetched`` with its :class:`ShmBody` references replaced by tensors on the segments."""
+    maps: dict[str, Any] = {}
+
+    def view(ref: Any) -> Any:
+        if not isinstance(ref, ShmBody):
+            return ref
+        mapping = maps.get(ref.segment)
+        if mapping is None:
+            try:
+                mapping = maps[ref.segment] = _shm.map_segment(ref.segment, shared=False)
+            except OSError as exc:
+                raise StorageUnavailable(
+                    f"storage unit {unit!r}: segment {ref.segment!r} is gone ({exc})"
+                ) from exc
+        return _tensor(mapping, ref)
+
+    columns = {
+        c: [[view(v) for v in p] if isinstance(p, list) else view(p) for p in parts]
+        for c, parts in fetched.columns.items()
+    }
+    return Fetched(columns, fetched.shared)
+
+
+def _tensor(mapping: Any, ref: ShmBody) -> Any:
+    count = itemsize(ref.dtype) * math.prod(ref.shape)
+    data = memoryview(mapping)[ref.offset : ref.offset + count]
+    return RawTensor(ref.dtype, tuple(ref.shape), data).to_torch()

@@ -1,0 +1,258 @@
+"""Messages of the storage units (clients and the controller talk to units with these).
+
+Every message that reads or writes data names the unit *incarnation* it was meant for (the token
+a unit draws when it starts): a unit that restarted empty refuses them with
+:class:`IncarnationMismatch`, so data is never stored on, nor read from, an incarnation the
+controller does not know about.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ..actors import Request
+from ._errors import TransferQueueError
+from ._shm import ShmInfo
+
+
+class IncarnationMismatch(TransferQueueError):
+    """A unit was asked for data by someone who knew an earlier incarnation of it (it restarted
+    empty since): nothing was stored or read."""
+
+
+class UnitError(TransferQueueError):
+    """A unit refused a malformed request (wrong row counts, unknown samples, a bad segment)."""
+
+
+@attrs.frozen
+class ShmBody:
+    """A tensor body in a shared-memory segment: ``dtype``/``shape`` at ``offset``.
+
+    In a ``Store`` the segment is the one the store hands over (``segment`` empty); in a
+    ``Fetched`` it names the unit's segment to map.
+    """
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    segment: str = ""
+
+
+@attrs.frozen
+class Store(Request[None]):
+    """Store samples ``indexes`` of ``topic`` on incarnation ``incarnation``.
+
+    ``columns`` maps a column to a batch whose first dimension runs over ``indexes`` (a tensor
+    or a :class:`ShmBody`), or to a list with one value per index (tensors, :class:`ShmBody`
+    rows, or plain values such as text). ``versions``, ``group_ids`` and ``lengths`` describe
+    new samples (for the inventory). ``segment``: a shared-memory segment handed over to the
+    unit with this store (its bodies are :class:`ShmBody` values). ``create``: new samples;
+    else columns written to samples the unit holds (absent ones are refused: they are gone).
+    """
+
+    topic: str
+    incarnation: str
+    indexes: list[int]
+    versions: list[int]
+    group_ids: list[int]
+    lengths: list[int]
+    columns: dict[str, Any]
+    segment: str = ""
+    create: bool = True
+
+
+@attrs.frozen
+class StoreShared(Request[None]):
+    """Store the group-shared columns of one group (stored once for all its members; small, so
+    always over the socket)."""
+
+    topic: str
+    incarnation: str
+    group_id: int
+    columns: dict[str, Any]
+
+
+@attrs.frozen
+class Fetched:
+    """Reply of ``Fetch``: per column, its parts in request order (a batch of consecutive rows,
+    or a list of row values, possibly :class:`ShmBody` references); ``shared`` per group."""
+
+    columns: dict[str, list[Any]]
+    shared: dict[int, dict[str, Any]]
+
+
+@attrs.frozen
+class Fetch(Request[Fetched]):
+    """Rows ``indexes`` of ``columns`` and the shared ``shared_columns`` of ``shared_groups``;
+    ``shm``: the reader maps this unit's segments (bodies come back as :class:`ShmBody`)."""
+
+    topic: str
+    incarnation: str
+    indexes: list[int]
+    columns: list[str]
+    shared_groups: list[int]
+    shared_columns: list[str]
+    shm: bool = False
+
+
+@attrs.frozen
+class Delete:
+    """Forget samples and group blobs (the controller freed them, or a failed put's writer)."""
+
+    topic: str
+    indexes: list[int]
+    group_ids: list[int]
+
+
+@attrs.frozen
+class MarkConsumed:
+    """Record that ``consumer`` acked ``indexes`` (kept only for the inventory)."""
+
+    topic: str
+    consumer: str
+    indexes: list[int]
+
+
+@attrs.frozen
+class Committed:
+    """The writer of ``indexes`` committed them: a rebuild keeps them as committed samples."""
+
+    topic: str
+    indexes: list[int]
+
+
+@attrs.frozen
+class TopicInfo:
+    """A topic's latest version and id watermarks, as the controller last told this unit."""
+
+    topic: str
+    latest_version: int
+    next_index: int
+    next_group_id: int
+
+
+@attrs.frozen
+class GroupInfo:
+    """An explicit group's record (absolute values, so applying it twice is harmless):
+    ``size`` members expected, ``committed`` members committed so far (freed ones included)."""
+
+    topic: str
+    group_id: int
+    size: int
+    committed: int
+
+
+@attrs.frozen
+class UnitBatch(Request[None]):
+    """The controller's bookkeeping for incarnation ``incarnation``, applied in order; replied
+    to once applied (the controller keeps the items until then). Every item is idempotent."""
+
+    incarnation: str
+    items: list[Delete | MarkConsumed | Committed | GroupInfo | TopicInfo]
+
+
+@attrs.frozen
+class UnitSample:
+    """One sample as a unit reports it in its inventory."""
+
+    index: int
+    version: int
+    group_id: int
+    length: int
+    columns: dict[str, int]  # bytes per column
+    consumed: list[str]
+    committed: bool
+
+
+@attrs.frozen
+class UnitGroup:
+    group_id: int
+    size: int
+    committed: int
+    shared: dict[str, int]  # bytes per shared column
+    explicit: bool
+
+
+@attrs.frozen
+class UnitInventory:
+    unit: str
+    incarnation: str
+    topics: list[TopicInfo]
+    samples: dict[str, list[UnitSample]]  # per topic
+    groups: dict[str, list[UnitGroup]]  # per topic
+
+
+@attrs.frozen
+class GetInventory(Request[UnitInventory]):
+    pass
+
+
+@attrs.frozen
+class StorageStatistics:
+    """A unit's counts. ``nbytes``: bytes it really holds (buffers and segments, shared blobs
+    included); ``live_nbytes``: the bytes of live rows and blobs (``nbytes`` exceeds it while a
+    buffer still holds freed rows next to live ones: compaction keeps it under twice that)."""
+
+    unit: str
+    incarnation: str
+    samples: int
+    groups: int
+    nbytes: int
+    live_nbytes: int
+    shared_nbytes: int
+    segments: int
+    stores: int
+    fetches: int
+    zero_copy_fetches: int
+    shm_stores: int
+    shm_fetches: int
+    compactions: int
+
+
+@attrs.frozen
+class GetStorageStatistics(Request[StorageStatistics]):
+    pass
+
+
+@attrs.frozen
+class GetToken(Request[str]):
+    """The unit's incarnation token: a new one means its data is gone (it restarted)."""
+
+
+@attrs.frozen
+class Reset(Request[str]):
+    """Drop everything and draw a new incarnation token (replied): the controller declared this
+    unit lost (it did not answer in time) and its data reported lost, so none of it may stay."""
+
+
+@attrs.frozen
+class GetShm(Request["ShmInfo | None"]):
+    """How to reach the unit's shared-memory segments (``None``: it has none)."""
+
+
+StorageMessage = (
+    Store
+    | StoreShared
+    | Fetch
+    | Delete
+    | UnitBatch
+    | GetInventory
+    | GetStorageStatistics
+    | GetToken
+    | Reset
+    | GetShm
+    # not sent on their own: named so a node registers them at the top level (deterministic)
+    | ShmBody
+    | Fetched
+    | MarkConsumed
+    | Committed
+    | TopicInfo
+    | GroupInfo
+    | UnitSample
+    | UnitGroup
+    | UnitInventory
+    | StorageStatistics
+    | ShmInfo
+)
