@@ -28,6 +28,10 @@ class Tap(afa.ActorRef[Any]):
     def send_nowait(self, msg: Any) -> None:
         self.ref.send_nowait(msg)
 
+    async def send_tracked(self, msg: Any) -> afa.Tracker:
+        await self.hook(msg)
+        return await self.ref.send_tracked(msg)
+
     async def ask(self, request: Any) -> Any:
         await self.hook(request)
         return await self.ref.ask(request)

@@ -108,7 +108,7 @@ async def watcher(client: tq.TransferQueueClient, ledger: Ledger) -> None:
 
 async def kill_unit(system: Any, unit: str) -> None:
     node_ref = system.whereis(f"tq/node-{unit}")
-    node = await node_ref.ask(afa.actors.GetNode())
+    node = await node_ref.ask(afa.actors.remote.GetNode())
     os.kill(node.pid, signal.SIGKILL)
 
 

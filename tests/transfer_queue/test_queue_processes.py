@@ -128,7 +128,7 @@ async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None
         await client.put("rollout", data, version=0)
         (held,) = segments(ns) - probes
         unit = next(u for u in queue.units if held.startswith(f"{ns}{u}-"))
-        node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.GetNode())  # type: ignore[union-attr]
+        node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.remote.GetNode())  # type: ignore[union-attr]
         os.kill(node.pid, signal.SIGKILL)
 
         async def swept() -> bool:

@@ -31,8 +31,18 @@ from zmq.utils.monitor import parse_monitor_message
 from .._cell import Reply
 from .._errors import ActorCrashed
 from . import _protocol as P
+from ._hosting import learn_type
 from ._typeinfo import register_types
-from ._wire import AddressOf, MessageRegistry, MessageTooLarge, WireError, decode, encode
+from ._wire import (
+    AddressOf,
+    MalformedMessage,
+    MessageRegistry,
+    MessageTooLarge,
+    UnknownType,
+    WireError,
+    decode,
+    encode,
+)
 from ._wire_decode import ResolveRef
 from ._zmq import SendTracker, TrioSocket, open_monitor_socket
 
@@ -42,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncflow_actors.node")
 
 _MONITORED = int(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MAX_LEARNED_TYPES = 16  # new types one message may make this side register
 
 
 def _nbytes(frames: list[bytes | memoryview]) -> int:
@@ -146,12 +157,7 @@ class NodeLink:
                     return
                 self.received_bytes += sum(len(f) for f in frames)
                 try:
-                    meta, payload = decode(
-                        frames,
-                        registry=self.registry,
-                        max_message_bytes=self.max_message_bytes,
-                        resolve=self.resolve,
-                    )
+                    meta, payload = self._decode(frames)
                 except WireError as exc:
                     self.wire_errors += 1
                     log.warning("link to %s: undecodable message: %s", self.node, exc)
@@ -161,6 +167,22 @@ class NodeLink:
                         reply.fail(exc)
                     continue
                 self._dispatch(meta, payload)
+
+    def _decode(self, frames: list[Any]) -> tuple[dict[str, Any], object]:
+        """Decode a reply or notice; a type it names is learned if its module is imported here
+        (a reply's field typed ``Any`` may hold a class no annotation reaches)."""
+        for _ in range(_MAX_LEARNED_TYPES):
+            try:
+                return decode(
+                    frames,
+                    registry=self.registry,
+                    max_message_bytes=self.max_message_bytes,
+                    resolve=self.resolve,
+                )
+            except UnknownType as exc:
+                if not learn_type(self.registry, exc, (), self.node):
+                    raise
+        raise MalformedMessage(f"a message naming more than {_MAX_LEARNED_TYPES} new types")
 
     async def _monitor(self) -> None:
         async with open_monitor_socket(self.sock, _MONITORED) as mon:
@@ -244,7 +266,9 @@ class NodeLink:
         if cls not in self._registered:
             register_types(self.registry, cls)
             self._registered.add(cls)
-        frames = encode(meta, payload, registry=self.registry, address_of=self.address_of)
+        frames = encode(
+            meta, payload, registry=self.registry, address_of=self.address_of, auto_register=True
+        )
         size = _nbytes(frames)
         if size > self.max_message_bytes:  # the peer would drop the connection: refuse here
             raise MessageTooLarge(

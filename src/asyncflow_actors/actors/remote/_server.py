@@ -161,7 +161,13 @@ class NodeServer:
     def _encode(self, meta: dict[str, Any], payload: object) -> list[Any]:
         """Frames of a message; a reply whose value cannot be sent becomes an error reply."""
         try:
-            return encode(meta, payload, registry=self.registry, address_of=self.mesh.address_of)
+            return encode(
+                meta,
+                payload,
+                registry=self.registry,
+                address_of=self.mesh.address_of,
+                auto_register=True,
+            )
         except WireError as exc:
             if meta.get("k") != P.OK:
                 raise

@@ -141,14 +141,19 @@ AddressOf = Callable[[ActorRef[Any]], ActorAddress]
 
 
 class _Encoder:
-    __slots__ = ("address_of", "frames", "registry", "threshold")
+    __slots__ = ("address_of", "auto_register", "frames", "registry", "threshold")
 
     def __init__(
-        self, registry: MessageRegistry, threshold: int, address_of: AddressOf | None
+        self,
+        registry: MessageRegistry,
+        threshold: int,
+        address_of: AddressOf | None,
+        auto_register: bool,
     ) -> None:
         self.registry = registry
         self.threshold = threshold
         self.address_of = address_of
+        self.auto_register = auto_register
         self.frames: list[bytes | memoryview] = []
 
     def data(self, view: memoryview) -> memoryview | int:
@@ -175,6 +180,9 @@ class _Encoder:
         if t in _BYTES_LIKE:
             return self.raw_bytes(obj)  # type: ignore[arg-type]
         spec = self.registry._by_type.get(t)
+        if spec is None and self.auto_register and (attrs.has(t) or issubclass(t, enum.Enum)):
+            self.registry.register(t)  # naming what we send is ours to do; the receiver decides
+            spec = self.registry._by_type.get(t)
         if type(spec) is _ObjSpec:
             fields = {}
             name = ""
@@ -358,17 +366,21 @@ def encode(
     registry: MessageRegistry,
     inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
     address_of: AddressOf | None = None,
+    auto_register: bool = False,
 ) -> list[bytes | memoryview]:
     """Encode one message as ZMQ frames: ``[header, *data]``.
 
     ``address_of`` names the ``ActorRef``s found in the payload (a system passes its own).
+    ``auto_register``: register the attrs classes and enums met on the way (a system's links do:
+    what a field typed ``Any`` holds is known only at send time; the receiver still decodes
+    only the types it knows or may learn).
 
     Data frames are memoryviews of the payload's tensors, arrays and large bytes, not copies:
     they must stay unmodified until the transport is done with them (see ``SendTracker``).
     Raises :class:`UnsupportedValue` naming the offending value's type and path
     (``payload.batch[3].mask``, ``meta['x']``) for anything that cannot be sent.
     """
-    enc = _Encoder(registry, inline_threshold, address_of)
+    enc = _Encoder(registry, inline_threshold, address_of, auto_register)
     root = "meta"
     try:
         meta_dict = dict(meta)
