@@ -54,7 +54,12 @@ class NodeOptions:
 
 @attrs.define
 class Launched:
-    """What a launcher started: where to connect, and how to clean up."""
+    """What a launcher started: where to connect, and how to clean up.
+
+    ``wait_exit`` (for a node that is not our child process, e.g. a Ray actor) returns when the
+    node is gone: while it runs, its return is a node loss; after a polite shutdown it is awaited
+    (within ``shutdown_grace``) so that the node finishes stopping its actors before ``cleanup``.
+    """
 
     address: str
     curve: CurveClient | None = None

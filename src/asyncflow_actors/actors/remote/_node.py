@@ -187,18 +187,22 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
     async def _teardown(self, lost: BaseException, *, polite: bool) -> None:
         """Shut the node down (``polite``: ask it, then wait; else kill it at once).
 
-        Bounded: the polite part (the request and the wait for the process to exit) shares
-        one ``shutdown_grace``; then SIGTERM and 2 s; then SIGKILL.
+        Bounded: the polite part (the request and the wait for the process, or the launcher's
+        ``wait_exit``, to end) shares one ``shutdown_grace``; then SIGTERM and 2 s; then SIGKILL.
         """
         self.stopping = True
         self.peer.detach()
         link, launched = self.link, self.launched
         process = launched.process if launched is not None else None
+        # a node that is not our child (a Ray actor) says when it has exited
+        wait_exit = launched.wait_exit if launched is not None and process is None else None
         try:
             if polite and launched is not None and not launched.in_process:
                 with trio.move_on_after(self.options.shutdown_grace):
                     if link is not None and link.closed is None:
                         await self._say_goodbye(link, launched, process)
+                        if wait_exit is not None and launched.owns_node:
+                            await wait_exit()  # it finishes stopping before the cleanup
                     if process is not None:
                         await process.wait()
                 if process is not None and process.returncode is None:
