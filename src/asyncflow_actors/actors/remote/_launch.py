@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -59,6 +59,7 @@ class Launched:
     ``wait_exit`` (for a node that is not our child process, e.g. a Ray actor) returns when the
     node is gone: while it runs, its return is a node loss; after a polite shutdown it is awaited
     (within ``shutdown_grace``) so that the node finishes stopping its actors before ``cleanup``.
+    ``cleanup`` runs last, shielded; it may return an awaitable (which must bound itself).
     """
 
     address: str
@@ -66,7 +67,7 @@ class Launched:
     process: trio.Process | None = None
     owns_node: bool = True  # stopping the NodeActor shuts the node down
     in_process: bool = False  # the node runs in a helper task: it stops (gracefully) with it
-    cleanup: Callable[[], None] | None = None
+    cleanup: Callable[[], Awaitable[None] | None] | None = None  # may return an awaitable
     owner_token: str = ""  # proves to the node that we own it
     pid: int | None = None  # the node's process, when it is not our child (Ray)
     wait_exit: Callable[[], Any] | None = None  # an async callable returning when the node died

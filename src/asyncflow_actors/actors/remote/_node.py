@@ -223,7 +223,10 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
             with trio.CancelScope(shield=True):
                 await self.stack.aclose()
             if launched is not None and launched.cleanup is not None:
-                launched.cleanup()
+                pending = launched.cleanup()
+                if pending is not None:  # an async cleanup (a Ray actor to remove)
+                    with trio.CancelScope(shield=True):
+                        await pending
             self.link = None
 
     async def _say_goodbye(
