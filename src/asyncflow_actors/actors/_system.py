@@ -163,6 +163,21 @@ class ActorSystem:
         spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
         return await self._start_node(spec)
 
+    async def launch_node(
+        self,
+        name: str,
+        launcher: Launcher,
+        *,
+        restart: Restart = Restart.PERMANENT,
+        options: NodeOptions | None = None,
+    ) -> Node:
+        """Start a node with ``launcher`` (e.g. ``RayLauncher``, or one of your own) and return
+        its handle; supervised like ``start_node``'s."""
+        from .remote._node import node_spec
+
+        spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
+        return await self._start_node(spec)
+
     async def _start_node(self, spec: ChildSpec) -> Node:
         from .remote._node import GetNode
 
