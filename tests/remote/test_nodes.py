@@ -360,3 +360,23 @@ def test_a_node_exits_when_its_parent_dies(tmp_path: Path) -> None:
         await wait_until(lambda: not alive(child_pid), timeout=15)
 
     trio.run(check)
+
+
+async def test_a_system_listening_with_curve_admits_its_key_and_closes_cleanly() -> None:
+    key, stranger = curve_keypair(), curve_keypair()
+    quick = afa.NodeOptions(connect_timeout=1.0)
+    async with afa.open_actor_system(name="listener") as listener:
+        server = afa.actors.CurveServer(key)
+        [address] = await listener.listen(
+            "tcp://127.0.0.1:*", curve=server, authorized_keys=[key.public]
+        )
+        async with afa.open_actor_system() as system:
+            node = await system.connect_node(
+                address, name="listener", curve=afa.actors.CurveClient(key.public, key)
+            )
+            assert node.pid == os.getpid()
+            with pytest.raises(afa.ActorCrashed) as info:
+                other = afa.actors.CurveClient(key.public, stranger)
+                await system.connect_node(address, name="x", curve=other, options=quick)
+            assert isinstance(info.value.error, afa.NodeLost)
+    # leaving both systems closed the authenticator's task in order (no nursery misnesting)

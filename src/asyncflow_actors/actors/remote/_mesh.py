@@ -34,7 +34,7 @@ from .._errors import ActorCrashed
 from .._ref import ActorRef, DeadActorRef, LocalActorRef
 from . import _protocol as P
 from ._address import ActorAddress
-from ._curve import CurveClient, CurveServer, open_zap_authenticator
+from ._curve import CurveClient, CurveServer, ZapAuthenticator, open_zap_authenticator
 from ._link import NodeLink
 from ._peer import Peer
 from ._ref import RemoteActorRef
@@ -201,7 +201,8 @@ class Mesh:
             )
         ctx = context if context is not None else zmq.Context.instance()
         if curve is not None:
-            auth = await self._stack.enter_async_context(open_zap_authenticator(ctx))
+            # a task of the mesh: its nursery must not open in (and outlive) the caller's task
+            auth = await self._nursery.start(_serve_zap, ctx)
             auth.allow(curve.domain, list(authorized_keys or ()))
             self.curve = CurveClient(curve.keypair.public, curve.keypair)
         options: dict[int, int | bytes | str] = {zmq.ROUTER_MANDATORY: 1}
@@ -430,6 +431,14 @@ class Mesh:
         finally:
             peer._connecting = None
             event.set()
+
+
+async def _serve_zap(
+    ctx: zmq.Context[Any], *, task_status: trio.TaskStatus[ZapAuthenticator]
+) -> None:
+    async with open_zap_authenticator(ctx) as auth:
+        task_status.started(auth)
+        await trio.sleep_forever()
 
 
 def _advertised(endpoint: str) -> str:
