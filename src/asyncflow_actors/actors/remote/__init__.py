@@ -2,8 +2,9 @@
 
 User code mostly needs ``system.start_node``/``connect_node``, ``Node`` and ``RemoteActorRef``
 (exported by :mod:`asyncflow_actors.actors`). This namespace holds the pieces below them, for
-launchers of one's own, benchmarks and tools: ``serve_node``, node specs and launchers, the
-``TrioSocket`` wrapper of pyzmq, and the codec (``encode``/``decode``, ``MessageRegistry``).
+launchers of one's own, benchmarks and tools: ``serve_node``, node specs and launchers (among
+them ``RayLauncher``: nodes as Ray actors, the ``ray`` extra), the ``TrioSocket`` wrapper of
+pyzmq, and the codec (``encode``/``decode``, ``MessageRegistry``).
 See ``docs/remote.md``.
 """
 
@@ -27,6 +28,7 @@ from ._node import serve_node as serve_node
 from ._protocol import MessageRejected as MessageRejected
 from ._protocol import protocol_registry as protocol_registry
 from ._raw_tensor import RawTensor as RawTensor
+from ._ray import RayLauncher as RayLauncher
 from ._server import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_MESSAGE_BYTES
 from ._server import NodeServerStatistics as NodeServerStatistics
 from ._wire import MalformedMessage as MalformedMessage
