@@ -43,13 +43,14 @@ from ._mesh import Mesh, is_loopback
 
 log = logging.getLogger("asyncflow_actors.node")
 
-KILL_TIMEOUT = 10.0  # seconds removing a Ray actor may take before we stop waiting for Ray
+# seconds removing a Ray actor may take before we stop waiting for Ray: within the node's stop
+# budget (the 3 s a child process gets for SIGTERM, then SIGKILL)
+KILL_TIMEOUT = 3.0
 # Ray actor options the launcher sets itself (``ray_options`` may not override them)
 _OWN_OPTIONS = frozenset(
     {
         "name",
-        "namespace",
-        "lifetime",
+        "lifetime",  # not detached: Ray removes the node when the driver dies
         "get_if_exists",
         "max_concurrency",
         "concurrency_groups",
@@ -160,7 +161,8 @@ class RayLauncher:
             handle = _remote_node_class().options(**ray_options).remote()
             return handle, handle.serve.remote(**kwargs), handle.ready.remote()
 
-        handle, serve_ref, ready_ref = await trio.to_thread.run_sync(submit)
+        with trio.CancelScope(shield=True):  # a cancellation must find the handle to kill
+            handle, serve_ref, ready_ref = await trio.to_thread.run_sync(submit)
 
         async def kill() -> None:
             await _kill(handle, actor_name)
