@@ -45,7 +45,21 @@ class AskPeer(afa.Request[tuple[int, str, str]]):
     peer: afa.ActorRef[Where]
 
 
-class Placed(afa.Actor[Where | AskPeer]):
+@attrs.frozen
+class Size(afa.Request[int]):
+    """The length of ``data`` (a large message: it travels as its own zmq frame)."""
+
+    data: bytes
+
+
+@attrs.frozen
+class Env(afa.Request[str]):
+    """An environment variable of this actor's process ("" if unset)."""
+
+    name: str
+
+
+class Placed(afa.Actor[Where | AskPeer | Size | Env]):
     """Says where Ray placed it; tells ``ear`` when it starts and when it stops."""
 
     def __init__(self, ear: afa.ActorRef[Said]) -> None:
@@ -57,7 +71,11 @@ class Placed(afa.Actor[Where | AskPeer]):
     async def on_stop(self, ctx: afa.ActorContext[Any], error: BaseException | None) -> None:
         await self.ear.send(Said(f"{ctx.name} stopped"))
 
-    async def receive(self, msg: Where | AskPeer, ctx: afa.ActorContext[Any]) -> Any:
+    async def receive(self, msg: Where | AskPeer | Size | Env, ctx: afa.ActorContext[Any]) -> Any:
+        if isinstance(msg, Size):
+            return len(msg.data)
+        if isinstance(msg, Env):
+            return os.environ.get(msg.name, "")
         if isinstance(msg, AskPeer):
             return await msg.peer.ask(Where())
         import ray

@@ -10,14 +10,14 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import RayLauncher
-from tests.remote.ray_actors import AskPeer, Ear, Heard, Placed, Where
+from tests.remote.ray_actors import AskPeer, Ear, Env, Heard, Placed, Size, Where
 
 ray = pytest.importorskip("ray", reason="ray is not installed (the `ray` extra)")
 
 pytestmark = pytest.mark.slow
 
 ALLOW = ["tests.remote"]
-FAST = afa.NodeOptions(heartbeat_interval=0.1, heartbeat_timeout=2.0, shutdown_grace=2.0)
+OPTIONS = afa.NodeOptions(shutdown_grace=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ async def test_actors_on_a_ray_node_talk_over_our_links_and_stop_removes_it(
     local_ray: str,
 ) -> None:
     async with afa.open_actor_system() as system:
-        node = await system.launch_node("r", RayLauncher(ALLOW), options=FAST)
+        node = await system.launch_node("r", RayLauncher(ALLOW), options=OPTIONS)
         [actor_name] = await node_actors()
         assert actor_name.startswith("afa-node:r:")
         # bound on the Ray node's IP, with CURVE: the driver listens there too, with the key
@@ -82,8 +82,10 @@ async def test_actors_on_a_ray_node_talk_over_our_links_and_stop_removes_it(
                 quick = afa.NodeOptions(connect_timeout=1.0)
                 await stranger.connect_node(node.address, name="r", options=quick)
             assert isinstance(info.value.error, afa.NodeLost)
-        # the data went over our links: the driver's sockets carried it
-        assert system.mesh.statistics().bytes_total > 0
+        # data goes over our link to the node, not through Ray
+        before = system.mesh.statistics().bytes_total
+        assert await placed.ask(Size(bytes(4 << 20))) == 4 << 20
+        assert system.mesh.statistics().bytes_total - before >= 4 << 20
         await node.stop()  # polite: the node stops its actors before Ray removes the actor
         assert await heard(ear, "p stopped") == ("p started", "p stopped")
         await no_node_actors_left()
@@ -94,7 +96,7 @@ async def test_a_killed_ray_actor_is_a_lost_node_and_restarts_with_its_actors(
 ) -> None:
     async with afa.open_actor_system() as system:
         launcher = RayLauncher(ALLOW, insecure=True)  # a trusted network: no CURVE
-        node = await system.launch_node("k", launcher, options=FAST)
+        node = await system.launch_node("k", launcher, options=OPTIONS)
         assert system.mesh.curve is None
         ear = await system.spawn(Ear, name="ear")
         placed = await node.spawn(Placed, name="p", kwargs={"ear": ear})
@@ -136,7 +138,7 @@ async def test_two_nodes_share_a_placement_group_and_reach_each_other(local_ray:
 
             async def start(name: str, bundle: int) -> None:
                 launcher = RayLauncher(ALLOW, placement_group=group, bundle_index=bundle)
-                nodes[name] = await system.launch_node(name, launcher, options=FAST)
+                nodes[name] = await system.launch_node(name, launcher, options=OPTIONS)
                 refs[name] = await nodes[name].spawn(Placed, name="p", kwargs={"ear": ear})
 
             async with trio.open_nursery() as nursery:  # launched concurrently
@@ -158,10 +160,27 @@ async def test_a_node_ray_cannot_place_fails_to_start_and_leaves_nothing(local_r
     async with afa.open_actor_system() as system:
         launcher = RayLauncher(ALLOW, num_gpus=1, start_timeout=1.0)  # no GPU here
         with pytest.raises(afa.ActorCrashed) as info:
-            await system.launch_node("gpu", launcher, restart=afa.Restart.TEMPORARY)
+            await system.launch_node("gpu", launcher)
         assert isinstance(info.value.error, afa.NodeLost)
         assert "GPU=1" in str(info.value.error)
         await no_node_actors_left()
+
+
+@pytest.fixture
+def ray_gpu(local_ray: str) -> None:
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the local Ray instance sees no GPU")
+
+
+@pytest.mark.usefixtures("ray_gpu")
+async def test_a_gpu_node_sees_only_the_gpu_ray_gave_it() -> None:
+    async with afa.open_actor_system() as system:
+        node = await system.launch_node("g", RayLauncher(ALLOW, num_gpus=1), options=OPTIONS)
+        ear = await system.spawn(Ear, name="ear")
+        placed = await node.spawn(Placed, name="p", kwargs={"ear": ear})
+        visible = await placed.ask(Env("CUDA_VISIBLE_DEVICES"))
+        assert visible.isdigit(), visible  # exactly one device, the one Ray assigned
+    await no_node_actors_left()
 
 
 def test_launcher_arguments_are_checked() -> None:
