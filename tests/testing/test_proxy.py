@@ -64,12 +64,16 @@ async def test_a_partition_stops_the_bytes_and_keeps_the_connection() -> None:
     """Below zmq: any TCP stream is relayed byte for byte; a partition holds it (a stream that
     is not ZMTP has no message to drop) and holds back a close until it heals, like a FIN."""
 
+    accepted: list[trio.SocketStream] = []
+    close_now = trio.Event()
+
     async def upstream(stream: trio.SocketStream) -> None:
+        accepted.append(stream)
         async with stream:
             while data := await stream.receive_some():
                 if data == b"bye":
                     await stream.send_all(b"ok")
-                    await trio.sleep(0.1)
+                    await close_now.wait()
                     return  # closes
                 await stream.send_all(data)
 
@@ -86,16 +90,22 @@ async def test_a_partition_stops_the_bytes_and_keeps_the_connection() -> None:
 
             proxy.partition(math.inf)
             await stream.send_all(b"during")
+            late = await trio.open_tcp_stream(host, int(proxy_port))  # connects to the proxy...
+            await late.send_all(b"late")
             with trio.move_on_after(0.3):
                 await stream.receive_some()
                 raise AssertionError("bytes crossed a partition")
-            assert proxy.statistics().connections == 1
+            assert proxy.statistics().connections == 2
+            assert len(accepted) == 1  # the new connection waits for the end, like its SYN
             proxy.heal()
             assert await _receive_exactly(stream, 6) == b"during"
+            assert await _receive_exactly(late, 4) == b"late"  # ...and through it once healed
+            await late.aclose()
 
             await stream.send_all(b"bye")
             assert await _receive_exactly(stream, 2) == b"ok"
-            proxy.partition(math.inf)  # the upstream closes 0.1 s from now, behind it
+            proxy.partition(math.inf)
+            close_now.set()  # the upstream closes, behind the partition
             with trio.move_on_after(0.5):
                 await stream.receive_some()
                 raise AssertionError("a close crossed a partition")

@@ -291,7 +291,7 @@ class LinkProxy:
             raise RuntimeError("this proxy was opened without an upstream")
         return self._default.upstream
 
-    def relay(self, upstream: str, *, port: int = 0) -> str:
+    def relay(self, upstream: str) -> str:
         """The proxy's address for ``upstream`` (``tcp://`` or ``ipc://``), listening from now on.
 
         The same upstream always gets the same address. Rules, partitions and statistics are
@@ -299,8 +299,9 @@ class LinkProxy:
         it (``route_through``).
         """
         relay = self._relays.get(upstream)
-        if relay is not None:
-            return relay.address
+        return relay.address if relay is not None else self._listen(upstream, 0).address
+
+    def _listen(self, upstream: str, port: int) -> _Relay:
         if self._closed:
             raise RuntimeError(f"the link proxy is closed: cannot relay to {upstream!r}")
         _check_upstream(upstream)
@@ -317,7 +318,7 @@ class LinkProxy:
         host = f"[{self._host}]" if family == socket.AF_INET6 else self._host
         relay = self._relays[upstream] = _Relay(upstream, f"tcp://{host}:{bound}", listener)
         self._nursery.start_soon(self._accept, relay)
-        return relay.address
+        return relay
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -476,8 +477,7 @@ async def open_link_proxy(
         proxy = LinkProxy(host, seed, history, nursery)
         try:
             if upstream is not None:
-                proxy.relay(upstream, port=port)
-                proxy._default = proxy._relays[upstream]
+                proxy._default = proxy._listen(upstream, port)
             yield proxy
         finally:
             proxy._closed = True
