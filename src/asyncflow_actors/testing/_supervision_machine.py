@@ -205,8 +205,12 @@ class SupervisionMachine(ActorMachine):
 
     def check_log(self) -> None:
         assert self.model is not None
-        assert self.log.lines == self.model.log
-        assert self.log.killed == self.model.killed, "killed"
+        assert self.log.lines == self.model.log, (
+            f"lifecycle {self.log.lines}, the model expects {self.model.log}"
+        )
+        assert self.log.killed == self.model.killed, (
+            f"killed {self.log.killed}, the model expects {self.model.killed}"
+        )
         self.log.lines.clear()
         self.log.killed.clear()
         self.model.log.clear()
