@@ -95,3 +95,21 @@ async def deliver(ref: afa.ActorRef[Deliver], seq: int, item: int, *, tries: int
         except afa.ActorCrashed:
             continue
     raise AssertionError(f"item {seq} not acked after {tries} tries")
+
+
+# -- a node-to-node conversation (the link proxy's routing tests) ------------------------------
+
+
+@attrs.frozen
+class AskTotal(afa.Request[int | str]):
+    """Ask ``counter`` (an actor elsewhere) for its total; a failure comes back as its name."""
+
+    counter: afa.ActorRef[Any]
+
+
+class Asker(afa.Actor[AskTotal]):
+    async def receive(self, msg: AskTotal, ctx: afa.ActorContext[AskTotal]) -> int | str:
+        try:
+            return await msg.counter.ask(Total())
+        except afa.ActorCrashed as exc:
+            return type(exc.error).__name__

@@ -1,6 +1,8 @@
 """The kit's models on our own protocols: supervision, FlowControl, the TransferQueue.
 
-Each model passes on the real implementation and catches a planted bug in a variant of it.
+Each model catches a planted bug in a variant of the protocol. The models' runs on the real
+implementations: supervision in ``tests/actors/test_supervision_stateful.py``, FlowControl in
+``tests/transfer_queue/test_flow_control.py``, the TransferQueue here.
 """
 
 from __future__ import annotations
@@ -31,10 +33,7 @@ from asyncflow_actors.testing import (
     run_deterministic,
 )
 
-# -- supervision ----------------------------------------------------------------------------------
-
-TestSupervision = SupervisionMachine.TestCase
-TestSupervision.settings = protocol_settings(max_examples=25, stateful_step_count=20)
+# -- supervision (the full run is tests/actors/test_supervision_stateful.py) ------------------------
 
 
 class OffByOneIntensity(SupervisionMachine):
@@ -55,14 +54,7 @@ def test_the_supervision_model_catches_a_lax_restart_intensity() -> None:
         run_state_machine_as_test(OffByOneIntensity, settings=settings)
 
 
-# -- FlowControl ------------------------------------------------------------------------------------
-
-
-@given(staleness=st.integers(0, 2), batch=st.integers(1, 3), ops=flow_control_ops())
-@protocol_settings(max_examples=100)
-def test_flow_control_keeps_fifo_admission(staleness: int, batch: int, ops: Any) -> None:
-    make = functools.partial(tq.FlowControl, staleness=staleness, batch_size=batch)
-    run_deterministic(check_flow_control_schedule, make, ops)
+# -- FlowControl (the run on FlowControl is tests/transfer_queue/test_flow_control.py) ------------
 
 
 class NaiveLimiter:

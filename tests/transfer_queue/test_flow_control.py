@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections import deque
+import functools
 
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from asyncflow_actors import testing as aft
 from asyncflow_actors.transfer_queue import (
     CapacityError,
     FlowControl,
@@ -130,85 +131,10 @@ async def test_cancelling_the_head_waiter_lets_the_next_ones_through() -> None:
     assert got == ["next"] and fc.in_flight == 4
 
 
-# A schedule of operations replayed in one trio.run and checked against a FIFO model after each.
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("acquire"), st.integers(1, 6)),
-        st.tuples(st.just("cancel"), st.integers(0, 20)),
-        st.tuples(st.just("release"), st.integers(1, 6)),
-        st.tuples(st.just("nowait"), st.integers(1, 6)),
-    ),
-    max_size=40,
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(staleness=st.integers(0, 2), batch=st.integers(1, 3), ops=OPS)
+# A schedule of operations replayed in one trio.run and checked against the kit's strict-FIFO
+# model (``aft.FlowControlModel``) after each: grants, in flight, waiters, waiting slots.
+@given(staleness=st.integers(0, 2), batch=st.integers(1, 3), ops=aft.flow_control_ops())
+@aft.protocol_settings(max_examples=300)
 def test_flow_control_schedules(staleness: int, batch: int, ops: list[tuple[str, int]]) -> None:
-    async def main() -> None:
-        fc = FlowControl(staleness=staleness, batch_size=batch)
-        cap = fc.capacity
-        queue: deque[tuple[int, int]] = deque()  # the model: waiting (id, n), FIFO
-        model_in_flight = 0
-        granted: set[int] = set()  # ids the model granted
-        actual: set[int] = set()  # ids whose acquire returned
-        scopes: dict[int, trio.CancelScope] = {}
-
-        def grant_heads() -> None:
-            nonlocal model_in_flight
-            while queue and queue[0][1] <= cap - model_in_flight:
-                tid, n = queue.popleft()
-                model_in_flight += n
-                granted.add(tid)
-
-        async def waiter(tid: int, n: int, scope: trio.CancelScope) -> None:
-            with scope:
-                await fc.acquire(n)
-                actual.add(tid)
-
-        async with trio.open_nursery() as nursery:
-            for k, (op, arg) in enumerate(ops):
-                if op == "acquire":
-                    if arg > cap:
-                        with pytest.raises(CapacityError):
-                            await fc.acquire(arg)
-                        continue
-                    scopes[k] = trio.CancelScope()
-                    nursery.start_soon(waiter, k, arg, scopes[k])
-                    queue.append((k, arg))
-                    grant_heads()
-                elif op == "nowait":
-                    if arg > cap:
-                        continue
-                    if not queue and arg <= cap - model_in_flight:
-                        fc.acquire_nowait(arg)
-                        model_in_flight += arg
-                    else:
-                        with pytest.raises(trio.WouldBlock):
-                            fc.acquire_nowait(arg)
-                elif op == "cancel":
-                    waiting = [tid for tid, _ in queue]
-                    if waiting:
-                        # Often the head: a cancelled head must let the next ones through.
-                        tid = waiting[0] if arg % 2 else waiting[arg % len(waiting)]
-                        scopes[tid].cancel()
-                        queue.remove(next(w for w in queue if w[0] == tid))
-                        grant_heads()
-                elif op == "release":
-                    if arg > model_in_flight:
-                        with pytest.raises(FlowControlError):
-                            fc.release(arg)
-                    else:
-                        fc.release(arg)
-                        model_in_flight -= arg
-                        grant_heads()
-                await trio.testing.wait_all_tasks_blocked()
-                stats = fc.statistics()
-                assert actual == granted
-                assert stats.in_flight == model_in_flight <= cap
-                assert stats.waiters == len(queue)
-                assert stats.waiting_slots == sum(n for _, n in queue)
-                assert stats.total_acquired - stats.total_released == stats.in_flight
-            nursery.cancel_scope.cancel()
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    make = functools.partial(FlowControl, staleness=staleness, batch_size=batch)
+    aft.run_deterministic(aft.check_flow_control_schedule, make, ops)

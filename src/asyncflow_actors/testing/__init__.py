@@ -10,8 +10,9 @@
   assertion inside an exception group);
 - faults: ``faulty(ActorClass)`` + ``FaultPlan`` (``CrashAt``, ``CrashOnStart``, ``StallAt``,
   ``KillProcessAt``), the same for local actors and actors on nodes; ``open_link_proxy``
-  (drop, delay, duplicate, partition on a node link); ``open_node_process``, ``kill_node``,
-  ``frozen_process``;
+  (drop, delay, duplicate, partition on a link between systems, at the transport level) with
+  ``route_through``/``RouteLinks`` for the links the runtime opens by itself;
+  ``open_node_process``, ``kill_node``, ``frozen_process``;
 - reusable models: ``SupervisionModel``/``SupervisionMachine``, ``TransferQueueLedger``,
   ``FlowControlModel``/``check_flow_control_schedule``;
 - leak checks: ``ResourceSnapshot``, ``check_no_leaks``, ``no_leaks``.
@@ -65,6 +66,9 @@ from ._replay import find_exception as find_exception
 from ._replay import replay as replay
 from ._replay import run_deterministic as run_deterministic
 from ._replay import seed_scheduler as seed_scheduler
+from ._routes import RouteLinks as RouteLinks
+from ._routes import Routes as Routes
+from ._routes import route_through as route_through
 from ._time import Attempt as Attempt
 from ._time import Blocked as Blocked
 from ._time import Raised as Raised

@@ -20,7 +20,8 @@ class ModelNode:
     """One actor of the model: a blueprint (for restarts) plus its live state.
 
     ``strategy is None`` for a worker. ``children`` are the live children of the current
-    incarnation, ``blueprint`` what each (re)start creates.
+    incarnation, ``blueprint`` what each (re)start creates. ``shutdown`` is a worker's grace
+    (``None``: the system's), ``stuck`` whether its current incarnation is busy for good.
     """
 
     name: str
@@ -33,6 +34,8 @@ class ModelNode:
     restarts: int = 0
     count: int = 0  # a worker's counter (reset by a restart)
     times: list[float] = attrs.Factory(list)  # a supervisor's recent restarts
+    shutdown: float | None = None
+    stuck: bool = False
 
     @property
     def is_supervisor(self) -> bool:
@@ -42,22 +45,29 @@ class ModelNode:
 class SupervisionModel:
     """The expected behaviour of a supervision tree (``docs/actors.md``, *Supervision*).
 
-    ``log`` accumulates the expected ``"start <path>"``/``"stop <path>"`` lines; compare it with
-    what the actors logged and clear both. ``now`` is the virtual time (restart intensity).
+    ``log`` accumulates the expected ``"start <path>"``/``"stop <path>"`` lines and ``killed``
+    the paths killed on the way; compare them with what the actors logged and clear both.
+    ``now`` is the virtual time (restart intensity); stopping stuck workers moves it by their
+    graces (``default_grace`` for a worker without one), so an operation takes ``now`` after
+    minus ``now`` before.
     """
 
-    def __init__(self, top: ModelNode) -> None:
+    def __init__(self, top: ModelNode, *, default_grace: float = 5.0) -> None:
         self.top: ModelNode | None = top
+        self.default_grace = default_grace
         self.now = 0.0
         self.log: list[str] = []
+        self.killed: list[str] = []
 
     def fresh(self, node: ModelNode) -> None:
-        """A new incarnation: a worker's count resets; a supervisor gets new children."""
+        """A new incarnation: a worker's count resets, it is not stuck; a supervisor gets new
+        children."""
         node.count = 0
         node.times = []
+        node.stuck = False
         node.children = []
         for child in node.blueprint:
-            copy = attrs.evolve(child, children=[], restarts=0, count=0, times=[])
+            copy = attrs.evolve(child, children=[], restarts=0, count=0, times=[], stuck=False)
             copy.parent = node
             node.children.append(copy)
 
@@ -69,9 +79,13 @@ class SupervisionModel:
             self.start(child)
 
     def stop(self, node: ModelNode) -> None:
-        """``node`` stops: its children in reverse order, then it."""
+        """``node`` stops: its children in reverse order, then it (a stuck worker after its
+        grace, killed; its ``on_stop`` still runs)."""
         for child in reversed(node.children):
             self.stop(child)
+        if node.stuck:
+            self.now += node.shutdown if node.shutdown is not None else self.default_grace
+            self.killed.append(node.path)
         self.log.append(f"stop {node.path}")
 
     def live(self) -> list[ModelNode]:
@@ -90,6 +104,10 @@ class SupervisionModel:
     def workers(self) -> list[ModelNode]:
         return [n for n in self.live() if not n.is_supervisor]
 
+    def responsive(self) -> list[ModelNode]:
+        """The live workers that are not stuck."""
+        return [n for n in self.workers() if not n.stuck]
+
     def remove(self, node: ModelNode) -> None:
         """``node`` was stopped for good (``ref.stop()``): it is gone, nobody restarts it."""
         if node.parent is None:
@@ -101,6 +119,10 @@ class SupervisionModel:
         """``ref.stop()`` of ``node``: log its stop (children first) and remove it."""
         self.stop(node)
         self.remove(node)
+
+    def hung(self, node: ModelNode) -> None:
+        """A worker got stuck in a handler: it answers nothing until it is stopped."""
+        node.stuck = True
 
     def crashed(self, node: ModelNode) -> None:
         """A worker crashed: log its stop and apply its parent's supervision."""
@@ -165,8 +187,10 @@ def supervisor_strategies(draw: st.DrawFn) -> Strategy:
 def supervision_trees(draw: st.DrawFn, *, max_workers: int = 3) -> ModelNode:
     """A top supervisor (``"top"``, TEMPORARY under the root) with 1..``max_workers`` workers
     ``w0, w1...`` and maybe a nested supervisor ``sub`` (with workers ``x0...``) among them, at a
-    random position; random strategies, intensities and restart types."""
+    random position; random strategies, intensities, restart types and workers' shutdown graces
+    (the system's, 1 s or 2 s)."""
     restarts = st.sampled_from(list(Restart))
+    graces = st.sampled_from([None, 1.0, 2.0])
     top = ModelNode("top", "top", Restart.TEMPORARY, strategy=draw(supervisor_strategies()))
     has_sub = draw(st.booleans())
     n_workers = draw(st.integers(1, max_workers))
@@ -178,9 +202,13 @@ def supervision_trees(draw: st.DrawFn, *, max_workers: int = 3) -> ModelNode:
                 "sub", "top/sub", draw(restarts), strategy=draw(supervisor_strategies())
             )
             for j in range(draw(st.integers(1, max_workers))):
-                sub.blueprint.append(ModelNode(f"x{j}", f"top/sub/x{j}", draw(restarts)))
+                sub.blueprint.append(
+                    ModelNode(f"x{j}", f"top/sub/x{j}", draw(restarts), shutdown=draw(graces))
+                )
             top.blueprint.append(sub)
         else:
             name = names.pop(0)
-            top.blueprint.append(ModelNode(name, f"top/{name}", draw(restarts)))
+            top.blueprint.append(
+                ModelNode(name, f"top/{name}", draw(restarts), shutdown=draw(graces))
+            )
     return top

@@ -1,9 +1,11 @@
 """``SupervisionMachine``: the actor runtime's supervision checked against ``SupervisionModel``.
 
 Random trees (``supervision_trees``) take random schedules of crashes, normal exits, explicit
-stops, tells, asks, concurrent bursts and clock jumps. After every step the lifecycle log the
-actors wrote must equal the model's, live actors and restart counts must match, and no helper
-task may outlive its actor. Subclass it and override ``make_supervisor`` to check a
+stops, tells, asks, concurrent bursts, clock jumps and workers getting stuck in a handler (whose
+stops then take their grace and end in a kill). After every step, once the virtual time the
+model says it takes has passed, the lifecycle log the actors wrote must equal the model's (the
+kills included), live actors and restart counts must match, and no helper task may outlive its
+actor. Subclass it and override ``make_supervisor`` to check a
 ``Supervisor`` subclass of your own against the same promises::
 
     class MySupervisorMachine(SupervisionMachine):
@@ -21,6 +23,7 @@ from typing import Any
 import attrs
 import trio
 import trio.lowlevel
+import trio.testing
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
@@ -28,6 +31,7 @@ from ..actors import (
     Actor,
     ActorContext,
     ActorCrashed,
+    ActorKilled,
     ActorRef,
     ActorState,
     ChildSpec,
@@ -37,7 +41,7 @@ from ..actors import (
 )
 from ._machine import ActorMachine
 from ._supervision import ModelNode, SupervisionModel, supervision_trees
-from ._time import Blocked, Raised, Returned, attempt
+from ._time import Attempt, Blocked, Raised, Returned, advance, attempt
 
 # -- the actors under test ----------------------------------------------------------------------
 
@@ -73,20 +77,34 @@ class Exit:
     pass
 
 
-WorkerMsg = Add | Tagged | Get | Seqs | Crash | Exit
+@attrs.frozen
+class Hang:
+    """Block in ``receive`` for good (a handler stuck on a dead peer, an endless loop)."""
+
+
+WorkerMsg = Add | Tagged | Get | Seqs | Crash | Exit | Hang
 
 
 class LifecycleLog:
-    """What the actors report: ``lines`` (``"start <path>"``, ``"stop <path>"``) and the paths
-    whose helper task is running."""
+    """What the actors report: ``lines`` (``"start <path>"``, ``"stop <path>"``), the paths
+    whose incarnation was killed (``on_stop`` got ``ActorKilled``), in order, and the paths whose
+    helper task is running."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self.killed: list[str] = []
         self.helpers: set[str] = set()
+
+    def stopped(self, path: str, error: BaseException | None) -> None:
+        """Log the stop of ``path`` (from its ``on_stop``)."""
+        if isinstance(error, ActorKilled):
+            self.killed.append(path)
+        self.lines.append(f"stop {path}")
 
 
 class LoggingWorker(Actor[WorkerMsg]):
-    """Counts, records tagged sequences, crashes or exits on request; logs its lifecycle."""
+    """Counts, records tagged sequences, crashes, exits or hangs on request; logs its
+    lifecycle."""
 
     def __init__(self, log: LifecycleLog) -> None:
         self.log = log
@@ -118,10 +136,12 @@ class LoggingWorker(Actor[WorkerMsg]):
             raise RuntimeError(f"crash {ctx.name}")
         elif isinstance(msg, Exit):
             ctx.stop_self()
+        elif isinstance(msg, Hang):
+            await trio.sleep_forever()
         return None
 
     async def on_stop(self, ctx: ActorContext[WorkerMsg], error: BaseException | None) -> None:
-        self.log.lines.append(f"stop {ctx.name}")
+        self.log.stopped(ctx.name, error)
 
 
 class LoggingSupervisor(Supervisor):
@@ -136,7 +156,7 @@ class LoggingSupervisor(Supervisor):
         await super().on_start(ctx)
 
     async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
-        self.log.lines.append(f"stop {ctx.name}")
+        self.log.stopped(ctx.name, error)
 
 
 # -- the machine ----------------------------------------------------------------------------------
@@ -160,7 +180,9 @@ class SupervisionMachine(ActorMachine):
         """The ``ChildSpec`` that builds ``node`` (and, for a supervisor, its subtree)."""
         log = self.log
         if node.strategy is None:
-            return ChildSpec(lambda: LoggingWorker(log), node.name, restart=node.restart)
+            return ChildSpec(
+                lambda: LoggingWorker(log), node.name, restart=node.restart, shutdown=node.shutdown
+            )
         specs = [self.spec(child) for child in node.blueprint]
         strategy = node.strategy
         return ChildSpec(
@@ -169,7 +191,7 @@ class SupervisionMachine(ActorMachine):
 
     @initialize(tree=supervision_trees())
     def build(self, tree: ModelNode) -> None:
-        self.model = SupervisionModel(tree)
+        self.model = SupervisionModel(tree, default_grace=self.shutdown_grace)
         self.model.start(tree)
         spec = self.spec(tree)
 
@@ -183,9 +205,41 @@ class SupervisionMachine(ActorMachine):
 
     def check_log(self) -> None:
         assert self.model is not None
-        assert self.log.lines == self.model.log
+        assert self.log.lines == self.model.log, (
+            f"lifecycle {self.log.lines}, the model expects {self.model.log}"
+        )
+        assert self.log.killed == self.model.killed, (
+            f"killed {self.log.killed}, the model expects {self.model.killed}"
+        )
         self.log.lines.clear()
+        self.log.killed.clear()
         self.model.log.clear()
+        self.model.killed.clear()
+
+    def let_time_pass(self, since: float) -> None:
+        """Advance the clock to the model's ``now`` (stuck workers' stops take their graces)."""
+        assert self.model is not None
+        if self.model.now > since:
+            self.advance(self.model.now - since)
+
+    async def within(self, seconds: float, fn: Any, *args: Any) -> Attempt[Any]:
+        """Like ``attempt``, while ``seconds`` of virtual time pass (timers fire on the way)."""
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, trio.testing.MockClock)
+        result: list[Attempt[Any]] = []
+
+        async def go() -> None:
+            try:
+                result.append(Returned(await fn(*args)))
+            except Exception as exc:
+                result.append(Raised(exc))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            await advance(clock, seconds)
+            if not result:
+                nursery.cancel_scope.cancel()
+        return result[0] if result else Blocked()
 
     def ref(self, node: ModelNode) -> ActorRef[Any]:
         ref = self.system.whereis(node.path)
@@ -193,7 +247,8 @@ class SupervisionMachine(ActorMachine):
         return ref
 
     def workers(self) -> list[ModelNode]:
-        return self.model.workers() if self.model is not None else []
+        """The live workers that answer (not stuck)."""
+        return self.model.responsive() if self.model is not None else []
 
     def has_workers(self) -> bool:
         return bool(self.workers())
@@ -210,7 +265,9 @@ class SupervisionMachine(ActorMachine):
         node = self.pick(data, self.workers())
         result = self.run(attempt, self.ref(node).ask, Crash())
         assert isinstance(result, Raised) and isinstance(result.error, ActorCrashed), result
+        since = self.model.now
         self.model.crashed(node)
+        self.let_time_pass(since)
         self.check_log()
 
     @precondition(has_workers)
@@ -219,7 +276,9 @@ class SupervisionMachine(ActorMachine):
         assert self.model is not None
         node = self.pick(data, self.workers())
         self.run(self.ref(node).send, Exit())
+        since = self.model.now
         self.model.exited(node)
+        self.let_time_pass(since)
         self.check_log()
 
     @precondition(lambda self: self.model is not None and len(self.model.live()) > 1)
@@ -228,12 +287,23 @@ class SupervisionMachine(ActorMachine):
         assert self.model is not None
         node = self.pick(data, self.model.live()[1:])  # not the top
         ref = self.ref(node)
-        self.run(ref.stop)
+        since = self.model.now
         self.model.stopped_for_good(node)
+        # bounded: a stop takes exactly the graces of the stuck workers it kills
+        result = self.run(self.within, self.model.now - since, ref.stop)
+        assert result == Returned(None), f"stopping {node.path}: {result}"
         self.check_log()
         if not node.is_supervisor:
             result = self.run(attempt, ref.ask, Get())
             assert isinstance(result, Raised) and isinstance(result.error, ActorCrashed), result
+
+    @precondition(has_workers)
+    @rule(data=st.data())
+    def hang_worker(self, data: st.DataObject) -> None:
+        assert self.model is not None
+        node = self.pick(data, self.workers())
+        self.run(self.ref(node).send, Hang())
+        self.model.hung(node)
 
     @precondition(has_workers)
     @rule(data=st.data(), n=st.integers(1, 5))
@@ -290,7 +360,7 @@ class SupervisionMachine(ActorMachine):
     @invariant()
     def no_helper_task_outlives_its_actor(self) -> None:
         if self.model is not None:
-            assert self.log.helpers == {n.path for n in self.workers()}
+            assert self.log.helpers == {n.path for n in self.model.workers()}
 
     def teardown(self) -> None:
         failing = sys.exc_info()[1] is not None
@@ -299,4 +369,5 @@ class SupervisionMachine(ActorMachine):
             if self.model.top is not None:
                 self.model.stop(self.model.top)
             assert self.log.lines == self.model.log  # the system stops in reverse
+            assert self.log.killed == self.model.killed  # only stuck workers are killed
             assert self.log.helpers == set()

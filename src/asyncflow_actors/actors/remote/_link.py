@@ -393,11 +393,6 @@ class NodeLink:
         finally:
             self._pending.pop(corr, None)
 
-    def send_meta_nowait(self, kind: str) -> None:
-        """Fire-and-forget a payload-less message (pings); ``trio.WouldBlock`` if full."""
-        self._check_open()
-        self.sock.send_multipart_nowait(encode({"k": kind}, None, registry=self.registry))
-
     def _credits(self, target: str) -> Credits:
         self._check_open(target)
         credits = self.credits.get(target)

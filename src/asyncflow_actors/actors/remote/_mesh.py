@@ -284,10 +284,17 @@ class Mesh:
         return peer
 
     def adopt(self, peer: Peer) -> None:
-        """Register a supervised peer (a node's handle) under its own name once known."""
+        """Register a supervised peer (a node's handle) under its own name once known.
+
+        Addresses naming that node then resolve through it. Nothing is closed: a mesh peer's
+        link goes on serving the refs that hold it, and a node connected twice (two aliases)
+        keeps both links; addresses resolve through the first one still alive.
+        """
         current = self.peers.get(peer.name)
-        if current is not None and current is not peer and current.link is not None:
-            current.link.close(P.NodeLost(f"node {peer.name!r} is supervised here now"))
+        if current is peer or (
+            current is not None and current.supervised and not current.terminated
+        ):
+            return
         self.peers[peer.name] = peer
 
     def peer_hello(self, hello: P.Hello) -> None:
