@@ -158,3 +158,23 @@ def _zombie_or_gone(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+async def test_a_node_connected_twice_serves_both_handles() -> None:
+    cmd = [sys.executable, "-m", "asyncflow_actors.node", "--bind", "tcp://127.0.0.1:*"]
+    cmd += ["--allow", "tests.remote", "--name", "shared"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=os.getcwd())  # noqa: ASYNC220
+    try:
+        assert proc.stdout is not None
+        address = json.loads(proc.stdout.readline())["endpoints"][0]
+        async with afa.open_actor_system() as system:
+            first = await system.connect_node(address, name="first")
+            one = await first.spawn(Busy, name="one")
+            second = await system.connect_node(address, name="second")
+            two = await second.spawn(Busy, name="two")
+            with trio.fail_after(10):  # neither handle's link was closed under the other
+                assert await one.ask(Count()) == 1
+                assert await two.ask(Count()) == 1
+    finally:
+        proc.kill()
+        proc.wait()
