@@ -52,7 +52,7 @@ class Peer:
         self.watchers: dict[str, set[ActorCell]] = {}
         self.gone: dict[str, BaseException | None] = {}
         self.sent: dict[str, int] = {}
-        self.rejected: dict[str, BaseException] = {}
+        self.rejected: dict[str, P.MessageRejected] = {}
         self._connecting: trio.Event | None = None
 
     @property
@@ -131,7 +131,12 @@ class Peer:
         self.notify_watchers(actor, error)
 
     def on_rejected(self, actor: str, error: BaseException) -> None:
-        self.rejected[actor] = error
+        """Keep the verdicts on tells to ``actor`` until the next call on it raises them."""
+        earlier = self.rejected.get(actor)
+        if earlier is None:
+            self.rejected[actor] = P.MessageRejected(str(error))
+        else:
+            self.rejected[actor] = P.MessageRejected(earlier.reason, earlier.count + 1)
 
     def take_rejection(self, actor: str) -> None:
         """Raise the rejection of an earlier tell to ``actor`` (once), if there was one."""

@@ -81,11 +81,23 @@ class NodeLost(ActorError):
 
 
 class MessageRejected(ActorError):
-    """A node refused a message told to one of its actors (undecodable, or past the credits).
+    """A node refused messages told to one of its actors (undecodable, or past the credits).
 
     A ``send`` cannot wait for the verdict, so it is raised by the next ``send``/``ask`` on a ref
-    to the same actor (and logged, and counted); the credit the message used came back.
+    to the same actor (and logged, and counted); the credits the messages used came back.
+    ``count`` is how many were refused since the last time it was raised (the message is the
+    first one's reason).
     """
+
+    def __init__(self, message: str, count: int = 1) -> None:
+        super().__init__(
+            message if count == 1 else f"{count} messages refused; the first: {message}"
+        )
+        self.reason = message
+        self.count = count
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reason, self.count))
 
 
 @attrs.frozen
