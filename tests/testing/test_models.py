@@ -237,6 +237,7 @@ async def run_station(
             station = station_type(client, TransferQueueLedger(SPEC.consumers, staleness=1))
             await replay(schedule, station.step)
             await station.drain()
+            await client.flush()  # deletions reach the units in the background
             station.ledger.check_drained(await client.statistics(), topic="t")
 
 

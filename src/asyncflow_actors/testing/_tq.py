@@ -188,7 +188,10 @@ class TransferQueueLedger:
         self, statistics: TransferQueueStatistics | None = None, *, topic: str | None = None
     ) -> None:
         """After a drain: no open lease, every sample accounted for by every consumer, and (with
-        ``statistics``) no live sample in the controller and no byte in any storage unit."""
+        ``statistics``) no live sample in the controller and no byte in any storage unit.
+
+        Take ``statistics`` after ``await client.flush()``: the controller hands deletions to
+        the units in the background, so only a flushed snapshot reflects every ack."""
         assert not self.leases, f"leases still open: {sorted(self.leases)}"
         missing = self.unaccounted()
         assert not missing, f"samples silently dropped (never acked nor reported): {missing}"
