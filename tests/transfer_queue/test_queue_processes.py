@@ -54,11 +54,9 @@ async def test_units_in_node_processes_round_trip_and_survive_kill_9() -> None:
             assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8))
         await client.ack(got)
         # kill -9 the node process holding the group
-        node_ref = system.whereis(f"tq/node-{slot.unit}")
-        assert node_ref is not None
-        node = await node_ref.ask(afa.actors.remote.GetNode())
-        assert node.pid is not None and node.pid != os.getpid()
-        os.kill(node.pid, signal.SIGKILL)
+        pid = (await queue.unit_pids())[slot.unit]
+        assert pid is not None and pid != os.getpid()
+        os.kill(pid, signal.SIGKILL)
         with trio.fail_after(30):
             events = await client.events()
         lost = [e for e in events.events if e.kind == "lost"]
@@ -128,8 +126,9 @@ async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None
         await client.put("rollout", data, version=0)
         (held,) = segments(ns) - probes
         unit = next(u for u in queue.units if held.startswith(f"{ns}{u}-"))
-        node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.remote.GetNode())  # type: ignore[union-attr]
-        os.kill(node.pid, signal.SIGKILL)
+        pid = (await queue.unit_pids())[unit]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
 
         async def swept() -> bool:
             return held not in segments(ns) and len(segments(ns)) == 2
