@@ -198,7 +198,7 @@ async def test_segments_are_owned_unlinked_and_swept_by_the_unit(
         got = await ref.ask(fetch(me, [1, 2], ["x"], shm=True))
         (ref_part,) = got.columns["x"]
         assert ref_part == S.ShmBody(offset + 4096, "float32", (2, 1024), name)
-        mapping = _shm.map_segment(name, shared=False)
+        mapping = _shm.map_for_reading(name)
         view = torch.frombuffer(mapping, dtype=torch.float32, count=2048, offset=offset + 4096)
         assert torch.equal(view.reshape(2, 1024), rows[1:3])
         plain = await ref.ask(fetch(me, [0], ["x"]))  # a reader elsewhere: the bytes themselves

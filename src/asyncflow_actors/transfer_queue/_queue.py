@@ -63,9 +63,10 @@ class TransferQueueConfig:
     how often the controller checks that units are alive (and detects a restarted, empty one).
     ``shm``: clients on a unit's host pass tensor bodies of at least ``shm_min_bytes`` through
     shared memory (``/dev/shm``) instead of the socket; a segment a writer created but never
-    handed over (it died) is removed after ``shm_orphan_age`` seconds. ``unit_timeout``: the
-    controller's bound
-    on its own requests to units; ``io_timeout``: a client's bound on a store or fetch.
+    handed over (it died) is removed after ``shm_orphan_age`` seconds; each unit keeps up to
+    ``shm_pool_bytes`` of freed segments for writers to fill again (pages that exist already:
+    no allocation, zeroing or unlinking per put). ``unit_timeout``: the controller's bound on
+    its own requests to units; ``io_timeout``: a client's bound on a store or fetch.
     """
 
     topics: tuple[TopicSpec, ...] = attrs.field(default=(), converter=_specs)
@@ -78,6 +79,7 @@ class TransferQueueConfig:
     shm: bool = True
     shm_min_bytes: int = 1 << 20
     shm_orphan_age: float = 60.0
+    shm_pool_bytes: int = 256 << 20
     name: str = "tq"
     max_restarts: int = 10
     restart_window: float = 60.0
@@ -220,6 +222,7 @@ async def _start_unit_nodes(
             "name": unit,
             "shm": f"{shm}{unit}-" if shm else "",
             "orphan_age": cfg.shm_orphan_age,
+            "pool_bytes": cfg.shm_pool_bytes,
         }
         units[unit] = await node.spawn(StorageUnit, name=unit, kwargs=kwargs)
 
