@@ -184,10 +184,7 @@ async def clients_1024(tasks: int = 1024, groups: int = 4, size: int = 4) -> tup
     cfg = tq.TransferQueueConfig(topics=(CLIENT_SPEC,), units=2, placement="process")
     writers = readers = tasks // 2
     async with afa.open_actor_system() as system, tq.open_transfer_queue(system, cfg) as queue:
-        pids = []
-        for unit in queue.units:
-            node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.GetNode())  # type: ignore[union-attr]
-            pids.append(node.pid)
+        pids = [pid for pid in (await queue.unit_pids()).values() if pid is not None]
 
         async def writer(w: int) -> None:
             client = await queue.client()

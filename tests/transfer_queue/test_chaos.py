@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-from typing import Any
 
 import pytest
 import torch
@@ -106,13 +105,13 @@ async def watcher(client: tq.TransferQueueClient, ledger: Ledger) -> None:
                 target.update(event.indexes)
 
 
-async def kill_unit(system: Any, unit: str) -> None:
-    node_ref = system.whereis(f"tq/node-{unit}")
-    node = await node_ref.ask(afa.actors.remote.GetNode())
-    os.kill(node.pid, signal.SIGKILL)
+async def kill_unit(queue: tq.TransferQueue, unit: str) -> None:
+    pid = (await queue.unit_pids())[unit]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
 
 
-async def chaos(system: Any, queue: tq.TransferQueue, rng: random.Random) -> None:
+async def chaos(queue: tq.TransferQueue, rng: random.Random) -> None:
     """Two unit kills, two controller restarts, one kill just before a restart (the controller
     comes back before it could notice), at random times."""
     moves = ["kill", "crash", "kill", "kill+crash"]
@@ -121,7 +120,7 @@ async def chaos(system: Any, queue: tq.TransferQueue, rng: random.Random) -> Non
         await trio.sleep(rng.uniform(0.2, 0.6))
         unit = rng.choice(sorted(queue.units))
         if move.startswith("kill"):
-            await kill_unit(system, unit)
+            await kill_unit(queue, unit)
         if move.endswith("crash"):
             await crash(queue.controller)
 
@@ -147,7 +146,7 @@ async def run(seed: int) -> None:
             background.start_soon(consumer, reader, ledger, rng)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(producer, writer, ledger)
-                nursery.start_soon(chaos, system, queue, rng)
+                nursery.start_soon(chaos, queue, rng)
             with trio.fail_after(60):  # everything put is received or reported
                 while ledger.put - ledger.received - ledger.lost - ledger.evicted:
                     await trio.sleep(0.05)

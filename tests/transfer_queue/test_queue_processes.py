@@ -54,11 +54,9 @@ async def test_units_in_node_processes_round_trip_and_survive_kill_9() -> None:
             assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8))
         await client.ack(got)
         # kill -9 the node process holding the group
-        node_ref = system.whereis(f"tq/node-{slot.unit}")
-        assert node_ref is not None
-        node = await node_ref.ask(afa.actors.remote.GetNode())
-        assert node.pid is not None and node.pid != os.getpid()
-        os.kill(node.pid, signal.SIGKILL)
+        pid = (await queue.unit_pids())[slot.unit]
+        assert pid is not None and pid != os.getpid()
+        os.kill(pid, signal.SIGKILL)
         with trio.fail_after(30):
             events = await client.events()
         lost = [e for e in events.events if e.kind == "lost"]
@@ -128,8 +126,9 @@ async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None
         await client.put("rollout", data, version=0)
         (held,) = segments(ns) - probes
         unit = next(u for u in queue.units if held.startswith(f"{ns}{u}-"))
-        node = await system.whereis(f"tq/node-{unit}").ask(afa.actors.remote.GetNode())  # type: ignore[union-attr]
-        os.kill(node.pid, signal.SIGKILL)
+        pid = (await queue.unit_pids())[unit]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
 
         async def swept() -> bool:
             return held not in segments(ns) and len(segments(ns)) == 2
@@ -151,3 +150,56 @@ async def test_without_shared_memory_bodies_take_the_socket() -> None:
         assert torch.equal(got["tokens"], data["tokens"])
         (unit,) = (await client.statistics()).units.values()
         assert unit is not None and (unit.shm_stores, unit.shm_fetches, unit.segments) == (0, 0, 0)
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+async def test_freed_segments_are_filled_again_only_once_no_reader_maps_them() -> None:
+    config = tq.TransferQueueConfig(
+        topics=(SPEC,), units=1, placement="process", shm_min_bytes=64 * 1024
+    )
+
+    def batch(seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        return {"tokens": torch.randint(0, 50_000, (8, 4096), generator=gen)}  # 256 KiB
+
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        ns = queue.namespace
+        client = await queue.client()
+
+        async def put(data: dict[str, torch.Tensor]) -> int:
+            """Put; the inode of the segment the put handed over."""
+            before = segments(ns)
+            await client.put("rollout", data, version=0)
+            (new,) = {n for n in segments(ns) - before if not n.rsplit("-", 1)[1].startswith("f")}
+            return os.stat(_shm.path(new)).st_ino
+
+        async def unit_stats() -> U.StorageStatistics:
+            (unit,) = (await client.statistics()).units.values()
+            assert unit is not None
+            return unit
+
+        a, b = batch(1), batch(2)
+        first = await put(a)
+        held = await client.get("rollout", "trainer", ["tokens"], 8)
+        await client.ack(held)
+        await client.flush()  # its rows are freed at the unit, but our view still maps it
+        assert (await unit_stats()).recycled == 0
+        second = await put(b)
+        assert second != first  # not refilled under our view...
+        assert torch.equal(held["tokens"], a["tokens"])  # ...which still shows what was put
+        got = await client.get("rollout", "trainer", ["tokens"], 8)
+        assert torch.equal(got["tokens"], b["tokens"])
+        await client.ack(got)
+        del held, got  # no view left: the unit may refill both segments now
+        await client.flush()
+        stats = await unit_stats()
+        assert stats.recycled == 2 and stats.pool_nbytes > 0
+        assert await put(a) not in (first, second)  # (its reply names the free segments)
+        assert await put(b) in (first, second)  # the pages of a freed segment, refilled
+        got = await client.get("rollout", "trainer", ["tokens"], 16)
+        assert torch.equal(got["tokens"], torch.cat([a["tokens"], b["tokens"]]))
+        await client.ack(got)
+    assert segments(ns) == set()  # the pool goes with the queue

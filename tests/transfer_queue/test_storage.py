@@ -3,6 +3,7 @@ bookkeeping, and the shared-memory segments it owns."""
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -198,7 +199,7 @@ async def test_segments_are_owned_unlinked_and_swept_by_the_unit(
         got = await ref.ask(fetch(me, [1, 2], ["x"], shm=True))
         (ref_part,) = got.columns["x"]
         assert ref_part == S.ShmBody(offset + 4096, "float32", (2, 1024), name)
-        mapping = _shm.map_segment(name, shared=False)
+        mapping = _shm.map_for_reading(name)
         view = torch.frombuffer(mapping, dtype=torch.float32, count=2048, offset=offset + 4096)
         assert torch.equal(view.reshape(2, 1024), rows[1:3])
         plain = await ref.ask(fetch(me, [0], ["x"]))  # a reader elsewhere: the bytes themselves
@@ -251,3 +252,29 @@ async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
         assert name not in segments(namespace)  # the live rows moved to a segment of the unit's
         got = await ref.ask(fetch(me, list(range(56, 64)), ["x"]))
         assert torch.equal(back(got.columns["x"][0]), rows[56:])
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+def test_a_segment_is_recycled_only_when_no_reader_maps_it() -> None:
+    prefix = f"afa-test-{os.getpid()}-{os.urandom(4).hex()}-"
+    name, free, mine = prefix + "c0", prefix + "f0", prefix + "c1"
+    _shm.write_segment(name, [memoryview(b"a" * 4096)])
+    try:
+        mapping = _shm.map_for_reading(name)
+        view = memoryview(mapping)[:4]
+        again = _shm.map_for_reading(name)  # another view: its own private mapping
+        again[0:1] = b"z"  # a reader's write stays in its own mapping
+        assert bytes(view) == b"aaaa"
+        del again
+        assert not _shm.recycle(name, free)  # a reader maps it: not refilled
+        del view, mapping
+        gc.collect()
+        assert _shm.recycle(name, free)  # the last mapping went, and the lock with it
+        with pytest.raises(FileNotFoundError):
+            _shm.map_for_reading(name)  # a reader late with its reference finds it gone
+        assert _shm.claim(free, mine) and not _shm.claim(free, prefix + "c2")  # one writer wins
+        _shm.write_segment(mine, [memoryview(b"b" * 1024)], reuse=True)
+        with open(_shm.path(mine), "rb") as f:
+            assert f.read(1028) == b"b" * 1024 + b"aaaa"  # the pages that existed, refilled
+    finally:
+        _shm.sweep(prefix)

@@ -12,9 +12,9 @@ is mostly dead (its live bytes fall under half of what it held live when filled,
 go: held bytes stay under about twice the live bytes plus one small block's worth. Copies cost
 at most the bytes freed.
 
-Shared-memory segments (:mod:`._shm`) are owned here: a segment is unlinked once no row in it is
-live (the controller frees a row only once no valid lease holds it, so no reader still needs to
-map it). A segment handed to a reader in the last ``MAP_GRACE`` seconds is not compacted away
+Shared-memory segments (:mod:`._shm`) are owned here: a segment is unlinked (or kept for reuse,
+see ``_pool``) once no row in it is live (the controller frees a row only once no valid lease
+holds it, so no reader still needs to map it). A segment handed to a reader in the last ``MAP_GRACE`` seconds is not compacted away
 (its rows are still live, and that reader may not have mapped it yet): that waits.
 Nothing here imports torch: in a node process values are ``RawTensor`` (bytes, dtype, shape).
 """
@@ -82,14 +82,15 @@ def _dtype(value: Any) -> str:
 class Segment:
     """A shared-memory segment this unit owns, mapped read-only."""
 
-    __slots__ = ("buf", "last_fetch", "name", "size")
+    __slots__ = ("buf", "last_fetch", "name", "size", "socket_read")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        mapping = _shm.map_segment(name, shared=True)
+        mapping = _shm.map_segment(name)
         self.size = len(mapping)
         self.buf = memoryview(mapping)
         self.last_fetch = -math.inf  # when a reader was last handed it
+        self.socket_read = False  # a socket reply was built from its pages: never reuse it
 
     def body(self, ref: ShmBody) -> RawTensor:
         """A view of ``ref``'s bytes; raises :class:`UnitError` for a bad dtype or range."""
@@ -152,6 +153,8 @@ class Block:
             shape = (count, *col.value.shape[1:])
             offset = col.offsets[0] + start * col.row_bytes
             return ShmBody(offset, _dtype(col.value), tuple(shape), self.segment.name)
+        if self.segment is not None and col.offsets is not None:
+            self.segment.socket_read = True
         return rows_of(col.value, start, start + count)
 
     def row_ref(self, column: str, r: int, whole: bool) -> Any:
@@ -161,6 +164,8 @@ class Block:
             offset = col.offsets[r]
             if offset >= 0:
                 return ShmBody(offset, _dtype(value), tuple(value.shape), self.segment.name)
+        if self.segment is not None and col.offsets is not None and col.offsets[r] >= 0:
+            self.segment.socket_read = True
         return value
 
     def live_rows(self) -> list[tuple[int, list[str]]]:

@@ -75,13 +75,18 @@ class _Tick:
     """Self-message from the timer: expire what is due."""
 
 
+@attrs.frozen
+class _Delivered:
+    """Self-message from the flusher: units took deletions, so waiting puts may fit now."""
+
+
 @attrs.define(eq=False)
 class _WaitingPut:
     msg: M.Allocate | M.OpenGroup
     reply: Reply
 
 
-class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
+class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | UnitSeen]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -123,7 +128,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
             await self._rebuild(tokens)
         ctx.start_soon(self._timer, ctx)
         ctx.start_soon(self._unit_watcher, ctx)
-        ctx.start_soon(self._flusher)
+        ctx.start_soon(self._flusher, ctx)
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -157,10 +162,11 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
             if size == 0:  # members of an open group use its reserved slots: never wait
                 return self._put(state, msg)
             waiting = self.puts.setdefault(msg.topic, deque())
-            if not waiting and state.can_allocate(msg.topic, size):
+            if self._fits(state, msg.topic, size) and not waiting:  # CapacityError: never
                 return self._put(state, msg)
-            state.can_allocate(msg.topic, size)  # raises CapacityError if it never fits
             waiting.append(_WaitingPut(msg, ctx.defer_reply()))
+            if msg.topic in self.shared.outbox.deleting:
+                self.flush_now.set()  # the slots it waits for free once units took deletes
             return None
         if isinstance(msg, M.CommitShared):
             state.commit_shared(msg.topic, msg.group_id, msg.columns)
@@ -190,6 +196,9 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
         elif isinstance(msg, M.ReleaseHolder):
             self._apply(state.release_holder(msg.holder))
             self._kick_all()
+        elif isinstance(msg, _Delivered):
+            for topic in list(self.puts):
+                self._retry_puts(topic)
         elif isinstance(msg, _Tick):
             self._apply(state.expire(trio.current_time()))
             self._kick_all()
@@ -264,6 +273,15 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
         self._kick(msg.topic, puts=False)
         return M.Placed(allocation, self._incarnations(set(allocation.units)))
 
+    def _fits(self, state: ControllerState, topic: str, size: int) -> bool:
+        """Whether ``size`` slots fit now: the capacity counts live samples, reserved group
+        slots, and freed samples whose deletion their unit has not taken yet (so it bounds
+        what the units hold). Raises ``CapacityError`` if ``size`` can never fit."""
+        if not state.can_allocate(topic, size):
+            return False
+        free = state.free_slots(topic)
+        return free is None or free - self.shared.outbox.deleting.get(topic, 0) >= size
+
     def _granted(self, put_id: int, result: Any) -> None:
         if put_id:
             self.granted_puts[put_id] = result
@@ -314,7 +332,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
         assert state is not None
         while waiting:
             head = waiting[0]
-            if not state.can_allocate(topic, _slots(head.msg)):
+            if not self._fits(state, topic, _slots(head.msg)):
                 return  # FIFO: later puts wait behind the head
             waiting.popleft()
             try:
@@ -443,6 +461,8 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
             return  # the unit is down: its loss covers what this item described
         self.shared.outbox.put(unit, item)
         self.outbox_wake.set()
+        if isinstance(item, U.Delete) and self.puts.get(item.topic):
+            self.flush_now.set()  # puts wait for these slots: no lingering
 
     def _group_infos(self, topic: str, gids: Any) -> None:
         """Send explicit groups' records (absolute values) to their units."""
@@ -503,7 +523,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
                 continue
             await ctx.self.send(_Tick())
 
-    async def _flusher(self) -> None:
+    async def _flusher(self, ctx: ActorContext[Any]) -> None:
         """Deliver bookkeeping to the units: a few milliseconds after it is queued (so that
         what many operations queue travels together), at once when someone waits for it."""
         shared = self.shared
@@ -513,7 +533,10 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | UnitSeen]):
                 await self.flush_now.wait()
             self.outbox_wake = trio.Event()
             self.flush_now = trio.Event()
+            deleting = sum(shared.outbox.deleting.values())
             failed = await shared.outbox.flush(shared.units, shared.known, shared.unit_timeout)
+            if sum(shared.outbox.deleting.values()) < deleting and any(self.puts.values()):
+                await ctx.self.send(_Delivered())
             if not len(shared.outbox):
                 waiters, self.flush_waiters = self.flush_waiters, []
                 for reply in waiters:

@@ -63,9 +63,10 @@ class TransferQueueConfig:
     how often the controller checks that units are alive (and detects a restarted, empty one).
     ``shm``: clients on a unit's host pass tensor bodies of at least ``shm_min_bytes`` through
     shared memory (``/dev/shm``) instead of the socket; a segment a writer created but never
-    handed over (it died) is removed after ``shm_orphan_age`` seconds. ``unit_timeout``: the
-    controller's bound
-    on its own requests to units; ``io_timeout``: a client's bound on a store or fetch.
+    handed over (it died) is removed after ``shm_orphan_age`` seconds; each unit keeps up to
+    ``shm_pool_bytes`` of freed segments for writers to fill again (pages that exist already:
+    no allocation, zeroing or unlinking per put). ``unit_timeout``: the controller's bound on
+    its own requests to units; ``io_timeout``: a client's bound on a store or fetch.
     """
 
     topics: tuple[TopicSpec, ...] = attrs.field(default=(), converter=_specs)
@@ -78,6 +79,7 @@ class TransferQueueConfig:
     shm: bool = True
     shm_min_bytes: int = 1 << 20
     shm_orphan_age: float = 60.0
+    shm_pool_bytes: int = 256 << 20
     name: str = "tq"
     max_restarts: int = 10
     restart_window: float = 60.0
@@ -110,6 +112,12 @@ class TransferQueueConfig:
         return cls.from_dict(data)
 
 
+def node_name(queue: str, unit: str) -> str:
+    """The name of the node process that hosts ``unit`` (``placement="process"``): unique in
+    the run (it names a system of the mesh), so several queues may run side by side."""
+    return f"{queue}-{unit}"
+
+
 class TransferQueue:
     """A running TransferQueue: make clients, inspect it. From ``open_transfer_queue``."""
 
@@ -119,11 +127,13 @@ class TransferQueue:
         controller: ActorRef[Any],
         shared: ControllerShared,
         namespace: str = "",
+        name: str = "tq",
     ) -> None:
         self.system = system
         self.controller = controller
         self.shared = shared
         self.namespace = namespace  # names of this queue's shared-memory segments start so
+        self.name = name
 
     @property
     def units(self) -> dict[str, ActorRef[Any]]:
@@ -133,6 +143,15 @@ class TransferQueue:
         """A new client; ``holder`` names it in leases and writes (default: a unique name).
         Clients sharing a holder share its fate: ``aclose`` of one returns the leases of all."""
         return await TransferQueueClient.connect(self.controller, holder=holder)
+
+    async def unit_pids(self) -> dict[str, int | None]:
+        """The process id of each unit's node process (``None``: the unit is in this process,
+        or its node is restarting)."""
+        out: dict[str, int | None] = {}
+        for unit in self.shared.units:
+            ref = self.system.whereis(f"{self.name}/{node_name(self.name, unit)}")
+            out[unit] = None if ref is None else (await ref.ask(GetNode())).pid
+        return out
 
 
 @asynccontextmanager
@@ -169,7 +188,7 @@ async def open_transfer_queue(
             shm_min_bytes=cfg.shm_min_bytes if cfg.shm else None,
         )
         controller = await sup.ask(StartChild(ChildSpec(lambda: Controller(shared), "controller")))
-        yield TransferQueue(system, controller, shared, namespace)
+        yield TransferQueue(system, controller, shared, namespace, cfg.name)
     finally:
         with trio.CancelScope(shield=True):
             await sup.stop()
@@ -191,7 +210,8 @@ async def _start_unit_nodes(
     allow = ("asyncflow_actors.transfer_queue",)
     launcher = SubprocessLauncher(allow, transport=cfg.transport)
     specs = tuple(
-        node_spec(f"node-{unit}", launcher, mesh=system.mesh, options=options) for unit in names
+        node_spec(node_name(cfg.name, unit), launcher, mesh=system.mesh, options=options)
+        for unit in names
     )
     refs = await sup.ask(StartChildren(specs))
     node_refs = dict(zip(names, refs, strict=True))
@@ -202,6 +222,7 @@ async def _start_unit_nodes(
             "name": unit,
             "shm": f"{shm}{unit}-" if shm else "",
             "orphan_age": cfg.shm_orphan_age,
+            "pool_bytes": cfg.shm_pool_bytes,
         }
         units[unit] = await node.spawn(StorageUnit, name=unit, kwargs=kwargs)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import _shm
 from ._blocks import COMPACT_MIN, Block, Column, Segment, gather, is_tensor, nbytes
+from ._pool import SegmentPool
 from ._runtime import RawTensor
 from ._unit_messages import (
     Committed,
@@ -51,10 +52,17 @@ class Shelf:
     """What one unit incarnation holds. ``prefix``: its segment namespace (``None``: no shared
     memory); ``clock``: seconds, for the compaction grace of segments just handed out."""
 
-    def __init__(self, name: str, prefix: str | None, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        prefix: str | None,
+        clock: Callable[[], float],
+        pool: SegmentPool | None = None,
+    ) -> None:
         self.name = name
         self.prefix = prefix
         self.clock = clock
+        self.pool = pool  # freed segments kept for reuse (see ``_pool``)
         self.samples: dict[str, dict[int, _Sample]] = {}
         self.blobs: dict[str, dict[int, dict[str, Any]]] = {}
         self.groups: dict[str, dict[int, tuple[int, int]]] = {}  # explicit: (size, committed)
@@ -81,6 +89,10 @@ class Shelf:
                 raise UnitError(
                     f"unit {self.name!r} holds no samples {absent[:8]} of {msg.topic!r}"
                 )
+        if self.pool is not None:
+            if msg.reused:
+                self.pool.taken(msg.reused)
+            self.pool.drain()
         segment = self._take(msg.segment) if msg.segment else None
         try:
             columns = {c: self._column(c, v, n, segment) for c, v in msg.columns.items()}
@@ -313,8 +325,17 @@ class Shelf:
         self.deferred.discard(block)
         if block.segment is None:
             self.held -= block.held
-        else:
-            self._unlink(block.segment)
+            return
+        segment = block.segment
+        if self.segments.pop(segment.name, None) is not None:
+            self.held -= segment.size
+        # a socket reply may still be reading its pages: never refill those
+        if (
+            self.pool is None
+            or segment.socket_read
+            or not self.pool.offer(segment.name, segment.size)
+        ):
+            _shm.unlink(segment.name)
 
     def _unlink(self, segment: Segment) -> None:
         if self.segments.pop(segment.name, None) is not None:

@@ -2,20 +2,32 @@
 
 A *segment* is a file in ``/dev/shm`` (POSIX shared memory on Linux) whose name starts with the
 owning unit's prefix ``afa-<queue>-<unit>-<incarnation>-``. A writer on the unit's host copies a
-batch into a new segment once (:func:`write_segment`) and hands its name to the unit in the
-``Store``; from then on the unit owns it: it maps it (read-only) and unlinks it when the last row
-in it is freed. Readers on the host map it copy-on-write (:func:`map_segment`): their tensors are
-views of the unit's pages, and a write to them stays private to the reader.
+batch into a segment once (:func:`write_segment`) and hands its name to the unit in the
+``Store``; from then on the unit owns it: it maps it (read-only) and, when the last row in it is
+freed, unlinks it or keeps it for reuse. Readers on the host map it copy-on-write
+(:func:`map_for_reading`): their tensors are views of the unit's pages, and a write to them
+stays private to the reader.
 
-Safety rules (the unit enforces them, see ``_blocks``):
+Reuse. Writing fresh ``/dev/shm`` pages costs the kernel a page allocation and zeroing per page
+(and unlinking them, their release): a segment whose rows are all freed is worth filling again.
+The unit renames it to a *free* name (:func:`recycle`) and tells writers; a writer takes it by
+renaming it to a name of its own (:func:`claim`, atomic: one writer wins) and writes into the
+pages that already exist.
 
-- a segment is written once, by its writer, before the unit takes it, and never written again:
-  it is never reused, so a reader's view can never see other data;
-- the unit unlinks a segment only when no live row is in it and every reader that was handed
-  it has mapped it (or ``map_grace`` passed); a mapping stays valid after the unlink, until the
-  reader drops its tensors (a view is valid at least until the reader acks, and longer);
-- names are in the unit's namespace, so the unit can sweep what a writer that died (``kill -9``)
-  created but never handed over, what a previous incarnation left, and everything at its stop.
+Safety rules:
+
+- a reader holds a shared ``flock`` on every segment it maps, for as long as the mapping lives
+  (the lock goes with the mapping's file descriptor, closed when the last tensor on it is
+  gone, or when the reader's process dies), and maps a segment only if its name still names
+  the file it locked;
+- the unit recycles a segment only when no live row is in it, no reader holds a lock on it
+  (it takes the exclusive lock, then renames it: a reader that opened it just before finds
+  the name gone and never maps it), and no socket reply was ever built from its pages; else
+  it unlinks it (mappings stay valid after an unlink) or retries later. So a view never sees
+  other data than what was put, for as long as it exists;
+- names are never reused, and all are in the unit's namespace, so the unit can sweep what a
+  writer that died (``kill -9``) created or claimed but never handed over, what a previous
+  incarnation left, and everything at its stop.
 
 Availability is probed, not assumed: a unit publishes a probe segment holding a random nonce, and a
 client uses shared memory with that unit only if it can read the nonce back (same host, same
@@ -25,9 +37,11 @@ client uses shared memory with that unit only if it can read the nonce back (sam
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -85,15 +99,20 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def write_segment(name: str, bodies: Sequence[memoryview | Sequence[memoryview]]) -> list[int]:
-    """Create segment ``name`` holding ``bodies`` (each at an :data:`ALIGN`-ed offset; a body
+def write_segment(
+    name: str, bodies: Sequence[memoryview | Sequence[memoryview]], *, reuse: bool = False
+) -> list[int]:
+    """Write segment ``name`` holding ``bodies`` (each at an :data:`ALIGN`-ed offset; a body
     given as several buffers is written as one, back to back); returns the offsets. The file
-    is created exclusively and removed again if writing fails."""
+    is created exclusively, or with ``reuse`` it is one this writer claimed (kept at least
+    its size); it is removed again if writing fails."""
     chunked = [[b] if isinstance(b, memoryview) else list(b) for b in bodies]
     offsets, total = layout([sum(c.nbytes for c in chunks) for chunks in chunked])
-    fd = os.open(path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    flags = os.O_RDWR if reuse else os.O_CREAT | os.O_EXCL | os.O_RDWR
+    fd = os.open(path(name), flags, 0o600)
     try:
-        os.ftruncate(fd, total)
+        if not reuse or os.fstat(fd).st_size < total:
+            os.ftruncate(fd, total)
         for chunks, offset in zip(chunked, offsets, strict=True):
             for chunk in chunks:
                 view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
@@ -109,16 +128,89 @@ def write_segment(name: str, bodies: Sequence[memoryview | Sequence[memoryview]]
     return offsets
 
 
-def map_segment(name: str, *, shared: bool) -> mmap.mmap:
-    """Map segment ``name``: ``shared`` (the unit: read-only, MAP_SHARED) or copy-on-write (a
-    reader: its writes stay private). Raises ``FileNotFoundError`` if it is gone."""
+class _Lock:
+    """A reader's open, shared-locked file descriptor on a segment, and its live mappings."""
+
+    __slots__ = ("fd", "maps")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.maps = 0
+
+
+_locks: dict[str, _Lock] = {}  # segment name -> this process's lock on it
+
+
+def map_for_reading(name: str) -> mmap.mmap:
+    """Map segment ``name`` copy-on-write (each call its own private mapping), under a shared
+    lock this process holds as long as any of its mappings lives (module docstring). Raises
+    ``FileNotFoundError`` if it is gone or being recycled."""
+    lock = _locks.get(name)
+    if lock is None:
+        fd = os.open(path(name), os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise FileNotFoundError(errno.ENOENT, "segment is being recycled", name) from None
+            if os.stat(path(name)).st_ino != os.fstat(fd).st_ino:  # recycled before our lock
+                raise FileNotFoundError(errno.ENOENT, "segment was recycled", name)
+            if not os.fstat(fd).st_size:  # mmap refuses empty files; nothing will be read
+                os.close(fd)
+                return mmap.mmap(-1, 1)
+        except BaseException:
+            os.close(fd)
+            raise
+        lock = _locks[name] = _Lock(fd)
+    size = os.fstat(lock.fd).st_size
+    mapping = mmap.mmap(lock.fd, size, access=mmap.ACCESS_COPY)
+    lock.maps += 1
+    weakref.finalize(mapping, _unmapped, name, lock)
+    return mapping
+
+
+def _unmapped(name: str, lock: _Lock) -> None:
+    lock.maps -= 1
+    if not lock.maps:
+        if _locks.get(name) is lock:
+            del _locks[name]
+        os.close(lock.fd)  # releases the lock: the unit may recycle it now
+
+
+def recycle(name: str, free: str) -> bool:
+    """Rename segment ``name`` to ``free`` unless a reader holds a lock on it (``False``: try
+    again later). Raises ``FileNotFoundError`` if it is gone."""
+    fd = os.open(path(name), os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a reader still maps it
+        os.rename(path(name), path(free))
+        return True
+    finally:
+        os.close(fd)  # releases our lock
+
+
+def claim(free: str, name: str) -> bool:
+    """Take free segment ``free`` as ``name`` (``False``: another writer was first, or the unit
+    dropped it)."""
+    try:
+        os.rename(path(free), path(name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def map_segment(name: str) -> mmap.mmap:
+    """Map segment ``name`` read-only and shared (the unit that owns it). Raises
+    ``FileNotFoundError`` if it is gone."""
     fd = os.open(path(name), os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
             return mmap.mmap(-1, 1)  # mmap refuses empty files; nothing will be read from it
-        access = mmap.ACCESS_READ if shared else mmap.ACCESS_COPY
-        return mmap.mmap(fd, size, access=access)
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
 

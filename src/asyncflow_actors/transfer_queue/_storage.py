@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from . import _shm
+from ._pool import SegmentPool
 from ._runtime import Actor, ActorContext
 from ._shelf import Shelf
 from ._unit_messages import (
@@ -35,6 +36,7 @@ from ._unit_messages import (
     StorageMessage,
     StorageStatistics,
     Store,
+    Stored,
     StoreShared,
     TopicInfo,
     UnitBatch,
@@ -42,6 +44,7 @@ from ._unit_messages import (
 )
 
 ORPHAN_AGE = 60.0  # default: a segment not handed over after this long lost its writer
+POOL_BYTES = 256 << 20  # default: freed segments kept for reuse (see ``_pool``)
 
 
 class StorageUnit(Actor[StorageMessage]):
@@ -50,14 +53,23 @@ class StorageUnit(Actor[StorageMessage]):
     ``shm``: the segment namespace of this unit in its queue (``afa-<queue>-<unit>-``); empty:
     no shared memory. ``orphan_age``: seconds after which a segment a writer created but never
     handed over (it died) is removed; the unit sweeps every ``orphan_age / 6`` seconds.
+    ``pool_bytes``: freed segments kept for writers to fill again (0: unlink them at once);
+    unused ones go after ``orphan_age``.
     """
 
     raw_tensors = True  # a node decodes this actor's messages as RawTensor: no torch needed
     mailbox_size = 256
 
-    def __init__(self, name: str = "", shm: str = "", orphan_age: float = ORPHAN_AGE) -> None:
+    def __init__(
+        self,
+        name: str = "",
+        shm: str = "",
+        orphan_age: float = ORPHAN_AGE,
+        pool_bytes: int = POOL_BYTES,
+    ) -> None:
         self.name = name
         self.orphan_age = orphan_age
+        self.pool_bytes = pool_bytes
         self.namespace = shm if shm and _shm.available() else ""
         self.token = ""
         self.shelf = Shelf(name, None, trio.current_time)
@@ -67,7 +79,10 @@ class StorageUnit(Actor[StorageMessage]):
         """A fresh, empty incarnation: new token, new segment prefix and probe."""
         self.token = os.urandom(8).hex()
         prefix = f"{self.namespace}{self.token}-" if self.namespace else None
-        self.shelf = Shelf(self.name, prefix, trio.current_time)
+        pool = None
+        if prefix is not None and self.pool_bytes > 0:
+            pool = SegmentPool(prefix, self.pool_bytes, trio.current_time)
+        self.shelf = Shelf(self.name, prefix, trio.current_time, pool)
         if prefix is not None:
             _shm.sweep(self.namespace)  # what earlier incarnations left: their data is gone
             self.shm_info = _shm.create_probe(prefix)
@@ -88,11 +103,17 @@ class StorageUnit(Actor[StorageMessage]):
     async def _sweeper(self) -> None:
         while True:
             await trio.sleep(self.orphan_age / 6)
-            self.shelf.compact_deferred()
-            prefix = self.shelf.prefix
-            if prefix is not None:
-                keep = [*self.shelf.segments, prefix + "probe"]
-                _shm.sweep(prefix, keep=keep, older_than=self.orphan_age)
+            shelf = self.shelf
+            shelf.compact_deferred()
+            keep = [*shelf.segments]
+            if shelf.pool is not None:
+                shelf.pool.drain()
+                shelf.pool.expire(self.orphan_age)
+                keep += [*shelf.pool.free, *shelf.pool.draining]
+            if shelf.prefix is not None:
+                _shm.sweep(
+                    shelf.prefix, keep=[*keep, shelf.prefix + "probe"], older_than=self.orphan_age
+                )
 
     async def receive(self, msg: StorageMessage, ctx: ActorContext[StorageMessage]) -> Any:
         try:
@@ -119,7 +140,8 @@ class StorageUnit(Actor[StorageMessage]):
         if isinstance(msg, Store):
             self._check(msg.incarnation, msg.segment)
             shelf.store(msg, create=msg.create)
-        elif isinstance(msg, UnitBatch):
+            return Stored(shelf.pool.hints() if shelf.pool is not None else ())
+        if isinstance(msg, UnitBatch):
             if msg.incarnation != self.token:
                 for item in msg.items:  # watermarks hold for every incarnation
                     if isinstance(item, TopicInfo):
@@ -127,6 +149,8 @@ class StorageUnit(Actor[StorageMessage]):
                 self._check(msg.incarnation)
             for item in msg.items:
                 shelf.apply(item)
+            if shelf.pool is not None:
+                shelf.pool.drain()
         elif isinstance(msg, StoreShared):
             self._check(msg.incarnation)
             shelf.store_shared(msg)
@@ -166,4 +190,6 @@ class StorageUnit(Actor[StorageMessage]):
             shm_stores=shelf.shm_stores,
             shm_fetches=shelf.shm_fetches,
             compactions=shelf.compactions,
+            pool_nbytes=shelf.pool.nbytes if shelf.pool is not None else 0,
+            recycled=shelf.pool.recycled if shelf.pool is not None else 0,
         )

@@ -9,6 +9,7 @@ answer in time, its segment is gone) surfaces as one :class:`StorageUnavailable`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -25,10 +26,12 @@ from ._unit_messages import (
     Delete,
     Fetch,
     Fetched,
+    FreeSegment,
     GetShm,
     IncarnationMismatch,
     ShmBody,
     Store,
+    Stored,
     StoreShared,
 )
 
@@ -36,6 +39,8 @@ THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker t
 
 # unit incarnation token -> its segment prefix if this process can map it (shared by clients)
 _prefixes: dict[str, str | None] = {}
+# segment prefix (a unit incarnation) -> free segments of its pool, as its last reply named them
+_free: dict[str, list[FreeSegment]] = {}
 
 
 class UnitIO:
@@ -149,34 +154,42 @@ class UnitIO:
                 prefix = await self._prefix(unit, msg.incarnation)
                 segment = ""
                 if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
-                    segment, part = await self._to_segment(prefix, part)
+                    segment, part, reused = await self._to_segment(prefix, part)
                     msg = Store(
                         msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
-                        msg.lengths, part, segment, create,
+                        msg.lengths, part, segment, create, reused,
                     )  # fmt: skip
                 try:
-                    await self._ask(unit, msg)
+                    stored: Stored = await self._ask(unit, msg)
                 except BaseException:
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)
                     raise
+                if prefix is not None:
+                    _free[prefix] = list(stored.free)
 
             return one
 
         await self._each({unit: make(unit) for unit in positions})
 
-    async def _to_segment(self, prefix: str, part: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Write the part's tensor bodies into a new segment; the part with :class:`ShmBody`
-        references instead of the tensors."""
+    async def _to_segment(
+        self, prefix: str, part: dict[str, Any]
+    ) -> tuple[str, dict[str, Any], str]:
+        """Write the part's tensor bodies into a segment (a free one of the unit's pool if one
+        fits, else a new one); the segment, the part with :class:`ShmBody` references instead
+        of the tensors, and the free segment it was claimed from (or ``""``)."""
         tensors: list[Any] = []
         for value in part.values():
             tensors.extend([value] if is_tensor(value) else [v for v in value if is_tensor(v)])
         bodies = [_bytes(t) for t in tensors]
         name = f"{prefix}c{self._nonce}-{next(self._seq)}"
-        if sum(b.nbytes for b in bodies) >= THREAD_BYTES:
-            offsets = await trio.to_thread.run_sync(_shm.write_segment, name, bodies)
+        total = _shm.layout([b.nbytes for b in bodies])[1]
+        reused = _claim(prefix, total, name)
+        write = functools.partial(_shm.write_segment, name, bodies, reuse=bool(reused))
+        if total >= THREAD_BYTES:
+            offsets = await trio.to_thread.run_sync(write)
         else:
-            offsets = _shm.write_segment(name, bodies)
+            offsets = write()
         where = iter(offsets)
 
         def ref(t: Any) -> ShmBody:
@@ -186,7 +199,7 @@ class UnitIO:
             c: ref(v) if is_tensor(v) else [ref(x) if is_tensor(x) else x for x in v]
             for c, v in part.items()
         }
-        return name, out
+        return name, out, reused
 
     async def store_shared(
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
@@ -231,6 +244,19 @@ class UnitIO:
         return await self._each({unit: make(unit) for unit in placement})
 
 
+def _claim(prefix: str, total: int, name: str) -> str:
+    """Claim, as ``name``, a free segment of the unit's pool that holds ``total`` bytes without
+    wasting more than as much again; the free name it had (``""``: none, write a new one)."""
+    hints = _free.get(prefix)
+    if not hints:
+        return ""
+    for free in sorted((h for h in hints if total <= h.size <= 2 * total), key=lambda h: h.size):
+        hints.remove(free)  # tried once: claimed now, or taken by another writer
+        if _shm.claim(free.name, name):
+            return free.name
+    return ""
+
+
 def _payload(part: Mapping[str, Any]) -> int:
     total = 0
     for value in part.values():
@@ -259,7 +285,7 @@ def _mapped(fetched: Fetched, unit: str) -> Fetched:
         mapping = maps.get(ref.segment)
         if mapping is None:
             try:
-                mapping = maps[ref.segment] = _shm.map_segment(ref.segment, shared=False)
+                mapping = maps[ref.segment] = _shm.map_for_reading(ref.segment)
             except OSError as exc:
                 raise StorageUnavailable(
                     f"storage unit {unit!r}: segment {ref.segment!r} is gone ({exc})"

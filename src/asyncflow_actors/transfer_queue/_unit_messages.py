@@ -41,7 +41,23 @@ class ShmBody:
 
 
 @attrs.frozen
-class Store(Request[None]):
+class FreeSegment:
+    """A segment the unit keeps for reuse: a writer on its host may claim it (``_shm.claim``)
+    and fill it instead of creating fresh pages."""
+
+    name: str
+    size: int
+
+
+@attrs.frozen
+class Stored:
+    """Reply of ``Store``: free segments of the unit's pool (see ``_pool``)."""
+
+    free: tuple[FreeSegment, ...] = ()
+
+
+@attrs.frozen
+class Store(Request[Stored]):
     """Store samples ``indexes`` of ``topic`` on incarnation ``incarnation``.
 
     ``columns`` maps a column to a batch whose first dimension runs over ``indexes`` (a tensor
@@ -50,6 +66,7 @@ class Store(Request[None]):
     new samples (for the inventory). ``segment``: a shared-memory segment handed over to the
     unit with this store (its bodies are :class:`ShmBody` values). ``create``: new samples;
     else columns written to samples the unit holds (absent ones are refused: they are gone).
+    ``reused``: the free segment ``segment`` was claimed from (the unit forgets it).
     """
 
     topic: str
@@ -61,6 +78,7 @@ class Store(Request[None]):
     columns: dict[str, Any]
     segment: str = ""
     create: bool = True
+    reused: str = ""  # the free segment of the unit's pool that ``segment`` was claimed from
 
 
 @attrs.frozen
@@ -209,6 +227,8 @@ class StorageStatistics:
     shm_stores: int
     shm_fetches: int
     compactions: int
+    pool_nbytes: int = 0  # freed segments kept for writers to fill again (not counted above)
+    recycled: int = 0  # segments made free for reuse so far
 
 
 @attrs.frozen
@@ -246,6 +266,8 @@ StorageMessage = (
     # not sent on their own: named so a node registers them at the top level (deterministic)
     | ShmBody
     | Fetched
+    | Stored
+    | FreeSegment
     | MarkConsumed
     | Committed
     | TopicInfo

@@ -5,7 +5,9 @@ commits, group records, watermarks). :class:`Outbox` keeps those items until the
 that it applied them, so a controller that crashes in the middle of a flush loses nothing: its
 next incarnation sends them again (every item is idempotent) before it reads the inventories.
 Items are addressed to one unit incarnation; a unit that restarted refuses them, and its items
-are dropped with its loss.
+are dropped with its loss. The outbox counts, per topic, the samples whose deletion a unit has
+not taken yet: the controller keeps their slots occupied until then, so a topic's capacity
+bounds the rows its units really hold, however far the bookkeeping lags behind.
 """
 
 from __future__ import annotations
@@ -44,13 +46,24 @@ class Outbox:
 
     def __init__(self) -> None:
         self.items: dict[str, list[Any]] = {}
+        self.deleting: dict[str, int] = {}  # topic -> samples whose Delete is not taken yet
 
     def put(self, unit: str, item: Any) -> None:
         self.items.setdefault(unit, []).append(item)
+        self._count([item], 1)
 
     def drop(self, unit: str) -> None:
         """Forget a unit's items (its incarnation is gone, and so is what they described)."""
-        self.items.pop(unit, None)
+        self._count(self.items.pop(unit, []), -1)
+
+    def _count(self, items: list[Any], sign: int) -> None:
+        for item in items:
+            if isinstance(item, Delete) and item.indexes:
+                left = self.deleting.get(item.topic, 0) + sign * len(item.indexes)
+                if left:
+                    self.deleting[item.topic] = left
+                else:
+                    del self.deleting[item.topic]
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.items.values())
@@ -72,6 +85,7 @@ class Outbox:
                     failed.append(unit)
                     return
                 if self.items.get(unit) is items:  # not dropped meanwhile
+                    self._count(batch, -1)
                     del items[: len(batch)]
 
         async with trio.open_nursery() as nursery:
