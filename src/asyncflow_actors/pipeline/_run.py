@@ -45,6 +45,7 @@ from ..roles import (
     topic_specs,
 )
 from ..roles._shared import forget_shared_policy
+from ..roles._worker import wait_for_threads
 from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
 from ._config import PipelineConfig
 from ._placement import Placement, RunFailed, Watcher
@@ -221,6 +222,8 @@ async def open_pipeline(
                     nursery.cancel_scope.cancel()
             finally:
                 await place.stop(spawned)  # roles and nodes go before the queue they use
+                with trio.CancelScope(shield=True):
+                    await wait_for_threads(10)
     finally:
         with trio.CancelScope(shield=True):
             run.progress.close()

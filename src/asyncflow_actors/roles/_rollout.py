@@ -94,6 +94,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         super().__init__(spec, controller, worker)
         self.reward = reward
         self.engines: list[GenerationEngine] = []
+        self._active = 0
+        self._busy_since = 0
         self._paused = get_registry().gauge("afa_rollout_paused", worker=worker)
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
@@ -204,11 +206,16 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         )
         request = GenerationRequest(tok.encode(prompt, add_bos=True), sampling)
         with self.meter.track.span("rollout", group=gid, version=engine.version) as span:
-            start = clock_ns()
-            completions = await generate_samples(engine, request)
-            rewards = await self._score(prompt, answer, completions)
-            self.meter.busy(start)
-            oldest = min(c.oldest_version or engine.version for c in completions)
+            self._generating(+1)
+            try:
+                completions = await generate_samples(engine, request)
+                rewards = await self._score(prompt, answer, completions)
+            finally:
+                self._generating(-1)
+            oldest = min(
+                engine.version if c.oldest_version is None else c.oldest_version
+                for c in completions
+            )
             data = {
                 S.RESPONSE_IDS: [torch.tensor(c.token_ids, dtype=torch.int64) for c in completions],
                 S.BEHAVIOUR: [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions],
@@ -232,6 +239,14 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self.meter.extra["partial_samples"] = self.meter.extra.get("partial_samples", 0) + partial
         self.meter.done(len(completions), tokens)
         return True
+
+    def _generating(self, delta: int) -> None:
+        """Busy time = time with at least one group generating (groups overlap)."""
+        if self._active == 0 and delta > 0:
+            self._busy_since = clock_ns()
+        self._active += delta
+        if self._active == 0:
+            self.meter.busy(self._busy_since)
 
     async def _score(self, prompt: str, answer: str, completions: tuple[Completion, ...]) -> list[float]:
         texts = tuple(self.tokenizer.decode(list(c.token_ids)) for c in completions)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -54,10 +55,35 @@ log = logging.getLogger("asyncflow_actors.roles")
 COMPUTE = "asyncflow_actors.roles._compute"
 
 
+_running: set[threading.Event] = set()  # compute threads of this process not yet finished
+
+
 async def in_thread(fn: Any, *args: Any) -> Any:
     """Run blocking ``fn(*args)`` in a worker thread; a cancellation abandons it safely (the
-    thread finishes on its own and nothing reads its result)."""
-    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+    thread finishes on its own and nothing reads its result). ``wait_for_threads`` waits for
+    abandoned ones, so a process never exits under a running torch kernel."""
+    done = threading.Event()
+
+    def call() -> Any:
+        try:
+            return fn(*args)
+        finally:
+            done.set()
+
+    _running.add(done)
+    try:
+        return await trio.to_thread.run_sync(call, abandon_on_cancel=True)
+    finally:
+        if done.is_set():
+            _running.discard(done)
+
+
+async def wait_for_threads(seconds: float) -> None:
+    """Wait up to ``seconds`` for every compute thread of this process to finish."""
+    with trio.move_on_after(seconds):
+        for done in list(_running):
+            await trio.to_thread.run_sync(done.wait, abandon_on_cancel=True)
+            _running.discard(done)
 
 
 async def load_compute(threads: int) -> Any:
@@ -257,6 +283,8 @@ class Station(Actor[Any]):
         raise TypeError(f"{self.role} {self.worker!r} does not handle {type(msg).__name__}")
 
     async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
+        with trio.CancelScope(shield=True):
+            await wait_for_threads(10)
         if self.client is not None:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 try:
