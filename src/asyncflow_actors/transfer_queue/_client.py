@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from ..actors import ActorCrashed, ActorRef
+from ..actors.remote import RawTensor
 from . import _messages as M
 from . import _storage as S
 from ._errors import SchemaError, TransferQueueError, UnknownColumn
@@ -87,6 +88,16 @@ class Batch:
         """A shared column repeated for each sample of the batch, in sample order."""
         by_group = self.shared[column]
         return [by_group[g] for g in self.lease.group_ids]
+
+
+def _materialize(value: Any) -> Any:
+    """Tensors for what a unit in this process returns: rows a remote writer sent it are kept
+    as ``RawTensor``s (units never import torch); a local reader gets no wire decoding."""
+    if isinstance(value, RawTensor):
+        return value.to_torch()
+    if isinstance(value, list):
+        return [_materialize(v) for v in value]
+    return value
 
 
 def _rows(value: Any) -> int:
@@ -419,7 +430,7 @@ class TransferQueueClient:
             where = {index: k for k, index in enumerate(arrived)}
             perm = [where[i] for i in lease.indexes]
         for column in per_sample:
-            parts = [fetched[u].columns[column] for u in order]
+            parts = [_materialize(fetched[u].columns[column]) for u in order]
             if all(isinstance(p, torch.Tensor) for p in parts):
                 value: Any = parts[0] if len(parts) == 1 else torch.cat(parts)
                 if perm is not None:
@@ -432,7 +443,7 @@ class TransferQueueClient:
         for unit in order:
             for gid, blobs in fetched[unit].shared.items():
                 for column, value in blobs.items():
-                    shared[column][gid] = value
+                    shared[column][gid] = _materialize(value)
         return Batch(lease, data, shared)
 
     async def ack(self, batch: Batch | Lease) -> tuple[int, ...]:
