@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import ActorRef, ActorSystem, Restart, open_actor_system
+from ..actors import ActorRef, ActorSystem, Node, Restart, open_actor_system
 from ..observe import GraphEdge, ObserveConfig, Observer, open_observer
 from ..roles import (
     ActorForward,
@@ -115,6 +115,7 @@ class Pipeline:
         self.failed = trio.Event()
         self.errors: list[BaseException] = []
         self.refs: dict[str, ActorRef[Any]] = {}
+        self.nodes: dict[str, Node] = {}  # node name (as configured) -> its handle
         self.started = 0.0
         self.version = 0
         self._recorded = trio.Event()
@@ -194,6 +195,7 @@ async def open_pipeline(
                 async with trio.open_nursery() as nursery:
                     client = await queue.client(f"pipeline.{suffix}")
                     await place.start()
+                    run.nodes = place.nodes
                     if observer is not None:
                         observer.watch_transfer_queue(client)
                         for node in place.nodes.values():

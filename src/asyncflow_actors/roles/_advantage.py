@@ -9,7 +9,7 @@ from ..observe import clock_ns
 from . import _schema as S
 from ._messages import GetRoleStats
 from ._settings import RunSpec
-from ._worker import Station, in_thread, take
+from ._worker import Station, column, in_thread, take
 
 
 class Advantage(Station, Actor[GetRoleStats]):
@@ -42,7 +42,7 @@ class Advantage(Station, Actor[GetRoleStats]):
                 min_count=spec.fetch_size if spec.stage_barrier else spec.rollout.group_size,
             )
             rows = list(range(len(batch)))
-            rewards = batch[S.REWARDS]
+            rewards = column(batch, S.REWARDS)
             if spec.train.shuffle_rewards:
                 rewards = rewards[torch.randperm(len(batch), generator=self.generator)]
             lengths = [int(r.shape[0]) for r in take(batch, rows, S.RESPONSE_IDS)]

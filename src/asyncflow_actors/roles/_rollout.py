@@ -31,7 +31,7 @@ from . import _schema as S
 from ._messages import AdoptVersion, GetRoleStats, Score, Scored
 from ._settings import RunSpec
 from ._shared import shared_policy
-from ._worker import Station, in_thread, load_compute
+from ._worker import Station, column, in_thread, load_compute
 
 if TYPE_CHECKING:
     import torch
@@ -167,8 +167,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                         self._group,
                         batch[S.PROMPT_TEXT][k],
                         batch[S.ANSWER][k],
-                        int(batch[S.GROUP][k]),
-                        int(batch[S.PROMPT_INDEX][k]),
+                        int(column(batch, S.GROUP)[k]),
+                        int(column(batch, S.PROMPT_INDEX)[k]),
                         free,
                     )
         finally:

@@ -99,7 +99,7 @@ class RolloutSettings:
     max_run_seconds: float = attrs.field(default=0.02, validator=_positive)
     reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
     pause_mode: str = attrs.field(
-        default="drain", validator=_one_of("drain", "abort", "keep", "wait_batch")
+        default="keep", validator=_one_of("drain", "abort", "keep", "wait_batch")
     )
 
 

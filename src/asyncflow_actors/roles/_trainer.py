@@ -13,12 +13,13 @@ trained before the sync of this one finished.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import trio
 
 from ..actors import Actor, ActorContext, ActorRef
-from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode
+from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFailed
 from ..observe import MetricInfo, clock_ns, get_registry
 from . import _schema as S
 from ._messages import (
@@ -31,7 +32,11 @@ from ._messages import (
 )
 from ._settings import RunSpec
 from ._shared import shared_policy
-from ._worker import Station, in_thread, take
+from ._worker import Station, column, in_thread, take
+
+log = logging.getLogger("asyncflow_actors.roles")
+
+SYNC_ATTEMPTS = 6  # about 30 s of retries: long enough for a node to restart
 
 OFFPOLICY = MetricInfo(
     "afa_train_offpolicy_samples_total",
@@ -92,7 +97,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
             rows = list(range(len(batch)))
             data = {name: take(batch, rows, name) for name in self.columns}
-            data[S.REWARDS] = batch[S.REWARDS]
+            data[S.REWARDS] = column(batch, S.REWARDS)
             histogram = self._check_staleness(data[S.TOKEN_VERSIONS], batch.versions)
             with self.meter.track.span("train", samples=batch.indexes, version=self.version):
                 start = clock_ns()
@@ -101,7 +106,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
                 self.meter.busy(start)
             await self.client.ack(batch)
             tokens = sum(int(r.shape[0]) for r in data[S.RESPONSE_IDS])
-            rewards = batch[S.REWARDS]
+            rewards = column(batch, S.REWARDS)
             metrics["reward_mean"] = float(rewards.mean())
             metrics["accuracy"] = float((rewards == 1.0).float().mean())
             metrics["response_length"] = tokens / len(batch)
@@ -144,6 +149,27 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             return msg.directory
         return await super().handle(msg, ctx)
 
+    async def _sync_with_retries(self, version: int, weights: Any) -> tuple[Any, int]:
+        """Sync, and sync again after a failure: a receiver whose node died is restarted by its
+        supervisor (asks to it wait meanwhile), and the next sync starts from scratch. A sync
+        that committed but missed a resume confirmation counts as done (``None``)."""
+        registry = get_registry()
+        delay = 0.5
+        for attempt in range(SYNC_ATTEMPTS):
+            try:
+                return await self.sync_engine.sync(version, weights), attempt
+            except SyncFailed as exc:
+                registry.counter("afa_sync_failures_total").inc()
+                if exc.committed:
+                    log.warning("sync of version %d committed, resume unconfirmed: %s", version, exc)
+                    return None, attempt
+                if attempt == SYNC_ATTEMPTS - 1:
+                    raise
+                log.warning("sync of version %d failed (%s); retrying in %.1f s", version, exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
     async def _sync(self, version: int) -> SyncReport:
         registry = get_registry()
         started = clock_ns()
@@ -155,12 +181,11 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             return SyncReport(version, {"sync_total": total, "sync_bytes": 0.0})
         async with self._model_lock:
             weights = await in_thread(self.learner.state_dict)
-            try:
-                result = await self.sync_engine.sync(version, weights)
-            except Exception:
-                registry.counter("afa_sync_failures_total").inc()
-                raise
+            result, retries = await self._sync_with_retries(version, weights)
+        if result is None:  # committed, but a target did not confirm its resume in time
+            return SyncReport(version, {"sync_retries": float(retries)})
         metrics = result.metrics()
+        metrics["sync_retries"] = float(retries)
         track = self.meter.track
         at = started
         for phase in ("pause", "prepare", "topology", "broadcast", "finalize", "resume"):

@@ -293,10 +293,15 @@ class Station(Actor[Any]):
                     pass  # the queue is gone (the run is ending): no lease outlives it
 
 
-def take(batch: Batch, rows: Sequence[int], column: str) -> list[Any]:
-    """Column ``column`` of ``batch`` at ``rows`` as a list (shared columns expanded)."""
-    if column in batch.shared:
-        values = batch.expand(column)
-    else:
-        values = batch[column]
+def column(batch: Batch, name: str) -> Any:
+    """A fixed-shape column of ``batch`` as one tensor."""
+    import torch
+
+    value = batch[name]
+    return torch.stack(value) if isinstance(value, list) else value
+
+
+def take(batch: Batch, rows: Sequence[int], name: str) -> list[Any]:
+    """Column ``name`` of ``batch`` at ``rows`` as a list (shared columns expanded)."""
+    values = batch.expand(name) if name in batch.shared else batch[name]
     return [values[k] for k in rows]
