@@ -149,3 +149,10 @@ def test_asyncflow_train_runs_a_toml_file(tmp_path: Path) -> None:
     assert summary["steps"] == 2 and summary["samples"] == 16 and summary["mode"] == "sync"
     assert len((tmp_path / "run" / "steps.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "run" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_vllm_example_config_loads() -> None:
+    """examples/vllm_grpo.toml is not run here (no GPU), but it must stay a valid config."""
+    root = Path(__file__).resolve().parents[2]
+    config = PipelineConfig.from_toml(root / "examples" / "vllm_grpo.toml")
+    assert config.rollout.engine == "vllm" and config.model.hf is not None

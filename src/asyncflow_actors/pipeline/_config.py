@@ -221,7 +221,17 @@ def _check(config: PipelineConfig) -> None:
                 f"placement.roles.{role}: colocated mode shares one model, so rollout, "
                 f"actor_fwd and trainer must run in one process (got {homes})"
             )
-    if config.model.max_seq_len <= config.rollout.max_new_tokens and config.model.init is None:
+    hf = config.model.hf is not None
+    if hf != (config.rollout.engine in ("hf", "vllm")):
+        raise PipelineConfigError(
+            f"rollout.engine: {config.rollout.engine!r} "
+            + ("cannot serve a Hugging Face model.hf: use 'hf' or 'vllm'" if hf
+               else "serves a Hugging Face policy: set model.hf to its folder")
+        )  # fmt: skip
+    if config.mode == "colocated" and hf:
+        raise PipelineConfigError("model.hf: colocated mode shares the built-in tiny model only")
+    tiny = config.model.init is None and not hf
+    if tiny and config.model.max_seq_len <= config.rollout.max_new_tokens:
         raise PipelineConfigError(
             f"rollout.max_new_tokens: {config.rollout.max_new_tokens} leaves no room for the "
             f"prompt within model.max_seq_len = {config.model.max_seq_len}"

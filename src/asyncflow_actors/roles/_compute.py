@@ -46,11 +46,14 @@ def setup_torch(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def build_policy(
-    model: ModelSettings, task: Task, *, path: str | None = None
-) -> tuple[TinyDecoder, CharTokenizer]:
-    """The policy of a run: loaded from ``path`` (or ``model.init``), else built from the seed
-    (every process builds the same weights)."""
+def build_policy(model: ModelSettings, task: Task, *, path: str | None = None) -> tuple[Any, Any]:
+    """The policy of a run and its tokenizer: loaded from ``path`` (a checkpoint) or
+    ``model.init``/``model.hf``, else built from the seed (every process builds the same
+    weights)."""
+    if model.hf is not None:
+        from ._hf_policy import load_hf_policy
+
+        return load_hf_policy(os.path.join(path, "policy") if path else model.hf, model.device)
     source = path or model.init
     if source is not None:
         return load_model(source), load_tokenizer(source)
@@ -67,6 +70,18 @@ def build_policy(
         return TinyDecoder(config), tokenizer
 
 
+def policy_tokenizer(spec: RunSpec, task: Task) -> Any:
+    """The tokenizer of a run's policy, without loading the model (for the Driver)."""
+    if spec.model.hf is not None:
+        from transformers import AutoTokenizer
+
+        from ._hf_policy import HFTokenizer
+
+        return HFTokenizer(AutoTokenizer.from_pretrained(spec.model.hf, local_files_only=True))
+    source = os.path.join(spec.resume_from, POLICY_FILE) if spec.resume_from else spec.model.init
+    return load_tokenizer(source) if source else CharTokenizer(task.alphabet)
+
+
 def right_pad(rows: Sequence[Tensor], width: int) -> Tensor:
     """Per-token rows [len_i] right-padded with zeros to [B, width] (float32)."""
     out = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -75,8 +90,17 @@ def right_pad(rows: Sequence[Tensor], width: int) -> Tensor:
     return out
 
 
+def policy_logprobs(model: Any, batch: Any, temperature: float) -> Tensor:
+    """``[B, R]`` response log-probs of a packed batch under either kind of policy."""
+    if isinstance(model, TinyDecoder):
+        return token_logprobs(model, batch, temperature=temperature).logprobs
+    from ._hf_policy import hf_logprobs
+
+    return hf_logprobs(model, batch, temperature)
+
+
 def sequence_logprobs(
-    model: TinyDecoder,
+    model: Any,
     prompts: Sequence[Tensor],
     responses: Sequence[Tensor],
     *,
@@ -88,7 +112,7 @@ def sequence_logprobs(
         [p.tolist() for p in prompts], [r.tolist() for r in responses], pad_id=pad_id
     )
     with torch.no_grad():
-        logp = token_logprobs(model, batch, temperature=temperature).logprobs
+        logp = policy_logprobs(model, batch, temperature)
     return [logp[i, : r.shape[0]].clone() for i, r in enumerate(responses)]
 
 
@@ -139,7 +163,7 @@ class Learner:
         task: Task,
         *,
         resume: str | None = None,
-        shared: tuple[TinyDecoder, CharTokenizer] | None = None,
+        shared: tuple[Any, Any] | None = None,
     ) -> None:
         self.spec = spec
         path = os.path.join(resume, POLICY_FILE) if resume else None
@@ -180,9 +204,9 @@ class Learner:
                 def column(name: str, rows: list[int] = rows, width: int = width) -> Tensor:
                     return right_pad([data[name][i] for i in rows], width)
 
-                out = token_logprobs(self.model, batch, temperature=temperature)
+                logprobs = policy_logprobs(self.model, batch, temperature)
                 result = policy_loss(
-                    out.logprobs,
+                    logprobs,
                     column("old_logprobs"),
                     column("advantages"),
                     batch.response_mask,
@@ -205,7 +229,12 @@ class Learner:
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
         """Model (with tokenizer), optimizer state, RNG and ``meta`` (JSON) under ``directory``."""
         os.makedirs(directory, exist_ok=True)
-        save_model(os.path.join(directory, POLICY_FILE), self.model, tokenizer=self.tokenizer)
+        if isinstance(self.model, TinyDecoder):
+            save_model(os.path.join(directory, POLICY_FILE), self.model, tokenizer=self.tokenizer)
+        else:
+            from ._hf_policy import save_hf_policy
+
+            save_hf_policy(self.model, self.tokenizer, directory)
         save_optimizer(
             self.optimizer, self.generator, os.path.join(directory, OPTIMIZER_FILE), meta
         )

@@ -100,25 +100,12 @@ class Driver(Actor[StepDone | GetRoleStats]):
     async def on_start(self, ctx: ActorContext[Any]) -> None:
         self.compute = await load_compute(self.spec.train.torch_threads)
         self.task = await in_thread(self.spec.task.build)
-        _, self.tokenizer = await in_thread(self._tokenizer)
+        self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
         self.client = await TransferQueueClient.connect(self.controller, holder="driver")
         await self.client.set_version(S.ROLLOUT, self.version)
         self._step_started = trio.current_time()
         ctx.start_soon(self._inject)
         ctx.start_soon(self._watch_events)
-
-    def _tokenizer(self) -> Any:
-        spec = self.spec
-        path = (
-            os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
-        )
-        if path is None and spec.model.init is None:
-            from ..models import CharTokenizer
-
-            return None, CharTokenizer(self.task.alphabet)
-        from ..models import load_tokenizer
-
-        return None, load_tokenizer(path or spec.model.init)
 
     def problem(self, index: int) -> Any:
         """The run's ``index``-th prompt (deterministic in the task seed)."""

@@ -18,6 +18,7 @@ group boundary, between two decode steps of the engines.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -109,30 +110,44 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def _serve(self, count: int, task_status: trio.TaskStatus[None]) -> None:
         """Own the engines (their decode tasks) for the life of this incarnation."""
-        from ..rollout import EngineConfig, open_torch_engine
-
-        spec = self.spec
         async with contextlib.AsyncExitStack() as stack:
             for i in range(count):
-                model, self.tokenizer = await self._model()
-                config = EngineConfig(
-                    max_batch=spec.rollout.max_batch,
-                    eos_id=self.tokenizer.eos_id,
-                    pad_id=self.tokenizer.pad_id,
-                    max_run_seconds=spec.rollout.max_run_seconds,
-                    seed=spec.train.seed + i,
-                    version=spec.start_version,
-                )
-                self.engines.append(await stack.enter_async_context(open_torch_engine(model, config)))
+                engine = await stack.enter_async_context(await self._open_engine(i))
+                self.engines.append(engine)
             task_status.started()
             await trio.sleep_forever()
+
+    async def _open_engine(self, i: int) -> contextlib.AbstractAsyncContextManager[Any]:
+        from .. import rollout
+
+        spec = self.spec
+        kind = spec.rollout.engine
+        if kind == "vllm":
+            from ._hf_policy import HFTokenizer
+
+            folder = spec.model.hf
+            if spec.resume_from:
+                folder = os.path.join(spec.resume_from, "policy")
+            self.tokenizer = HFTokenizer(await in_thread(_auto_tokenizer, folder))
+            args = {"model": folder, **dict(spec.rollout.vllm_args)}
+            return rollout.open_vllm_engine(args, version=spec.start_version)
+        model, self.tokenizer = await self._model()
+        config = rollout.EngineConfig(
+            max_batch=spec.rollout.max_batch,
+            eos_id=self.tokenizer.eos_id,
+            pad_id=self.tokenizer.pad_id,
+            max_run_seconds=spec.rollout.max_run_seconds,
+            seed=spec.train.seed + i,
+            version=spec.start_version,
+        )
+        if kind == "hf":
+            return rollout.open_hf_engine(model, config)
+        return rollout.open_torch_engine(model, config)
 
     async def _model(self) -> tuple[Any, Any]:
         spec = self.spec
         if spec.colocated:
             return await shared_policy(spec, self.compute, self.task)
-        import os
-
         path = os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
         return await in_thread(lambda: self.compute.build_policy(spec.model, self.task, path=path))
 
@@ -266,6 +281,12 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             self.meter.set_version(msg.version)
             return msg.version
         return await super().handle(msg, ctx)
+
+
+def _auto_tokenizer(folder: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _score_texts(task: Any, prompt: str, answer: str, texts: tuple[str, ...]) -> list[float]:

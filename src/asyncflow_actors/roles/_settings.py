@@ -42,7 +42,9 @@ def _one_of(*choices: str) -> Any:
 @attrs.frozen
 class ModelSettings:
     """The policy: a ``TinyDecoder`` built from ``seed`` (same weights in every process), or
-    loaded from ``init``, a file written by ``models.save_model`` (with its tokenizer)."""
+    loaded from ``init``, a file written by ``models.save_model`` (with its tokenizer); or,
+    with ``hf``, a local Hugging Face folder (``AutoModelForCausalLM`` and its tokenizer; the
+    ``hf`` extra), on ``device`` in the trainer and forward stations."""
 
     d_model: int = attrs.field(default=64, validator=_positive)
     n_layers: int = attrs.field(default=2, validator=_positive)
@@ -50,6 +52,8 @@ class ModelSettings:
     max_seq_len: int = attrs.field(default=32, validator=_positive)
     seed: int = 0
     init: str | None = None
+    hf: str | None = None
+    device: str = "cpu"
 
 
 @attrs.frozen
@@ -84,9 +88,11 @@ class TaskSettings:
 class RolloutSettings:
     """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each.
 
-    ``workers`` rollout actors, each serving ``engines`` built-in engines (``max_batch`` rows
-    each); ``reward`` ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate
-    Reward actor, for expensive rewards). ``pause_mode``: how engines pause for a weight sync.
+    ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each) of
+    kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
+    ``vllm_args`` are vLLM's engine arguments, e.g. ``gpu_memory_utilization``); ``reward``
+    ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
+    expensive rewards). ``pause_mode``: how engines pause for a weight sync.
     """
 
     group_size: int = attrs.field(default=8, validator=_positive)
@@ -98,6 +104,8 @@ class RolloutSettings:
     max_batch: int = attrs.field(default=64, validator=_positive)
     max_run_seconds: float = attrs.field(default=0.02, validator=_positive)
     reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
+    engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
+    vllm_args: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     pause_mode: str = attrs.field(
         default="keep", validator=_one_of("drain", "abort", "keep", "wait_batch")
     )
