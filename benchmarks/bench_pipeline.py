@@ -86,7 +86,10 @@ def config(mode: str, init: str, **over: Any) -> PipelineConfig:
 
 async def throughput(init: str, rounds: int, steps: int) -> None:
     longtail = {
-        "task": {"kind": "longtail", "options": {"op": "reverse", "min_length": 2, "max_length": 40}},
+        "task": {
+            "kind": "longtail",
+            "options": {"op": "reverse", "min_length": 2, "max_length": 40},
+        },
         "rollout": {"group_size": 4, "max_new_tokens": 44, "max_batch": 64},
         "train": {"steps": steps, "prompts_per_step": 8},
         "placement": {"default": "process"},
@@ -150,7 +153,9 @@ def held_out(path: str) -> float:
     tokenizer = CharTokenizer(ADDITION.alphabet)
     generator = torch.Generator().manual_seed(123)
     problems = ADDITION.sample(512, seed=777)
-    return evaluate(model, ADDITION, tokenizer, problems, SamplingParams(4), generator=generator).mean_reward
+    return evaluate(
+        model, ADDITION, tokenizer, problems, SamplingParams(4), generator=generator
+    ).mean_reward
 
 
 async def reward_gap(init: str, steps: int, workdir: str) -> None:
@@ -184,7 +189,9 @@ async def main(rounds: int, quick: bool) -> None:
                                                    accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
         await throughput(longtail, rounds, 4 if quick else 8)
         max_steps = 40 if quick else 400
-        base_s, base_steps = await trio.to_thread.run_sync(plain_grpo_time_to_reward, addition, max_steps)
+        base_s, base_steps = await trio.to_thread.run_sync(
+            plain_grpo_time_to_reward, addition, max_steps
+        )
         subject_s, subject_steps = await pipeline_time_to_reward(addition, max_steps)
         emit("pipeline_time_to_reward", subject_s, "s", base_s)
         print(f"# time to reward {TARGET}: async {subject_s:.1f} s ({subject_steps} steps), "

@@ -27,11 +27,17 @@ import time
 import torch
 import trio
 
-from asyncflow_actors.models import CharTokenizer, SamplingParams, TinyConfig, TinyDecoder
-from asyncflow_actors.models import generate, load_model, save_model
+from asyncflow_actors.models import (
+    CharTokenizer,
+    SamplingParams,
+    TinyConfig,
+    TinyDecoder,
+    generate,
+    load_model,
+    save_model,
+)
 from asyncflow_actors.pipeline import PipelineConfig, PlacementConfig, run_pipeline
-from asyncflow_actors.rl import AdditionTask, decode_responses, encode_prompts, evaluate
-from asyncflow_actors.rl import sft_warmup
+from asyncflow_actors.rl import AdditionTask, decode_responses, encode_prompts, evaluate, sft_warmup
 from asyncflow_actors.roles import (
     ModelSettings,
     RolloutSettings,
@@ -83,7 +89,8 @@ def show_answers(model: TinyDecoder, title: str) -> None:
     )
     answers = decode_responses(tokenizer, out)
     shown = "  ".join(
-        f"{p.prompt}{a}{'✓' if a == p.answer else '✗'}" for p, a in zip(problems, answers, strict=True)
+        f"{p.prompt}{a}{'✓' if a == p.answer else '✗'}"
+        for p, a in zip(problems, answers, strict=True)
     )
     print(f"{title}: {shown}")
 

@@ -46,8 +46,10 @@ def config(mode: str, init: str, args: argparse.Namespace) -> PipelineConfig:
             "progress": "plain",
             "plot": False,
             "model": {"init": init},
-            "task": {"kind": "longtail", "options": {"op": "reverse", "min_length": 2,
-                                                     "max_length": 40}},  # fmt: skip
+            "task": {
+                "kind": "longtail",
+                "options": {"op": "reverse", "min_length": 2, "max_length": 40},
+            },
             "rollout": {"group_size": 4, "max_new_tokens": 44},
             "train": {"steps": args.steps, "prompts_per_step": 8},
             "placement": {"default": args.placement},

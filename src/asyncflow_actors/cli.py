@@ -164,14 +164,12 @@ def _train(args: argparse.Namespace) -> None:
 
     try:
         config = PipelineConfig.from_toml(args.config)
-        changes: dict[str, object] = {}
         if args.run_dir is not None:
-            changes["run_dir"] = args.run_dir
+            config = attrs.evolve(config, run_dir=args.run_dir)
         if args.progress is not None:
-            changes["progress"] = args.progress
+            config = attrs.evolve(config, progress=args.progress)
         if args.steps is not None:
-            changes["train"] = attrs.evolve(config.train, steps=args.steps)
-        config = attrs.evolve(config, **changes)
+            config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
     except (OSError, PipelineConfigError) as exc:
         print(f"asyncflow train: {exc}", file=sys.stderr)
         sys.exit(2)

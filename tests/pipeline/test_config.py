@@ -85,7 +85,7 @@ def test_the_cli_refuses_a_bad_config_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text('[train]\nsteps = 3\nlearning_rate = 0.1\n')
+    path.write_text("[train]\nsteps = 3\nlearning_rate = 0.1\n")
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", str(path)])
     assert exit_info.value.code == 2

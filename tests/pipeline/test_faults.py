@@ -28,16 +28,15 @@ async def test_killing_a_forward_worker_process_loses_no_sample() -> None:
         train={"steps": 5},
         placement={"default": "local", "roles": {"actor_fwd": "fwd"}},
     )
-    async with afa.open_actor_system() as system:
-        async with open_pipeline(system, config) as run:
-            node = run.nodes["fwd"]
-            killed = node.pid
-            assert killed is not None
-            while not run.records:
-                await trio.sleep(0.01)
-            os.kill(killed, signal.SIGKILL)
-            result = await run.wait()
-            fwd = await run.refs["actor_fwd-0"].ask(GetRoleStats())
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        node = run.nodes["fwd"]
+        killed = node.pid
+        assert killed is not None
+        while not run.records:
+            await trio.sleep(0.01)
+        os.kill(killed, signal.SIGKILL)
+        result = await run.wait()
+        fwd = await run.refs["actor_fwd-0"].ask(GetRoleStats())
     assert node.pid != killed, "the node was restarted in a new process"
     assert [r.samples for r in result.records] == [BATCH] * 5
     assert fwd.samples > 0, "the restarted worker took over"

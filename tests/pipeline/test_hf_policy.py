@@ -23,8 +23,11 @@ async def test_a_hugging_face_policy_trains_through_the_hf_engine(tmp_path: Path
     torch.manual_seed(0)
     export_hf(
         tmp_path / "hf",
-        TinyDecoder(TinyConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=1,
-                               n_layers=1, max_seq_len=32)),  # fmt: skip
+        TinyDecoder(
+            TinyConfig(
+                vocab_size=tokenizer.vocab_size, d_model=64, n_heads=1, n_layers=1, max_seq_len=32
+            )
+        ),
         tokenizer,
     )
     config = tiny(

@@ -28,7 +28,9 @@ def held_out_reward(model: TinyDecoder) -> float:
     tokenizer = CharTokenizer(TASK.alphabet)
     generator = torch.Generator().manual_seed(123)
     problems = TASK.sample(512, seed=777)
-    return evaluate(model, TASK, tokenizer, problems, SamplingParams(5), generator=generator).mean_reward
+    return evaluate(
+        model, TASK, tokenizer, problems, SamplingParams(5), generator=generator
+    ).mean_reward
 
 
 def config(init: Path, run_dir: Path, *, shuffle: bool) -> PipelineConfig:
@@ -62,7 +64,9 @@ async def test_async_grpo_raises_reward_and_a_shuffled_control_does_not(tmp_path
     model = TinyDecoder(
         TinyConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=4, max_seq_len=16)
     )
-    sft = sft_warmup(model, TASK, tokenizer, target_accuracy=0.3, max_steps=1500, eval_every=10, seed=2)
+    sft = sft_warmup(
+        model, TASK, tokenizer, target_accuracy=0.3, max_steps=1500, eval_every=10, seed=2
+    )
     assert sft.reached_target, sft
     init = tmp_path / "sft.safetensors"
     save_model(init, model, tokenizer=tokenizer)

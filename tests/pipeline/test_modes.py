@@ -1,6 +1,6 @@
 """Short end-to-end runs in every mode, with the staleness promises checked per sample.
 
-The Trainer checks every trained sample (trainer version − the version of its oldest token must
+The Trainer checks every trained sample (trainer version - the version of its oldest token must
 lie in [0, staleness], else the run fails with ``StalenessViolation``) and reports the lags it
 saw; these tests read them back from the step records.
 """

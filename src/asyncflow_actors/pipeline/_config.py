@@ -241,16 +241,16 @@ def _check(config: PipelineConfig) -> None:
 def _build(cls: type, table: Any, where: str) -> Any:
     """``cls(**table)`` with every key and type checked, errors naming the dotted key."""
     if not isinstance(table, Mapping):
-        raise PipelineConfigError(f"{where.rstrip('.') or 'config'}: expected a table, got {table!r}")
+        raise PipelineConfigError(
+            f"{where.rstrip('.') or 'config'}: expected a table, got {table!r}"
+        )
     attrs.resolve_types(cls)
     fields = attrs.fields_dict(cls)
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         field = fields.get(key)
         if field is None:
-            raise PipelineConfigError(
-                f"{where}{key}: unknown key (known: {sorted(fields)})"
-            )
+            raise PipelineConfigError(f"{where}{key}: unknown key (known: {sorted(fields)})")
         if isinstance(field.type, type) and attrs.has(field.type):
             kwargs[key] = _build(field.type, value, f"{where}{key}.")
             continue

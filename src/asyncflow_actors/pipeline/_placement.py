@@ -37,7 +37,9 @@ class RunFailed(RuntimeError):
 class Watcher(Actor[Terminated]):
     """Watches the roles of a run; the first one to terminate for good fails the run."""
 
-    def __init__(self, refs: list[ActorRef[Any]], failed: trio.Event, errors: list[BaseException]) -> None:
+    def __init__(
+        self, refs: list[ActorRef[Any]], failed: trio.Event, errors: list[BaseException]
+    ) -> None:
         self.refs = refs
         self.failed = failed
         self.errors = errors

@@ -14,6 +14,14 @@ import attrs
 from ..roles._messages import RoleStatistics
 
 
+def _floats(value: Mapping[str, float]) -> dict[str, float]:
+    return dict(value)
+
+
+def _ints(value: Mapping[str, int]) -> dict[str, int]:
+    return dict(value)
+
+
 @attrs.frozen
 class StepRecord:
     """What one global batch did.
@@ -22,7 +30,7 @@ class StepRecord:
     ``samples_per_s``/``tokens_per_s``: trained samples (tokens) per second over the step.
     ``staleness``: trained samples by version lag (index = lag); ``offpolicy_samples``: those
     with a lag > 0. ``idle``: per role, the share of the step's wall time its workers were not
-    computing (1 − busy). ``queues``: per consumer, samples ready for it in the TQ.
+    computing (1 - busy). ``queues``: per consumer, samples ready for it in the TQ.
     ``sync``: the weight sync's phase seconds and bytes. ``metrics``: the loss's figures
     (``pg_loss``, ``clip_frac``, ``approx_kl``, ``mismatch_kl_k1``, ``ess``...), ``reward_mean``,
     ``accuracy``, ``response_length``, ``partial_rollout_ratio``.
@@ -40,10 +48,10 @@ class StepRecord:
     offpolicy_samples: int
     in_flight_slots: int
     reinjected: int
-    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
-    sync: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
-    idle: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
-    queues: Mapping[str, int] = attrs.field(factory=dict, converter=dict)
+    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_floats)
+    sync: Mapping[str, float] = attrs.field(factory=dict, converter=_floats)
+    idle: Mapping[str, float] = attrs.field(factory=dict, converter=_floats)
+    queues: Mapping[str, int] = attrs.field(factory=dict, converter=_ints)
 
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
@@ -66,7 +74,7 @@ def read_steps(path: str | os.PathLike[str]) -> list[StepRecord]:
 def idle_ratios(
     before: Sequence[RoleStatistics], after: Sequence[RoleStatistics], wall: float
 ) -> dict[str, float]:
-    """Per role: 1 − (busy seconds added over ``wall``), averaged over its workers."""
+    """Per role: 1 - (busy seconds added over ``wall``), averaged over its workers."""
     if wall <= 0:
         return {}
     old = {s.worker: s.busy_s for s in before}

@@ -48,7 +48,7 @@ from ..roles._shared import forget_shared_policy
 from ..roles._worker import wait_for_threads
 from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
 from ._config import PipelineConfig
-from ._placement import Placement, RunFailed, Watcher
+from ._placement import Placement, Watcher
 from ._report import Progress, StepRecord, idle_ratios, plot_run
 
 GRAPH = (
@@ -171,9 +171,7 @@ async def open_pipeline(
     )
     total = config.train.steps - spec.start_version
     if config.run_dir:
-        os.makedirs(config.run_dir, exist_ok=True)
-        with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(_plain(attrs.asdict(config)), f, indent=1)
+        await trio.to_thread.run_sync(_write_config, config)
     run = Pipeline(config, Progress(config.progress, max(total, 0)))
     run.version = spec.start_version
     suffix = spec.run_id[:8]
@@ -188,9 +186,10 @@ async def open_pipeline(
     spawned: list[ActorRef[Any]] = []
     steps_jsonl = os.path.join(config.run_dir, "steps.jsonl") if config.run_dir else None
     try:
-        async with open_transfer_queue(system, tq_config) as queue, _observer(
-            system, config
-        ) as observer:
+        async with (
+            open_transfer_queue(system, tq_config) as queue,
+            _observer(system, config) as observer,
+        ):
             try:
                 async with trio.open_nursery() as nursery:
                     client = await queue.client(f"pipeline.{suffix}")
@@ -200,9 +199,9 @@ async def open_pipeline(
                         observer.watch_transfer_queue(client)
                         for node in place.nodes.values():
                             await observer.attach_node(node)
-                    send, receive = trio.open_memory_channel[
-                        tuple[StepDone, SyncReport, float]
-                    ](math.inf)
+                    send, receive = trio.open_memory_channel[tuple[StepDone, SyncReport, float]](
+                        math.inf
+                    )
 
                     async def step_done(msg: StepDone, report: SyncReport, seconds: float) -> None:
                         send.send_nowait((msg, report, seconds))
@@ -272,7 +271,12 @@ async def _spawn_roles(
             kwargs: dict[str, Any] = common
             cls: Any = Reward
         elif role == "trainer":
-            kwargs = {**common, "controller": controller, "driver": driver, "targets": tuple(targets)}
+            kwargs = {
+                **common,
+                "controller": controller,
+                "driver": driver,
+                "targets": tuple(targets),
+            }
             cls = Trainer
         elif role == "advantage":
             kwargs, cls = {**common, "controller": controller}, Advantage
@@ -365,6 +369,13 @@ async def _report_steps(
                 await maybe
         if count >= total:
             run._recorded.set()
+
+
+def _write_config(config: PipelineConfig) -> None:
+    assert config.run_dir is not None
+    os.makedirs(config.run_dir, exist_ok=True)
+    with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(_plain(attrs.asdict(config)), f, indent=1)
 
 
 def _plain(value: Any) -> Any:

@@ -245,7 +245,10 @@ def save_optimizer(
 ) -> None:
     """An optimizer's state as safetensors (tensors) + JSON metadata (no pickle)."""
     state = optimizer.state_dict()
-    tensors: dict[str, Tensor] = {"rng.torch": torch.get_rng_state(), "rng.train": generator.get_state()}
+    tensors: dict[str, Tensor] = {
+        "rng.torch": torch.get_rng_state(),
+        "rng.train": generator.get_state(),
+    }
     scalars: dict[str, dict[str, Any]] = {}
     for pid, entry in state["state"].items():
         for key, value in entry.items():

@@ -1,7 +1,7 @@
 """Driver: admission of prompts, the version, the weight sync trigger, re-injection.
 
 - **Admission.** Before it injects a prompt the Driver acquires ``group_size`` FlowControl slots;
-  the capacity is ``(staleness + 1) × batch``, so rollout never runs more than ``staleness``
+  the capacity is ``(staleness + 1) x batch``, so rollout never runs more than ``staleness``
   versions ahead of training. Injecting a prompt opens its group in the ``rollout`` topic (the
   prompt ids stored once, shared) and puts a ``prompts`` sample naming that group.
 - **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
@@ -165,8 +165,8 @@ class Driver(Actor[StepDone | GetRoleStats]):
                             await self._put_prompt(index)
                 elif event.topic == S.PROMPTS:
                     for sample in event.indexes:
-                        gid = self.prompt_samples.pop(sample, None)
-                        if gid is not None and gid in self.inflight:
+                        gid = self.prompt_samples.pop(sample, -1)
+                        if gid in self.inflight:
                             self.hooks.reinjected += 1
                             await self._put_prompt(self.inflight[gid], gid)
 

@@ -11,6 +11,7 @@ syncs.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,10 @@ class _Forward(Station):
         self.meter.set_version(spec.start_version)
 
     async def load_model(self) -> tuple[Any, Any]:
-        return await in_thread(self.compute.build_policy, self.spec.model, self.task)
+        policy: tuple[Any, Any] = await in_thread(
+            self.compute.build_policy, self.spec.model, self.task
+        )
+        return policy
 
     async def boundary(self) -> None:
         """The batch boundary: where pending weights load."""
@@ -94,13 +98,12 @@ class _Forward(Station):
             rows = self.dp.rows(batch)
             prompts = take(batch, rows, S.PROMPT_IDS)
             responses = take(batch, rows, S.RESPONSE_IDS)
-            with self.meter.track.span(
-                self.role, samples=batch.indexes, version=self.copy.version
-            ):
+            with self.meter.track.span(self.role, samples=batch.indexes, version=self.copy.version):
                 start = clock_ns()
                 async with self.copy.lock:
                     logprobs = await in_thread(
-                        lambda: self.compute.sequence_logprobs(
+                        functools.partial(
+                            self.compute.sequence_logprobs,
                             self.model,
                             prompts,
                             responses,
@@ -139,11 +142,15 @@ class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
     async def load_model(self) -> tuple[Any, Any]:
         spec = self.spec
         if spec.colocated:
-            return await shared_policy(spec, self.compute, self.task)
-        path = os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
-        return await in_thread(
+            shared: tuple[Any, Any] = await shared_policy(spec, self.compute, self.task)
+            return shared
+        path = (
+            os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
+        )
+        policy: tuple[Any, Any] = await in_thread(
             lambda: self.compute.build_policy(spec.model, self.task, path=path)
         )
+        return policy
 
     async def boundary(self) -> None:
         version = await self.receiver.apply_pending()

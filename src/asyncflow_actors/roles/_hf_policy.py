@@ -30,7 +30,7 @@ class HFTokenizer:
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = list(self.inner(text, add_special_tokens=add_bos)["input_ids"])
-        return ids + [self.eos_id] if add_eos else ids
+        return [*ids, self.eos_id] if add_eos else ids
 
     def decode(self, ids: list[int]) -> str:
         if self.eos_id in ids:
@@ -41,7 +41,8 @@ class HFTokenizer:
 def load_hf_policy(folder: str, device: str) -> tuple[Any, HFTokenizer]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, HFTokenizer(tokenizer)
 

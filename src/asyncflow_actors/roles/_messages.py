@@ -9,6 +9,10 @@ import attrs
 from ..actors import Request
 
 
+def _floats(value: Mapping[str, float]) -> dict[str, float]:
+    return dict(value)
+
+
 @attrs.frozen
 class RoleStatistics:
     """What a station did so far: ``busy_s`` computing, ``wait_s`` blocked on the TQ or slots.
@@ -24,7 +28,7 @@ class RoleStatistics:
     steps: int
     busy_s: float
     wait_s: float
-    extra: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
+    extra: Mapping[str, float] = attrs.field(factory=dict, converter=_floats)
 
 
 @attrs.frozen
@@ -53,7 +57,7 @@ class StepDone(Request[StepAck]):
     tokens: int
     groups: tuple[int, ...]
     staleness: tuple[int, ...]
-    metrics: Mapping[str, float] = attrs.field(converter=dict)
+    metrics: Mapping[str, float] = attrs.field(converter=_floats)
 
 
 @attrs.frozen
@@ -62,7 +66,7 @@ class SyncReport:
     and bytes, as ``checkpoint.SyncResult.metrics()`` gives them."""
 
     version: int
-    metrics: Mapping[str, float] = attrs.field(converter=dict)
+    metrics: Mapping[str, float] = attrs.field(converter=_floats)
 
 
 @attrs.frozen

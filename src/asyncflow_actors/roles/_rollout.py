@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..actors import Actor, ActorContext, ActorRef
+from ..actors import Actor, ActorContext, ActorRef, RemoteError
 from ..checkpoint import SYNC_MESSAGES, PauseAck, PauseMode, SyncMessage, WeightReceiver
 from ..observe import clock_ns, get_registry
-from ..transfer_queue import FIFO, StaleVersionError, UnknownGroup
 from . import _schema as S
 from ._messages import AdoptVersion, GetRoleStats, Score, Scored
 from ._settings import RunSpec
@@ -147,9 +146,15 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
     async def _model(self) -> tuple[Any, Any]:
         spec = self.spec
         if spec.colocated:
-            return await shared_policy(spec, self.compute, self.task)
-        path = os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
-        return await in_thread(lambda: self.compute.build_policy(spec.model, self.task, path=path))
+            shared: tuple[Any, Any] = await shared_policy(spec, self.compute, self.task)
+            return shared
+        path = (
+            os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
+        )
+        policy: tuple[Any, Any] = await in_thread(
+            lambda: self.compute.build_policy(spec.model, self.task, path=path)
+        )
+        return policy
 
     async def run(self) -> None:
         assert self.client is not None
@@ -190,7 +195,9 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await self.client.ack(batch)
 
-    async def _group(self, prompt: str, answer: str, gid: int, index: int, free: trio.Semaphore) -> None:
+    async def _group(
+        self, prompt: str, answer: str, gid: int, index: int, free: trio.Semaphore
+    ) -> None:
         try:
             attempt = 0
             while not await self._generate_and_write(prompt, answer, gid, index, attempt):
@@ -234,19 +241,22 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             data = {
                 S.RESPONSE_IDS: [torch.tensor(c.token_ids, dtype=torch.int64) for c in completions],
                 S.BEHAVIOUR: [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions],
-                S.TOKEN_VERSIONS: [torch.tensor(c.versions, dtype=torch.int64) for c in completions],
+                S.TOKEN_VERSIONS: [
+                    torch.tensor(c.versions, dtype=torch.int64) for c in completions
+                ],
                 S.REWARDS: torch.tensor(rewards, dtype=torch.float32),
                 S.RESUMES: torch.tensor([c.resumes for c in completions], dtype=torch.int64),
             }
             start = clock_ns()
             try:
                 indexes = await self.client.put(S.ROLLOUT, data, version=oldest, group=gid)
-            except StaleVersionError:
-                self.meter.extra["regenerated_groups"] = self.meter.extra.get("regenerated_groups", 0) + 1
-                return False
-            except UnknownGroup:
-                self.meter.extra["dropped_groups"] = self.meter.extra.get("dropped_groups", 0) + 1
-                return True
+            except Exception as exc:
+                outcome = _put_outcome(exc)
+                if outcome is None:
+                    raise
+                key = "regenerated_groups" if outcome == "stale" else "dropped_groups"
+                self.meter.extra[key] = self.meter.extra.get(key, 0) + 1
+                return outcome == "gone"
             self.meter.waited("put", start, samples=indexes)
             span.set(samples=indexes, version=oldest)
         tokens = sum(len(c.token_ids) for c in completions)
@@ -263,12 +273,15 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         if self._active == 0:
             self.meter.busy(self._busy_since)
 
-    async def _score(self, prompt: str, answer: str, completions: tuple[Completion, ...]) -> list[float]:
+    async def _score(
+        self, prompt: str, answer: str, completions: tuple[Completion, ...]
+    ) -> list[float]:
         texts = tuple(self.tokenizer.decode(list(c.token_ids)) for c in completions)
         if self.reward is not None:
             scored = await self.reward.ask(Score(prompt, answer, texts))
             return list(scored.rewards)
-        return await in_thread(_score_texts, self.task, prompt, answer, texts)
+        rewards: list[float] = await in_thread(_score_texts, self.task, prompt, answer, texts)
+        return rewards
 
     async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, SYNC_MESSAGES):
@@ -281,6 +294,30 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             self.meter.set_version(msg.version)
             return msg.version
         return await super().handle(msg, ctx)
+
+
+def _put_outcome(exc: BaseException) -> str | None:
+    """What a failed group put means: ``"stale"`` (its oldest token left the window before it
+    was allocated: generate it again), ``"gone"`` (the group was evicted or lost meanwhile —
+    a version bump can evict a put between its allocation and its commit —: the Driver
+    re-injects its prompt), or ``None`` (a real error). Errors of the TQ controller in another
+    process may arrive as ``RemoteError``s naming their type, possibly in exception groups."""
+    names = {
+        e.type_name.rsplit(":", 1)[-1] if isinstance(e, RemoteError) else type(e).__name__
+        for e in _leaves(exc)
+    }
+    if names <= {"StaleVersionError"}:
+        return "stale"
+    if names <= {"StaleVersionError", "UnknownSample", "UnknownGroup"}:
+        return "gone"
+    return None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for e in inner for leaf in _leaves(e)]
 
 
 def _auto_tokenizer(folder: str | None) -> Any:

@@ -88,7 +88,16 @@ def station_columns(spec: RunSpec) -> dict[str, tuple[str, ...]]:
     adv: tuple[str, ...] = (REWARDS, RESPONSE_IDS)
     if spec.stage_barrier:
         adv += (REF,) if spec.use_ref else (OLD,)
-    train = (PROMPT_IDS, RESPONSE_IDS, BEHAVIOUR, TOKEN_VERSIONS, REWARDS, RESUMES, OLD, ADVANTAGES)
+    train: tuple[str, ...] = (
+        PROMPT_IDS,
+        RESPONSE_IDS,
+        BEHAVIOUR,
+        TOKEN_VERSIONS,
+        REWARDS,
+        RESUMES,
+        OLD,
+        ADVANTAGES,
+    )
     if spec.use_ref:
         train += (REF,)
     return {"actor_fwd": fwd, "ref_fwd": ref, "advantage": adv, "trainer": train}

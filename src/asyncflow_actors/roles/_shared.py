@@ -28,9 +28,7 @@ async def shared_policy(spec: RunSpec, compute: Any, task: Any) -> tuple[Any, An
     async with _lock:
         key = _key(spec)
         if key not in _policies:
-            path = (
-                os.path.join(spec.resume_from, compute.POLICY_FILE) if spec.resume_from else None
-            )
+            path = os.path.join(spec.resume_from, compute.POLICY_FILE) if spec.resume_from else None
             _policies[key] = await trio.to_thread.run_sync(
                 lambda: compute.build_policy(spec.model, task, path=path)
             )

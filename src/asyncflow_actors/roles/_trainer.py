@@ -2,9 +2,9 @@
 
 Each step: take a global batch of whole groups that have every column (rollout, old and — with
 a KL penalty — reference log-probs, advantages) and are inside the staleness window; check each
-sample's staleness (trainer version − its oldest token's version: it must lie in
+sample's staleness (trainer version - its oldest token's version: it must lie in
 ``[0, staleness]``, and at staleness 0 it is 0 for every sample, by construction); run
-``mini_batches`` × ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
+``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
 bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
 TQ, asks this actor to sync the weights (``SyncWeights``: the CheckpointEngine, pause → …
 → resume), releases the FlowControl slots, and only then answers: the next version is never
@@ -122,8 +122,10 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             if ack.stop:
                 await trio.sleep_forever()
 
-    def _check_staleness(self, token_versions: list[Any], versions: tuple[int, ...]) -> tuple[int, ...]:
-        """Per sample: trainer version − oldest token version, within [0, staleness]."""
+    def _check_staleness(
+        self, token_versions: list[Any], versions: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Per sample: trainer version - oldest token version, within [0, staleness]."""
         limit = self.spec.staleness
         counts = [0] * (limit + 1)
         for tokens, stored in zip(token_versions, versions, strict=True):
@@ -161,11 +163,15 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             except SyncFailed as exc:
                 registry.counter("afa_sync_failures_total").inc()
                 if exc.committed:
-                    log.warning("sync of version %d committed, resume unconfirmed: %s", version, exc)
+                    log.warning(
+                        "sync of version %d committed, resume unconfirmed: %s", version, exc
+                    )
                     return None, attempt
                 if attempt == SYNC_ATTEMPTS - 1:
                     raise
-                log.warning("sync of version %d failed (%s); retrying in %.1f s", version, exc, delay)
+                log.warning(
+                    "sync of version %d failed (%s); retrying in %.1f s", version, exc, delay
+                )
                 await trio.sleep(delay)
                 delay = min(delay * 2, 10.0)
         raise AssertionError("unreachable")

@@ -248,9 +248,7 @@ class Station(Actor[Any]):
         """Step 1 (and the availability probe of a data-parallel group)."""
         assert self.client is not None
         start = clock_ns()
-        share = {}
-        if self.dp.size > 1:
-            share = {"share_key": f"{self.consumer}:{self._step_no}", "share_count": self.dp.size}
+        shared = self.dp.size > 1
         batch = await self.client.get(
             topic,
             self.consumer,
@@ -258,7 +256,8 @@ class Station(Actor[Any]):
             count,
             sampler=self.dp.sampler(whole_groups),
             min_count=min_count,
-            **share,
+            share_key=f"{self.consumer}:{self._step_no}" if shared else None,
+            share_count=self.dp.size,
         )
         assert batch is not None  # wait=True
         self._step_no += 1
