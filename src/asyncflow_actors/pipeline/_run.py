@@ -167,7 +167,7 @@ async def open_pipeline(
     state = DriverState.read(resume) if resume else None
     spec = config.run_spec(
         start_version=state.version if state else 0,
-        resume_from=os.path.abspath(resume) if resume else None,
+        resume_from=_absolute(resume),
     )
     total = config.train.steps - spec.start_version
     if config.run_dir:
@@ -369,6 +369,10 @@ async def _report_steps(
                 await maybe
         if count >= total:
             run._recorded.set()
+
+
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
 
 
 def _write_config(config: PipelineConfig) -> None:
