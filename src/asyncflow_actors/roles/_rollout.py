@@ -157,51 +157,29 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         return policy
 
     async def run(self) -> None:
-        assert self.client is not None
         spec = self.spec
-        n = spec.rollout.group_size
-        slots = max(1, spec.rollout.max_batch * len(self.engines) // n)
+        slots = max(1, spec.rollout.max_batch * len(self.engines) // spec.rollout.group_size)
         free = trio.Semaphore(slots)
         columns = (S.PROMPT_TEXT, S.ANSWER, S.GROUP, S.PROMPT_INDEX)
         async with trio.open_nursery() as nursery:
             while True:
                 await free.acquire()
-                want = 1
-                while free.value > 0:
-                    free.acquire_nowait()
-                    want += 1
-                batch = await self.fetch(
-                    columns, want, whole_groups=False, min_count=1, topic=S.PROMPTS
-                )
-                for _ in range(want - len(batch)):
-                    free.release()
-                nursery.start_soon(self._prompts, batch, free)
+                # one prompt per lease: a crash returns exactly the prompts whose groups
+                # were not written yet
+                batch = await self.fetch(columns, 1, whole_groups=False, topic=S.PROMPTS)
+                nursery.start_soon(self._prompt, batch, free)
 
-    async def _prompts(self, batch: Any, free: trio.Semaphore) -> None:
-        """Generate and write the group of every prompt of ``batch``, then ack the prompts."""
+    async def _prompt(self, batch: Any, free: trio.Semaphore) -> None:
+        """Generate and write the prompt's group, then ack the prompt (never before)."""
         assert self.client is not None
         try:
-            async with trio.open_nursery() as nursery:
-                for k in range(len(batch)):
-                    nursery.start_soon(
-                        self._group,
-                        batch[S.PROMPT_TEXT][k],
-                        batch[S.ANSWER][k],
-                        int(column(batch, S.GROUP)[k]),
-                        int(column(batch, S.PROMPT_INDEX)[k]),
-                        free,
-                    )
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(10):
-                await self.client.ack(batch)
-
-    async def _group(
-        self, prompt: str, answer: str, gid: int, index: int, free: trio.Semaphore
-    ) -> None:
-        try:
+            prompt, answer = batch[S.PROMPT_TEXT][0], batch[S.ANSWER][0]
+            gid = int(column(batch, S.GROUP)[0])
+            index = int(column(batch, S.PROMPT_INDEX)[0])
             attempt = 0
             while not await self._generate_and_write(prompt, answer, gid, index, attempt):
                 attempt += 1
+            await self.client.ack(batch)
         finally:
             free.release()
 
@@ -300,7 +278,8 @@ def _put_outcome(exc: BaseException) -> str | None:
     """What a failed group put means: ``"stale"`` (its oldest token left the window before it
     was allocated: generate it again), ``"gone"`` (the group was evicted or lost meanwhile —
     a version bump can evict a put between its allocation and its commit —: the Driver
-    re-injects its prompt), or ``None`` (a real error). Errors of the TQ controller in another
+    re-injects its prompt; or it is full: a crashed predecessor wrote it before its ack), or
+    ``None`` (a real error). Errors of the TQ controller in another
     process may arrive as ``RemoteError``s naming their type, possibly in exception groups."""
     names = {
         e.type_name.rsplit(":", 1)[-1] if isinstance(e, RemoteError) else type(e).__name__
@@ -308,8 +287,8 @@ def _put_outcome(exc: BaseException) -> str | None:
     }
     if names <= {"StaleVersionError"}:
         return "stale"
-    if names <= {"StaleVersionError", "UnknownSample", "UnknownGroup"}:
-        return "gone"
+    if names <= {"StaleVersionError", "UnknownSample", "UnknownGroup", "GroupError"}:
+        return "gone"  # GroupError: a restarted worker writing a group its predecessor wrote
     return None
 
 

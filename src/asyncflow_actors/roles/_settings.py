@@ -9,7 +9,7 @@ what the mode decides (staleness, whole-batch stages, colocation).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -151,9 +151,6 @@ class TrainSettings:
     torch_threads: int = attrs.field(default=1, validator=_positive)
     seed: int = 0
     shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch
-
-
-Mode = Literal["sync", "colocated", "one_step_off", "async"]
 
 
 @attrs.frozen
