@@ -48,16 +48,16 @@ async def test_a_cancelled_run_stops_every_process(tmp_path: Path) -> None:
     config = tiny(
         "async",
         train={"steps": 1000},
-        placement={"default": "local", "roles": {"rollout": "gen", "trainer": "train"}},
+        placement={"default": "local", "roles": {"rollout": "gen"}},
     )
     with trio.move_on_after(60) as scope:
         async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
-            while len(run.records) < 2:
+            while not run.records:
                 await trio.sleep(0.01)
             pids = [node.pid for node in run.nodes.values()]
             scope.cancel()
     assert scope.cancelled_caught
-    assert len(pids) == 2 and all(pid is not None for pid in pids)
+    assert len(pids) == 1 and all(pid is not None for pid in pids)
     for pid in pids:
         assert not aft.alive(pid), f"node process {pid} outlived the run"
     aft.check_no_leaks(before, settle=10.0)
