@@ -18,6 +18,7 @@ group boundary, between two decode steps of the engines.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     import torch
 
     from ..rollout import Completion, GenerationEngine
+
+log = logging.getLogger("asyncflow_actors.roles")
 
 
 class MultiEngine:
@@ -179,6 +182,11 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             attempt = 0
             while not await self._generate_and_write(prompt, answer, gid, index, attempt):
                 attempt += 1
+                # Stale again: this worker's weights are behind the window (a sync is on its
+                # way, or the trainer is gone). Back off instead of spinning.
+                if attempt % 10 == 0:
+                    log.warning("%s: group %d went stale %d times", self.worker, gid, attempt)
+                await trio.sleep(min(0.05 * attempt, 2.0))
             await self.client.ack(batch)
         finally:
             free.release()
