@@ -12,6 +12,9 @@
   off / on (recording included), against an empty ``with`` on a no-op object (baseline).
 - ``observe_span_off_share``: the disabled spans' share of the pipeline's time per sample (spans
   per sample x off cost x samples/s): what tracing costs when it is off.
+- ``observe_trace_overhead_pipeline``: the same measurement on the real pipeline
+  (``asyncflow_actors.pipeline``: async GRPO of a tiny policy, every role in this process),
+  trained samples/s with ``observe = true`` (an observer, spans of every station) over without.
 
 ``PYTHONPATH=benchmarks python benchmarks/bench_observe.py [--rounds N] [--node]``
 """
@@ -76,6 +79,44 @@ def empty_with_ns(n: int = 200_000) -> float:
     return (time.perf_counter_ns() - t0) / n
 
 
+async def pipeline_overhead(rounds: int) -> None:
+    """``measure_overhead`` on the real pipeline: observe on (value) against off."""
+    import tempfile
+
+    from asyncflow_actors.pipeline import PipelineConfig, run_pipeline
+
+    def config(trace: bool, run_dir: str) -> PipelineConfig:
+        return PipelineConfig.from_dict(
+            {
+                "mode": "async",
+                "progress": "none",
+                "plot": False,
+                "observe": trace,
+                "run_dir": run_dir if trace else None,
+                "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 16},
+                "task": {"options": {"min_digits": 1, "max_digits": 2}},
+                "rollout": {"group_size": 4, "max_new_tokens": 4},
+                "train": {"steps": 8, "prompts_per_step": 8},
+                "placement": {"default": "local"},
+            }
+        )
+
+    async def one_round(trace: bool) -> Round:
+        with tempfile.TemporaryDirectory() as run_dir:
+            cpu = time.process_time()
+            result = await run_pipeline(config(trace, run_dir))
+            cpu = time.process_time() - cpu
+        return Round(result.samples, result.seconds, cpu)
+
+    await one_round(True)  # warm up
+    on, off = await measure_overhead(one_round, rounds)
+    on_rates, off_rates = [r.samples / r.wall_s for r in on], [r.samples / r.wall_s for r in off]
+    emit("observe_trace_overhead_pipeline", statistics.median(on_rates), "samples/s",
+         statistics.median(off_rates))  # fmt: skip
+    print(f"# pipeline on: {[round(x) for x in on_rates]} off: {[round(x) for x in off_rates]}",
+          file=sys.stderr)  # fmt: skip
+
+
 async def main(rounds: int, on_node: bool) -> None:
     async with afa.open_actor_system() as system:
         node = None
@@ -114,6 +155,7 @@ async def main(rounds: int, on_node: bool) -> None:
     # its engine span, advantage, train, three gets and three sync phases.
     per_sample = 3 / PIPELINE.group_size + 10 / PIPELINE.batch_size
     emit("observe_span_off_share", per_sample * off_ns * 1e-9 * off_med * 100, "%")
+    await pipeline_overhead(max(3, rounds // 2))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The ``asyncflow`` command.
 
+- ``asyncflow train CONFIG.toml``: run the pipeline a TOML file describes
+  (``docs/pipeline.md``); ``--resume DIR`` continues from a checkpoint of a run.
 - ``asyncflow dashboard RUN_DIR_OR_JSONL``: serve the live dashboard of a run from its
   ``metrics.jsonl`` (written by an observer with a ``run_dir``), following the file as it grows.
 - ``asyncflow demo``: run the scripted pipeline of ``asyncflow_actors.observe.demo`` with an
   observer and the dashboard, to see what observing a run looks like.
 
-Both print one JSON line with the dashboard's address (``url``, ``ws_url``, ``token``) once it
+``dashboard`` and ``demo`` print one JSON line with the dashboard's address (``url``, ``ws_url``, ``token``) once it
 listens, then serve until interrupted.
 """
 
@@ -39,6 +41,16 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--port", type=int, default=8265, help="page port (0: any free port)")
         q.add_argument("--ws-port", type=int, default=0, help="websocket port (0: any free port)")
         q.add_argument("--token", default=None, help="access token (generated off loopback)")
+
+    t = sub.add_parser("train", help="run the pipeline a TOML config describes")
+    t.add_argument("config", help="a TOML file (see docs/pipeline.md)")
+    t.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
+    t.add_argument("--run-dir", default=None, help="override the config's run_dir")
+    t.add_argument("--steps", type=int, default=None, help="override train.steps")
+    t.add_argument(
+        "--progress", choices=("auto", "rich", "plain", "none"), default=None,
+        help="override the config's progress display",
+    )  # fmt: skip
 
     d = sub.add_parser("dashboard", help="serve the dashboard of a run's metrics.jsonl")
     d.add_argument("path", help="a run directory or its metrics.jsonl")
@@ -145,9 +157,45 @@ async def _demo(args: argparse.Namespace) -> None:
             nursery.cancel_scope.cancel()
 
 
+def _train(args: argparse.Namespace) -> None:
+    import attrs
+
+    from .pipeline import PipelineConfig, PipelineConfigError, run_pipeline
+
+    try:
+        config = PipelineConfig.from_toml(args.config)
+        if args.run_dir is not None:
+            config = attrs.evolve(config, run_dir=args.run_dir)
+        if args.progress is not None:
+            config = attrs.evolve(config, progress=args.progress)
+        if args.steps is not None:
+            config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
+    except (OSError, PipelineConfigError) as exc:
+        print(f"asyncflow train: {exc}", file=sys.stderr)
+        sys.exit(2)
+    result = trio.run(lambda: run_pipeline(config, resume=args.resume))
+    summary = {
+        "mode": result.mode,
+        "staleness": result.staleness,
+        "steps": len(result.records),
+        "version": result.version,
+        "samples": result.samples,
+        "seconds": round(result.seconds, 3),
+        "samples_per_s": round(result.samples_per_s, 3),
+        "final_reward": round(result.final_reward(), 4),
+        "offpolicy_samples": result.offpolicy_samples,
+        "run_dir": result.run_dir,
+        "checkpoints": list(result.checkpoints),
+    }
+    print(json.dumps(summary), flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "train":
+            _train(args)
+            return
         trio.run(_dashboard if args.command == "dashboard" else _demo, args)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -6,6 +6,7 @@ import attrs
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._batch import PackedBatch
 from ._model import ModelInputError, TinyDecoder
 
 __all__ = ["TokenLogprobs", "entropy_from_logits", "token_logprobs"]
@@ -27,7 +28,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 def token_logprobs(
     model: TinyDecoder,
-    input_ids: Tensor,
+    input_ids: Tensor | PackedBatch,
     attention_mask: Tensor | None = None,
     *,
     response_length: int | None = None,
@@ -36,11 +37,21 @@ def token_logprobs(
 ) -> TokenLogprobs:
     """Per-token log-probabilities of `input_ids` [B, L] under `model` (differentiable).
 
-    With `response_length=R` the result is [B, R] for the last R columns (the layout of
+    Given a `PackedBatch` instead (`token_logprobs(model, batch)`), its attention mask and
+    response length are used: the result is [B, R], aligned with `batch.response_mask`. With `response_length=R` the result is [B, R] for the last R columns (the layout of
     `PackedBatch` and `generate`); without it, [B, L] with column 0 set to 0 (nothing predicts
     the first token). Logits are divided by `temperature` first, so passing the sampling
     temperature gives the logprobs of the sampling distribution (before any top-p truncation).
     """
+    if isinstance(input_ids, PackedBatch):
+        batch = input_ids
+        if attention_mask is not None or response_length not in (None, batch.response_length):
+            raise ModelInputError(
+                "a PackedBatch carries its attention mask and response length "
+                f"({batch.response_length}); do not pass them again"
+            )
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        response_length = batch.response_length
     if not temperature > 0:
         raise ModelInputError(f"temperature must be > 0, got {temperature!r}")
     length = input_ids.shape[1] if input_ids.dim() == 2 else 0

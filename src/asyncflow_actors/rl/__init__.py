@@ -41,6 +41,9 @@ from ._file_task import FileTask as FileTask
 from ._file_task import exact_match_score as exact_match_score
 from ._file_task import load_jsonl_task as load_jsonl_task
 from ._file_task import load_parquet_task as load_parquet_task
+from ._groups import ScoredGroups as ScoredGroups
+from ._groups import sample_groups as sample_groups
+from ._groups import score_group as score_group
 from ._kl import KL_ESTIMATORS as KL_ESTIMATORS
 from ._kl import KLEstimator as KLEstimator
 from ._kl import kl_estimate as kl_estimate

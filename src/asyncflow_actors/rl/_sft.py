@@ -38,7 +38,7 @@ def sft_warmup(
     target_accuracy: float,
     max_steps: int,
     batch_size: int = 64,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     eval_every: int = 20,
     eval_size: int = 128,
     seed: int = 0,
@@ -90,9 +90,7 @@ def sft_warmup(
             encode_answers(tokenizer, problems),
             pad_id=tokenizer.pad_id,
         )
-        logp = token_logprobs(
-            model, batch.input_ids, batch.attention_mask, response_length=batch.response_length
-        ).logprobs
+        logp = token_logprobs(model, batch).logprobs
         mask = batch.response_mask.float()
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)

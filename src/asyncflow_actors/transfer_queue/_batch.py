@@ -23,6 +23,7 @@ import attrs
 
 from ._errors import SchemaError
 from ._results import Lease
+from ._runtime import RawTensor
 from ._spec import ColumnSpec, TopicSpec
 
 
@@ -196,6 +197,16 @@ def prepare(spec: TopicSpec, data: Mapping[str, Any], *, shared: bool) -> Prepar
     if not shared and not n:
         raise SchemaError("a put needs at least one sample")
     return Prepared(1 if shared else int(n or 0), columns, sizes)
+
+
+def materialize(value: Any) -> Any:
+    """Torch tensors for what a unit in this process returns: rows a remote writer sent it stay
+    ``RawTensor``s there (units never import torch), and a local reply skips wire decoding."""
+    if isinstance(value, RawTensor):
+        return value.to_torch()
+    if isinstance(value, list):
+        return [materialize(v) for v in value]
+    return value
 
 
 def assemble(col: ColumnSpec, pieces: list[Any], perm: list[int] | None) -> Any:

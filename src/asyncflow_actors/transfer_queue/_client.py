@@ -25,7 +25,7 @@ import trio
 
 from . import _messages as M
 from . import _unit_messages as U
-from ._batch import Batch, assemble, prepare
+from ._batch import Batch, assemble, materialize, prepare
 from ._errors import (
     ControllerUnavailable,
     SchemaError,
@@ -309,14 +309,16 @@ class TransferQueueClient:
             where = {index: k for k, index in enumerate(arrived)}
             perm = [where[i] for i in lease.indexes]
         data = {
-            c: assemble(spec.columns[c], [p for u in order for p in fetched[u].columns[c]], perm)
+            c: assemble(
+                spec.columns[c], [materialize(p) for u in order for p in fetched[u].columns[c]], perm
+            )
             for c in per_sample
         }
         shared: dict[str, dict[int, Any]] = {c: {} for c in shared_cols}
         for unit in order:
             for gid, blobs in fetched[unit].shared.items():
                 for column, value in blobs.items():
-                    shared[column][gid] = value
+                    shared[column][gid] = materialize(value)
         return Batch(lease, data, shared)
 
     async def ack(self, batch: Batch | Lease) -> tuple[int, ...]:

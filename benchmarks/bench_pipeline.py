@@ -1,0 +1,208 @@
+"""The pipeline end to end: asynchronous against synchronous, learning speed and quality.
+
+- ``pipeline_async_vs_sync``: trained samples/s of ``async(staleness=1)`` (value) over ``sync``
+  (baseline) on the long-tail task (a policy warmed up to answer with the task's heavy-tailed
+  lengths), same model, same placement (one process per role), rounds interleaved. Target >= 1.5.
+- ``pipeline_time_to_reward``: seconds of training until the mean batch reward (over the last 3
+  batches) reaches 0.8 on addition, for async (value) against a plain single-loop synchronous
+  GRPO written below (generate, score, update; no actors; baseline), from the same warmed-up
+  policy with the same batch and learning rate. Target ratio < 1.
+- ``pipeline_final_reward_gap_s1`` / ``_s2``: held-out reward (512 problems) after the same
+  number of trained samples, async at staleness 1 and 2 minus sync, in percentage points.
+  Target: within 2.
+- ``pipeline_staleness0_offpolicy_samples``: trained samples whose oldest token's version
+  differed from the trainer's in async at staleness 0. Target 0.
+
+``PYTHONPATH=benchmarks python benchmarks/bench_pipeline.py [--rounds N] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import trio
+from common import emit
+
+import asyncflow_actors as afa
+from asyncflow_actors.models import (
+    CharTokenizer,
+    SamplingParams,
+    TinyConfig,
+    TinyDecoder,
+    load_model,
+    save_model,
+    token_logprobs,
+)
+from asyncflow_actors.pipeline import PipelineConfig, StepRecord, open_pipeline, run_pipeline
+from asyncflow_actors.rl import (
+    AdditionTask,
+    LongTailTask,
+    evaluate,
+    grpo_advantages,
+    policy_loss,
+    sample_groups,
+    sft_warmup,
+)
+
+ADDITION = AdditionTask(min_digits=1, max_digits=2)
+LONGTAIL = LongTailTask(op="reverse", distribution="pareto", min_length=2, max_length=40)
+TARGET = 0.8
+PROMPTS, GROUP, LR = 16, 8, 5e-4
+
+
+def warm(task: Any, path: str, *, max_seq_len: int, accuracy: float, steps: int) -> None:
+    tokenizer = CharTokenizer(task.alphabet)
+    torch.manual_seed(0)
+    model = TinyDecoder(
+        TinyConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=4, max_seq_len=max_seq_len)
+    )
+    sft_warmup(model, task, tokenizer, target_accuracy=accuracy, max_steps=steps, eval_every=20,
+               eval_size=64, seed=0)  # fmt: skip
+    save_model(path, model, tokenizer=tokenizer)
+
+
+def config(mode: str, init: str, **over: Any) -> PipelineConfig:
+    table: dict[str, Any] = {
+        "mode": mode,
+        "progress": "none",
+        "plot": False,
+        "model": {"init": init},
+        "task": {"kind": "addition", "options": {"min_digits": 1, "max_digits": 2}, "seed": 1},
+        "rollout": {"group_size": GROUP, "max_new_tokens": 4},
+        "train": {"steps": 30, "prompts_per_step": PROMPTS, "lr": LR},
+        "placement": {"default": "local"},
+    }
+    for key, value in over.items():
+        table[key] = {**table[key], **value} if isinstance(value, dict) else value
+    return PipelineConfig.from_dict(table)
+
+
+async def throughput(init: str, rounds: int, steps: int) -> None:
+    longtail = {
+        "task": {
+            "kind": "longtail",
+            "options": {"op": "reverse", "min_length": 2, "max_length": 40},
+        },
+        "rollout": {"group_size": 4, "max_new_tokens": 44, "max_batch": 64},
+        "train": {"steps": steps, "prompts_per_step": 8},
+        "placement": {"default": "process"},
+    }
+    rates: dict[str, list[float]] = {"sync": [], "async": []}
+    for i in range(rounds):
+        for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
+            extra = {"staleness": 1} if mode == "async" else {}
+            result = await run_pipeline(config(mode, init, **longtail, **extra))
+            rates[mode].append(result.samples_per_s)
+    emit("pipeline_async_vs_sync", statistics.median(rates["async"]), "samples/s",
+         statistics.median(rates["sync"]))  # fmt: skip
+    print(f"# samples/s async {rates['async']} sync {rates['sync']}", file=sys.stderr)
+
+
+def plain_grpo_time_to_reward(init: str, max_steps: int) -> tuple[float, int]:
+    """The baseline: one loop, one process: sample groups, score, one PPO update."""
+    model = load_model(init)
+    tokenizer = CharTokenizer(ADDITION.alphabet)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    history: list[float] = []
+    started = time.perf_counter()
+    for step in range(max_steps):
+        problems = ADDITION.sample(PROMPTS, seed=10_000 + step)
+        groups = sample_groups(model, ADDITION, tokenizer, problems, group_size=GROUP,
+                               params=SamplingParams(4), generator=generator)  # fmt: skip
+        batch = groups.batch
+        advantages = grpo_advantages(groups.rewards, groups.group_ids, batch.response_mask)
+        logp = token_logprobs(model, batch).logprobs
+        loss = policy_loss(logp, logp.detach(), advantages.advantages, batch.response_mask).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        history.append(float(groups.rewards.mean()))
+        if statistics.mean(history[-3:]) >= TARGET:
+            return time.perf_counter() - started, step + 1
+    return float("inf"), max_steps
+
+
+async def pipeline_time_to_reward(init: str, max_steps: int) -> tuple[float, int]:
+    cfg = config("async", init, staleness=1, train={"steps": max_steps},
+                 placement={"default": "process"})  # fmt: skip
+    reached: list[StepRecord] = []
+    async with afa.open_actor_system() as system, open_pipeline(system, cfg) as run:
+        seen = 0
+        while not reached and seen < max_steps:
+            await trio.sleep(0.05)
+            seen = len(run.records)
+            tail = [r.reward_mean for r in run.records[-3:]]
+            if tail and statistics.mean(tail) >= TARGET:
+                reached.append(run.records[-1])
+    if not reached:
+        return float("inf"), max_steps
+    return reached[0].seconds, reached[0].step
+
+
+def held_out(path: str) -> float:
+    model = load_model(path)
+    tokenizer = CharTokenizer(ADDITION.alphabet)
+    generator = torch.Generator().manual_seed(123)
+    problems = ADDITION.sample(512, seed=777)
+    return evaluate(
+        model, ADDITION, tokenizer, problems, SamplingParams(4), generator=generator
+    ).mean_reward
+
+
+async def reward_gap(init: str, steps: int, workdir: str) -> None:
+    finals: dict[str, float] = {}
+    for name, mode, staleness in (("sync", "sync", None), ("s1", "async", 1), ("s2", "async", 2)):
+        run_dir = os.path.join(workdir, f"gap-{name}")
+        extra: dict[str, Any] = {"staleness": staleness} if staleness is not None else {}
+        result = await run_pipeline(config(mode, init, run_dir=run_dir,
+                                           train={"steps": steps, "checkpoint_every": steps}, **extra))  # fmt: skip
+        finals[name] = held_out(os.path.join(result.checkpoints[-1], "policy.safetensors"))
+    for name in ("s1", "s2"):
+        emit(f"pipeline_final_reward_gap_{name}", 100 * (finals[name] - finals["sync"]), "pp")
+    print(f"# held-out reward after {steps} steps: {finals} (start {held_out(init):.3f})",
+          file=sys.stderr)  # fmt: skip
+
+
+async def offpolicy_at_staleness_zero(init: str, steps: int) -> None:
+    result = await run_pipeline(config("async", init, staleness=0, train={"steps": steps}))
+    emit("pipeline_staleness0_offpolicy_samples", result.offpolicy_samples, "samples")
+    print(f"# staleness 0: {result.samples} samples trained over {steps} steps", file=sys.stderr)
+
+
+async def main(rounds: int, quick: bool) -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as workdir:
+        addition = os.path.join(workdir, "addition.safetensors")
+        longtail = os.path.join(workdir, "longtail.safetensors")
+        await trio.to_thread.run_sync(lambda: warm(ADDITION, addition, max_seq_len=16,
+                                                   accuracy=0.75, steps=3000))  # fmt: skip
+        await trio.to_thread.run_sync(lambda: warm(LONGTAIL, longtail, max_seq_len=96,
+                                                   accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
+        await throughput(longtail, rounds, 4 if quick else 8)
+        max_steps = 40 if quick else 400
+        base_s, base_steps = await trio.to_thread.run_sync(
+            plain_grpo_time_to_reward, addition, max_steps
+        )
+        subject_s, subject_steps = await pipeline_time_to_reward(addition, max_steps)
+        emit("pipeline_time_to_reward", subject_s, "s", base_s)
+        print(f"# time to reward {TARGET}: async {subject_s:.1f} s ({subject_steps} steps), "
+              f"plain loop {base_s:.1f} s ({base_steps} steps)", file=sys.stderr)  # fmt: skip
+        await reward_gap(addition, 6 if quick else 30, workdir)
+        await offpolicy_at_staleness_zero(addition, 4 if quick else 10)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    args = parser.parse_args()
+    trio.run(main, args.rounds, args.quick)

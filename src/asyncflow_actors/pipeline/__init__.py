@@ -1,0 +1,26 @@
+"""The AsyncFlow pipeline: compose the roles into a run (``docs/pipeline.md``).
+
+Modes: ``sync`` (the six stages in sequence: the baseline), ``colocated`` (rollout and training
+share one model in one process and take turns), ``one_step_off`` (whole-batch stages, rollout one
+version ahead) and ``async`` (streaming stations, rollout up to ``staleness`` versions ahead;
+``staleness = 0`` is on-policy by construction). Placement is configuration: every role in this
+process, one node process per role (the CPU default), or nodes started by hand.
+
+    config = PipelineConfig.from_toml("run.toml")
+    result = trio.run(run_pipeline, config)
+"""
+
+from __future__ import annotations
+
+from ._config import MODES as MODES
+from ._config import PipelineConfig as PipelineConfig
+from ._config import PipelineConfigError as PipelineConfigError
+from ._config import PlacementConfig as PlacementConfig
+from ._placement import RunFailed as RunFailed
+from ._report import StepRecord as StepRecord
+from ._report import plot_run as plot_run
+from ._report import read_steps as read_steps
+from ._run import Pipeline as Pipeline
+from ._run import PipelineResult as PipelineResult
+from ._run import open_pipeline as open_pipeline
+from ._run import run_pipeline as run_pipeline

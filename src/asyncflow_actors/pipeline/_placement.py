@@ -1,0 +1,128 @@
+"""Placement: the processes of a run and the role actors in them.
+
+A role instance runs in this process (``"driver"``), in a local node process started for the run
+(``system.start_node``), or on a node started by hand and reached by address
+(``system.connect_node``). Every node first spawns ``Preload`` (torch imported in a worker
+thread), then its roles. Moving a role between processes is a change of configuration only:
+the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from ..actors import (
+    Actor,
+    ActorContext,
+    ActorCrashed,
+    ActorRef,
+    ActorSystem,
+    Node,
+    Restart,
+    Terminated,
+)
+from ..roles.preload import Preload
+from ._config import DRIVER, PipelineConfig
+
+ALLOW = ("asyncflow_actors",)
+
+
+class RunFailed(RuntimeError):
+    """A role of the run terminated for good; ``__cause__`` is its error."""
+
+
+class Watcher(Actor[Terminated]):
+    """Watches the roles of a run; the first one to terminate for good fails the run."""
+
+    def __init__(
+        self, refs: list[ActorRef[Any]], failed: trio.Event, errors: list[BaseException]
+    ) -> None:
+        self.refs = refs
+        self.failed = failed
+        self.errors = errors
+
+    async def on_start(self, ctx: ActorContext[Terminated]) -> None:
+        for ref in self.refs:
+            ctx.watch(ref)
+
+    async def receive(self, msg: Terminated, ctx: ActorContext[Terminated]) -> None:
+        await trio.lowlevel.checkpoint()
+        error = RunFailed(f"role {msg.ref.name!r} terminated: {msg.error!r}")
+        error.__cause__ = msg.error
+        self.errors.append(error)
+        self.failed.set()
+
+
+class Placement:
+    """The nodes of one run, and spawning role actors wherever the config puts them."""
+
+    def __init__(self, system: ActorSystem, config: PipelineConfig, suffix: str) -> None:
+        self.system = system
+        self.config = config
+        self.suffix = suffix
+        self.nodes: dict[str, Node] = {}
+        self.local: list[str] = []  # names of actors spawned in this process, in order
+
+    def node_names(self) -> list[str]:
+        names: list[str] = []
+        for role, worker in self.config.instances():
+            where = self.config.placement_of(role, worker)
+            if where != DRIVER and where not in names:
+                names.append(where)
+        return names
+
+    async def start(self) -> None:
+        """Start or connect every node, concurrently, and preload torch on each."""
+        place = self.config.placement
+
+        async def one(name: str) -> None:
+            alias = f"{name}.{self.suffix}"
+            address = place.nodes.get(name)
+            if address is not None:
+                node = await self.system.connect_node(address, name=alias)
+            else:
+                node = await self.system.start_node(alias, allow=ALLOW, transport=place.transport)
+            await node.spawn(Preload, name=f"preload.{self.suffix}")
+            self.nodes[name] = node
+
+        async with trio.open_nursery() as nursery:
+            for name in self.node_names():
+                nursery.start_soon(one, name)
+
+    async def spawn(
+        self,
+        cls: type[Actor[Any]],
+        *,
+        role: str,
+        worker: str,
+        kwargs: Mapping[str, Any],
+        restart: Restart,
+    ) -> ActorRef[Any]:
+        where = self.config.placement_of(role, worker)
+        name = f"{worker}.{self.suffix}"
+        if where == DRIVER:
+            values = dict(kwargs)
+            ref = await self.system.spawn(lambda: cls(**values), name=name, restart=restart)
+            self.local.append(name)
+            return ref
+        target = f"{cls.__module__}:{cls.__qualname__}"
+        return await self.nodes[where].spawn(target, name=name, kwargs=kwargs, restart=restart)
+
+    async def stop(self, refs: list[ActorRef[Any]]) -> None:
+        """Stop the roles (in reverse start order), then the nodes; shielded, bounded."""
+        with trio.CancelScope(shield=True):
+            for ref in reversed(refs):
+                with trio.move_on_after(10):
+                    try:
+                        await ref.stop()
+                    except ActorCrashed:
+                        pass  # gone already
+            for node in self.nodes.values():
+                with trio.move_on_after(15):
+                    try:
+                        await node.stop()
+                    except ActorCrashed:
+                        pass

@@ -1,0 +1,390 @@
+"""``run_pipeline``: start a run's TransferQueue, nodes and roles, train, report, stop.
+
+The Python API of the pipeline (the CLI's ``asyncflow train`` calls it)::
+
+    config = PipelineConfig.from_toml("run.toml")
+    result = trio.run(run_pipeline, config)
+
+Start order: the TransferQueue (``prompts`` and ``rollout`` topics), the nodes (concurrently,
+torch preloaded in a thread), the Driver, the Reward actor, rollout workers, forward workers,
+the Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
+after ``train.steps`` global batches; every role, node and the queue are stopped on the way
+out, also on error or cancellation. A role that terminates for good fails the run
+(``RunFailed``); stations that crash are restarted by their supervisors meanwhile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from ..actors import ActorRef, ActorSystem, Node, Restart, open_actor_system
+from ..observe import GraphEdge, ObserveConfig, Observer, open_observer
+from ..roles import (
+    ActorForward,
+    Advantage,
+    Driver,
+    DriverHooks,
+    DriverState,
+    GetRoleStats,
+    RefForward,
+    Reward,
+    RoleStatistics,
+    Rollout,
+    StepDone,
+    SyncReport,
+    Trainer,
+    topic_specs,
+)
+from ..roles._shared import forget_shared_policy
+from ..roles._worker import wait_for_threads
+from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
+from ._config import PipelineConfig
+from ._placement import Placement, Watcher
+from ._report import Progress, StepRecord, idle_ratios, plot_run
+
+GRAPH = (
+    GraphEdge("rollout", "actor_fwd", "rollout"),
+    GraphEdge("rollout", "advantage", "rollout"),
+    GraphEdge("actor_fwd", "trainer", "rollout"),
+    GraphEdge("advantage", "trainer", "rollout"),
+)
+
+
+@attrs.frozen
+class PipelineResult:
+    """What a run did: ``records`` per step, trained ``samples`` over ``seconds`` (from the start
+    of training to the last step), the final ``version``, checkpoints written."""
+
+    mode: str
+    staleness: int
+    records: tuple[StepRecord, ...]
+    samples: int
+    seconds: float
+    version: int
+    offpolicy_samples: int
+    reinjected: int
+    checkpoints: tuple[str, ...]
+    run_dir: str | None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else math.inf
+
+    def final_reward(self, last: int = 3) -> float:
+        """Mean batch reward of the ``last`` steps."""
+        tail = self.records[-last:]
+        return sum(r.reward_mean for r in tail) / len(tail) if tail else math.nan
+
+
+OnStep = Callable[[StepRecord], Awaitable[None] | None]
+
+
+async def run_pipeline(
+    config: PipelineConfig,
+    *,
+    system: ActorSystem | None = None,
+    resume: str | None = None,
+    on_step: OnStep | None = None,
+) -> PipelineResult:
+    """Run ``config`` to the end (see the module docstring); ``resume``: a checkpoint directory
+    (``run_dir/checkpoints/step-N``) to continue from. ``on_step`` sees every ``StepRecord``."""
+    if system is None:
+        async with open_actor_system() as own:
+            return await run_pipeline(config, system=own, resume=resume, on_step=on_step)
+    async with open_pipeline(system, config, resume=resume, on_step=on_step) as run:
+        return await run.wait()
+
+
+class Pipeline:
+    """A started run (from ``open_pipeline``): ``await wait()`` for its result."""
+
+    def __init__(self, config: PipelineConfig, progress: Progress) -> None:
+        self.config = config
+        self.progress = progress
+        self.hooks = DriverHooks()
+        self.records: list[StepRecord] = []
+        self.failed = trio.Event()
+        self.errors: list[BaseException] = []
+        self.refs: dict[str, ActorRef[Any]] = {}
+        self.nodes: dict[str, Node] = {}  # node name (as configured) -> its handle
+        self.started = 0.0
+        self.version = 0
+        self._recorded = trio.Event()
+
+    async def wait(self) -> PipelineResult:
+        """Until the last step is recorded; raises ``RunFailed`` if a role terminated."""
+        async with trio.open_nursery() as nursery:
+
+            async def watch_failure() -> None:
+                await self.failed.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_failure)
+            await self._recorded.wait()
+            nursery.cancel_scope.cancel()
+        if self.errors:
+            raise self.errors[0]
+        return self.result()
+
+    def result(self) -> PipelineResult:
+        records = tuple(self.records)
+        samples = sum(r.samples for r in records)
+        seconds = records[-1].seconds if records else 0.0
+        return PipelineResult(
+            mode=self.config.mode,
+            staleness=self.config.effective_staleness,
+            records=records,
+            samples=samples,
+            seconds=seconds,
+            version=self.version,
+            offpolicy_samples=sum(r.offpolicy_samples for r in records),
+            reinjected=self.hooks.reinjected,
+            checkpoints=tuple(self.hooks.checkpoints),
+            run_dir=self.config.run_dir,
+        )
+
+
+@asynccontextmanager
+async def open_pipeline(
+    system: ActorSystem,
+    config: PipelineConfig,
+    *,
+    resume: str | None = None,
+    on_step: OnStep | None = None,
+) -> AsyncIterator[Pipeline]:
+    """Start a run under ``system``; stop everything when the block exits."""
+    # torch and the roles load in a worker thread: this event loop serves the TQ and the run
+    await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
+    state = DriverState.read(resume) if resume else None
+    spec = config.run_spec(
+        start_version=state.version if state else 0,
+        resume_from=_absolute(resume),
+    )
+    total = config.train.steps - spec.start_version
+    if config.run_dir:
+        await trio.to_thread.run_sync(_write_config, config)
+    run = Pipeline(config, Progress(config.progress, max(total, 0)))
+    run.version = spec.start_version
+    suffix = spec.run_id[:8]
+    tq_config = TransferQueueConfig(
+        topics=topic_specs(spec),
+        units=config.placement.tq_units,
+        placement=config.placement.tq_placement,
+        transport=config.placement.transport,
+        name=f"tq.{suffix}",
+    )
+    place = Placement(system, config, suffix)
+    spawned: list[ActorRef[Any]] = []
+    steps_jsonl = os.path.join(config.run_dir, "steps.jsonl") if config.run_dir else None
+    try:
+        async with (
+            open_transfer_queue(system, tq_config) as queue,
+            _observer(system, config) as observer,
+        ):
+            try:
+                async with trio.open_nursery() as nursery:
+                    client = await queue.client(f"pipeline.{suffix}")
+                    await place.start()
+                    run.nodes = place.nodes
+                    if observer is not None:
+                        observer.watch_transfer_queue(client)
+                        for node in place.nodes.values():
+                            await observer.attach_node(node)
+                    send, receive = trio.open_memory_channel[tuple[StepDone, SyncReport, float]](
+                        math.inf
+                    )
+
+                    async def step_done(msg: StepDone, report: SyncReport, seconds: float) -> None:
+                        send.send_nowait((msg, report, seconds))
+
+                    run.hooks.on_step = step_done
+                    await _spawn_roles(place, spec, queue.controller, run, spawned)
+                    watcher = await system.spawn(
+                        lambda: Watcher(list(run.refs.values()), run.failed, run.errors),
+                        name=f"watcher.{suffix}",
+                    )
+                    spawned.insert(0, watcher)
+                    run.started = trio.current_time()
+                    nursery.start_soon(
+                        _report_steps, run, receive, client, total, steps_jsonl, on_step
+                    )
+                    if total <= 0:
+                        run._recorded.set()
+                    yield run
+                    nursery.cancel_scope.cancel()
+            finally:
+                await place.stop(spawned)  # roles and nodes go before the queue they use
+                with trio.CancelScope(shield=True):
+                    await wait_for_threads(10)
+    finally:
+        with trio.CancelScope(shield=True):
+            run.progress.close()
+            forget_shared_policy(spec)
+            if config.run_dir and config.plot and run.records:
+                title = f"{config.mode} (staleness {config.effective_staleness})"
+                path = os.path.join(config.run_dir, "curves.png")
+                await trio.to_thread.run_sync(plot_run, run.records, path, title)
+
+
+@asynccontextmanager
+async def _observer(system: ActorSystem, config: PipelineConfig) -> AsyncIterator[Observer | None]:
+    if not config.observe:
+        yield None
+        return
+    observe = ObserveConfig(run_dir=config.run_dir, graph=GRAPH)
+    async with open_observer(system, observe) as observer:
+        yield observer
+
+
+async def _spawn_roles(
+    place: Placement,
+    spec: Any,
+    controller: ActorRef[Any],
+    run: Pipeline,
+    spawned: list[ActorRef[Any]],
+) -> None:
+    config = place.config
+    resume = DriverState.read(spec.resume_from) if spec.resume_from else None
+    hooks = run.hooks
+    driver = await place.system.spawn(
+        lambda: Driver(spec, controller, hooks, resume),
+        name=f"driver.{place.suffix}",
+        restart=Restart.TEMPORARY,
+    )
+    spawned.append(driver)
+    run.refs["driver"] = driver
+    reward: ActorRef[Any] | None = None
+    targets: list[ActorRef[Any]] = []
+    classes = {"rollout": Rollout, "actor_fwd": ActorForward, "ref_fwd": RefForward}
+    for role, worker in config.instances():
+        common = {"spec": spec, "worker": worker}
+        if role == "reward":
+            kwargs: dict[str, Any] = common
+            cls: Any = Reward
+        elif role == "trainer":
+            kwargs = {
+                **common,
+                "controller": controller,
+                "driver": driver,
+                "targets": tuple(targets),
+            }
+            cls = Trainer
+        elif role == "advantage":
+            kwargs, cls = {**common, "controller": controller}, Advantage
+        elif role == "rollout":
+            kwargs, cls = {**common, "controller": controller, "reward": reward}, Rollout
+        else:
+            kwargs, cls = {**common, "controller": controller}, classes[role]
+        restart = Restart.TEMPORARY if role == "trainer" else Restart.PERMANENT
+        ref = await place.spawn(cls, role=role, worker=worker, kwargs=kwargs, restart=restart)
+        spawned.append(ref)
+        run.refs[worker] = ref
+        if role == "reward":
+            reward = ref
+        if role in ("rollout", "actor_fwd"):
+            targets.append(ref)
+        if role == "trainer":
+            hooks.trainer = ref
+
+
+async def role_statistics(refs: dict[str, ActorRef[Any]]) -> list[RoleStatistics]:
+    """Every role's statistics (those that answer within 2 s)."""
+    out: list[RoleStatistics] = []
+
+    async def one(ref: ActorRef[Any]) -> None:
+        with trio.move_on_after(2):
+            try:
+                out.append(await ref.ask(GetRoleStats()))
+            except Exception:
+                pass  # restarting or gone: skip it this step
+
+    async with trio.open_nursery() as nursery:
+        for name, ref in refs.items():
+            if name != "reward-0":
+                nursery.start_soon(one, ref)
+    return out
+
+
+async def _report_steps(
+    run: Pipeline,
+    receive: trio.MemoryReceiveChannel[tuple[StepDone, SyncReport, float]],
+    client: TransferQueueClient,
+    total: int,
+    path: str | None,
+    on_step: OnStep | None,
+) -> None:
+    previous = await role_statistics(run.refs)
+    last = run.started
+    count = 0
+    async for msg, report, _ in receive:
+        now = trio.current_time()
+        stats = await role_statistics(run.refs)
+        queues: dict[str, int] = {}
+        with trio.move_on_after(2):
+            tq = await client.statistics()
+            for topic in tq.controller.state.topics:
+                if topic.topic == "rollout":
+                    queues = {view.consumer: view.ready for view in topic.views}
+        driver = next((s for s in stats if s.role == "driver"), None)
+        count += 1
+        wall = now - last
+        record = StepRecord(
+            step=count,
+            version=msg.version,
+            seconds=now - run.started,
+            step_seconds=wall,
+            samples=msg.samples,
+            samples_per_s=msg.samples / wall if wall > 0 else 0.0,
+            tokens_per_s=msg.tokens / wall if wall > 0 else 0.0,
+            reward_mean=float(msg.metrics.get("reward_mean", 0.0)),
+            staleness=msg.staleness,
+            offpolicy_samples=sum(msg.staleness[1:]),
+            in_flight_slots=int(driver.extra.get("in_flight_slots", 0)) if driver else 0,
+            reinjected=run.hooks.reinjected,
+            metrics=msg.metrics,
+            sync=report.metrics,
+            idle=idle_ratios(previous, [s for s in stats if s.role != "driver"], wall),
+            queues=queues,
+        )
+        previous, last = stats, now
+        run.records.append(record)
+        run.version = msg.version
+        if path is not None:
+            line = json.dumps(record.to_json()) + "\n"
+            async with await trio.open_file(path, "a", encoding="utf-8") as f:
+                await f.write(line)
+        run.progress.update(record)
+        if on_step is not None:
+            maybe = on_step(record)
+            if maybe is not None:
+                await maybe
+        if count >= total:
+            run._recorded.set()
+
+
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
+
+
+def _write_config(config: PipelineConfig) -> None:
+    assert config.run_dir is not None
+    os.makedirs(config.run_dir, exist_ok=True)
+    with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(_plain(attrs.asdict(config)), f, indent=1)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

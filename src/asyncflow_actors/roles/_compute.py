@@ -1,0 +1,285 @@
+"""The torch side of the stations: models, log-probs, advantages, the training step.
+
+Everything here is synchronous and may take long: stations call it through
+``trio.to_thread.run_sync`` (the runtime's rule: no heavy compute on an event loop that serves
+other actors). Importing this module imports torch, so stations import it in a thread too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..models import (
+    CharTokenizer,
+    TinyConfig,
+    TinyDecoder,
+    load_model,
+    load_safetensors,
+    load_tokenizer,
+    pack_batch,
+    save_model,
+    save_safetensors,
+    token_logprobs,
+)
+from ..rl import (
+    OffPolicyCorrection,
+    PPOLossConfig,
+    Task,
+    dr_grpo_advantages,
+    grpo_advantages,
+    policy_loss,
+    rloo_advantages,
+)
+from ._settings import AlgorithmSettings, ModelSettings, RunSpec
+
+POLICY_FILE = "policy.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def setup_torch(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def build_policy(model: ModelSettings, task: Task, *, path: str | None = None) -> tuple[Any, Any]:
+    """The policy of a run and its tokenizer: loaded from ``path`` (a checkpoint) or
+    ``model.init``/``model.hf``, else built from the seed (every process builds the same
+    weights)."""
+    if model.hf is not None:
+        from ._hf_policy import load_hf_policy
+
+        return load_hf_policy(os.path.join(path, "policy") if path else model.hf, model.device)
+    source = path or model.init
+    if source is not None:
+        return load_model(source), load_tokenizer(source)
+    tokenizer = CharTokenizer(task.alphabet)
+    config = TinyConfig(
+        vocab_size=tokenizer.vocab_size,
+        d_model=model.d_model,
+        n_layers=model.n_layers,
+        n_heads=model.n_heads,
+        max_seq_len=model.max_seq_len,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(model.seed)
+        return TinyDecoder(config), tokenizer
+
+
+def policy_tokenizer(spec: RunSpec, task: Task) -> Any:
+    """The tokenizer of a run's policy, without loading the model (for the Driver)."""
+    if spec.model.hf is not None:
+        from transformers import AutoTokenizer
+
+        from ._hf_policy import HFTokenizer
+
+        return HFTokenizer(AutoTokenizer.from_pretrained(spec.model.hf, local_files_only=True))
+    source = os.path.join(spec.resume_from, POLICY_FILE) if spec.resume_from else spec.model.init
+    return load_tokenizer(source) if source else CharTokenizer(task.alphabet)
+
+
+def right_pad(rows: Sequence[Tensor], width: int) -> Tensor:
+    """Per-token rows [len_i] right-padded with zeros to [B, width] (float32)."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row[:width]
+    return out
+
+
+def policy_logprobs(model: Any, batch: Any, temperature: float) -> Tensor:
+    """``[B, R]`` response log-probs of a packed batch under either kind of policy."""
+    if isinstance(model, TinyDecoder):
+        return token_logprobs(model, batch, temperature=temperature).logprobs
+    from ._hf_policy import hf_logprobs
+
+    return hf_logprobs(model, batch, temperature)
+
+
+def sequence_logprobs(
+    model: Any,
+    prompts: Sequence[Tensor],
+    responses: Sequence[Tensor],
+    *,
+    pad_id: int,
+    temperature: float,
+) -> list[Tensor]:
+    """Each response's token log-probs under ``model`` (one tensor per sample, no grad)."""
+    batch = pack_batch(
+        [p.tolist() for p in prompts], [r.tolist() for r in responses], pad_id=pad_id
+    )
+    with torch.no_grad():
+        logp = policy_logprobs(model, batch, temperature)
+    return [logp[i, : r.shape[0]].clone() for i, r in enumerate(responses)]
+
+
+def group_advantages(
+    algorithm: AlgorithmSettings,
+    rewards: Tensor,
+    group_ids: Sequence[int],
+    lengths: Sequence[int],
+) -> list[Tensor]:
+    """Per-token advantages of whole groups (outcome estimators: one value per sequence)."""
+    width = max(1, max(lengths))
+    mask = torch.zeros((len(lengths), width), dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    estimator = {
+        "grpo": grpo_advantages,
+        "dr_grpo": dr_grpo_advantages,
+        "rloo": rloo_advantages,
+    }[algorithm.advantage]
+    out = estimator(rewards.float(), torch.tensor(list(group_ids)), mask).advantages
+    return [out[i, :n].float().clone() for i, n in enumerate(lengths)]
+
+
+def loss_config(algorithm: AlgorithmSettings) -> PPOLossConfig:
+    correction = None
+    if algorithm.is_level != "none":
+        correction = OffPolicyCorrection(
+            is_level=algorithm.is_level,  # type: ignore[arg-type]
+            is_threshold=algorithm.is_threshold,
+        )
+    return PPOLossConfig(
+        clip_low=algorithm.clip_low,
+        clip_high=algorithm.clip_high,
+        agg=algorithm.agg,  # type: ignore[arg-type]
+        kl_coef=algorithm.kl_coef,
+        kl_estimator=algorithm.kl_estimator,  # type: ignore[arg-type]
+        entropy_coef=algorithm.entropy_coef,
+        correction=correction,
+    )
+
+
+class Learner:
+    """The trainer's model and optimizer, and one global batch of mini-batch PPO updates."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        task: Task,
+        *,
+        resume: str | None = None,
+        shared: tuple[Any, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        path = os.path.join(resume, POLICY_FILE) if resume else None
+        self.model, self.tokenizer = shared or build_policy(spec.model, task, path=path)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay
+        )
+        self.loss = loss_config(spec.algorithm)
+        self.generator = torch.Generator().manual_seed(spec.train.seed)
+        if resume:
+            load_optimizer(self.optimizer, self.generator, os.path.join(resume, OPTIMIZER_FILE))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def step(self, data: Mapping[str, Any]) -> dict[str, float]:
+        """Train on one global batch: ``mini_batches`` updates, ``epochs`` times. ``data`` holds
+        per-sample lists (``prompt_ids`` expanded per sample) and a ``rewards`` tensor."""
+        train, temperature = self.spec.train, self.spec.rollout.temperature
+        prompts = [p.tolist() for p in data["prompt_ids"]]
+        responses = list(data["response_ids"])
+        n = len(responses)
+        sums: dict[str, float] = {}
+        updates = 0
+        chunks = max(1, min(train.mini_batches, n))
+        for _ in range(train.epochs):
+            order = torch.randperm(n, generator=self.generator).tolist()
+            for k in range(chunks):
+                rows = order[k * n // chunks : (k + 1) * n // chunks]
+                batch = pack_batch(
+                    [prompts[i] for i in rows],
+                    [responses[i].tolist() for i in rows],
+                    pad_id=self.tokenizer.pad_id,
+                )
+                width = batch.response_length
+
+                def column(name: str, rows: list[int] = rows, width: int = width) -> Tensor:
+                    return right_pad([data[name][i] for i in rows], width)
+
+                logprobs = policy_logprobs(self.model, batch, temperature)
+                result = policy_loss(
+                    logprobs,
+                    column("old_logprobs"),
+                    column("advantages"),
+                    batch.response_mask,
+                    self.loss,
+                    behaviour_logprobs=column("behaviour_logprobs"),
+                    ref_logprobs=column("ref_logprobs") if self.spec.use_ref else None,
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.autograd.backward(result.loss)
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.max_grad_norm)
+                self.optimizer.step()
+                updates += 1
+                for key, value in result.metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)
+        metrics = {key: value / updates for key, value in sums.items()}
+        metrics["updates"] = float(updates)
+        return metrics
+
+    def save(self, directory: str, meta: Mapping[str, Any]) -> None:
+        """Model (with tokenizer), optimizer state, RNG and ``meta`` (JSON) under ``directory``."""
+        os.makedirs(directory, exist_ok=True)
+        if isinstance(self.model, TinyDecoder):
+            save_model(os.path.join(directory, POLICY_FILE), self.model, tokenizer=self.tokenizer)
+        else:
+            from ._hf_policy import save_hf_policy
+
+            save_hf_policy(self.model, self.tokenizer, directory)
+        save_optimizer(
+            self.optimizer, self.generator, os.path.join(directory, OPTIMIZER_FILE), meta
+        )
+
+
+def save_optimizer(
+    optimizer: torch.optim.Optimizer, generator: torch.Generator, path: str, meta: Mapping[str, Any]
+) -> None:
+    """An optimizer's state as safetensors (tensors) + JSON metadata (no pickle)."""
+    state = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {
+        "rng.torch": torch.get_rng_state(),
+        "rng.train": generator.get_state(),
+    }
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"state.{pid}.{key}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[key] = value
+    metadata = {
+        "param_groups": json.dumps(state["param_groups"]),
+        "scalars": json.dumps(scalars),
+        "meta": json.dumps(dict(meta)),
+    }
+    save_safetensors(path, tensors, metadata=metadata)
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer, generator: torch.Generator, path: str
+) -> dict[str, Any]:
+    """Restore what ``save_optimizer`` wrote; returns its ``meta``."""
+    content = load_safetensors(path)
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in content.tensors.items():
+        if name.startswith("state."):
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = tensor.clone()
+    for pid, values in json.loads(content.metadata["scalars"]).items():
+        state.setdefault(int(pid), {}).update(values)
+    optimizer.load_state_dict(
+        {"state": state, "param_groups": json.loads(content.metadata["param_groups"])}
+    )
+    torch.set_rng_state(content.tensors["rng.torch"].clone())
+    generator.set_state(content.tensors["rng.train"].clone())
+    meta: dict[str, Any] = json.loads(content.metadata["meta"])
+    return meta

@@ -1,0 +1,215 @@
+"""Driver: admission of prompts, the version, the weight sync trigger, re-injection.
+
+- **Admission.** Before it injects a prompt the Driver acquires ``group_size`` FlowControl slots;
+  the capacity is ``(staleness + 1) x batch``, so rollout never runs more than ``staleness``
+  versions ahead of training. Injecting a prompt opens its group in the ``rollout`` topic (the
+  prompt ids stored once, shared) and puts a ``prompts`` sample naming that group.
+- **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
+  (samples that fall out of the window are evicted), asks the Trainer to sync the weights, and
+  only then releases the batch's slots and answers: at staleness 0 no prompt is admitted before
+  every engine holds the new weights, so every trained sample is on-policy by construction.
+- **Re-injection.** Groups the TQ reports evicted (stale) or lost (a storage unit died) and
+  prompts lost before generation are injected again, keeping their slots.
+- **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
+  prompt cursor and the prompts still in flight (re-injected first on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from ..actors import Actor, ActorContext, ActorRef
+from ..observe import clock_ns
+from ..transfer_queue import FlowControl, TransferQueueClient
+from . import _schema as S
+from ._messages import GetRoleStats, SaveCheckpoint, StepAck, StepDone, SyncReport, SyncWeights
+from ._settings import RunSpec
+from ._worker import Meter, in_thread, load_compute
+
+log = logging.getLogger("asyncflow_actors.roles")
+
+DRIVER_FILE = "driver.json"
+PROMPT_CHUNK = 256
+
+
+@attrs.frozen
+class DriverState:
+    """What a checkpoint keeps of the Driver: the version, the next prompt index and the prompts
+    injected but not yet trained."""
+
+    version: int
+    cursor: int
+    pending: tuple[int, ...]
+
+    @classmethod
+    def read(cls, directory: str) -> DriverState:
+        with open(os.path.join(directory, DRIVER_FILE), encoding="utf-8") as f:
+            raw = json.load(f)
+        return cls(int(raw["version"]), int(raw["cursor"]), tuple(int(i) for i in raw["pending"]))
+
+    def write(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, DRIVER_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(attrs.asdict(self), f)
+        os.replace(path + ".tmp", path)
+
+
+@attrs.define
+class DriverHooks:
+    """How the pipeline and the Driver (same process) talk: the trainer's ref once it exists,
+    a callback per step, the end of the run and checkpoints written."""
+
+    on_step: Callable[[StepDone, SyncReport, float], Awaitable[None]] | None = None
+    trainer: ActorRef[Any] | None = None
+    done: trio.Event = attrs.Factory(trio.Event)
+    checkpoints: list[str] = attrs.Factory(list)
+    reinjected: int = 0
+
+
+class Driver(Actor[StepDone | GetRoleStats]):
+    """The Driver of one run (see the module docstring); it lives in the driver process."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        controller: ActorRef[Any],
+        hooks: DriverHooks,
+        resume: DriverState | None = None,
+    ) -> None:
+        self.spec = spec
+        self.controller = controller
+        self.hooks = hooks
+        self.meter = Meter("driver", "driver-0")
+        self.flow = FlowControl(spec.staleness, spec.batch_size)
+        self.version = resume.version if resume else spec.start_version
+        self.cursor = resume.cursor if resume else 0
+        self.backlog = list(resume.pending) if resume else []
+        self.inflight: dict[int, int] = {}  # rollout group id -> prompt index
+        self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
+        self._chunk: tuple[int, list[Any]] = (-1, [])
+        self._step_started = 0.0
+
+    async def on_start(self, ctx: ActorContext[Any]) -> None:
+        self.compute = await load_compute(self.spec.train.torch_threads)
+        self.task = await in_thread(self.spec.task.build)
+        self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
+        self.client = await TransferQueueClient.connect(self.controller, holder="driver")
+        await self.client.set_version(S.ROLLOUT, self.version)
+        self._step_started = trio.current_time()
+        ctx.start_soon(self._inject)
+        ctx.start_soon(self._watch_events)
+
+    def problem(self, index: int) -> Any:
+        """The run's ``index``-th prompt (deterministic in the task seed)."""
+        chunk = index // PROMPT_CHUNK
+        if self._chunk[0] != chunk:
+            seed = self.spec.task.seed * 1_000_003 + chunk
+            self._chunk = (chunk, self.task.sample(PROMPT_CHUNK, seed))
+        return self._chunk[1][index % PROMPT_CHUNK]
+
+    async def _inject(self) -> None:
+        n = self.spec.rollout.group_size
+        while True:
+            start = clock_ns()
+            await self.flow.acquire(n)
+            self.meter.waited("acquire", start)
+            if self.backlog:
+                index = self.backlog.pop(0)
+            else:
+                index, self.cursor = self.cursor, self.cursor + 1
+            await self._put_prompt(index)
+
+    async def _put_prompt(self, index: int, group: int | None = None) -> None:
+        """Open a rollout group for prompt ``index`` (unless ``group`` is open already) and put
+        the prompt that names it."""
+        import torch
+
+        problem = self.problem(index)
+        if group is None:
+            ids = torch.tensor(self.tokenizer.encode(problem.prompt, add_bos=True))
+            slot = await self.client.open_group(
+                S.ROLLOUT, self.spec.rollout.group_size, shared={S.PROMPT_IDS: ids}
+            )
+            group = slot.group_id
+        self.inflight[group] = index
+        data = {
+            S.PROMPT_TEXT: [problem.prompt],
+            S.ANSWER: [problem.answer],
+            S.GROUP: torch.tensor([group]),
+            S.PROMPT_INDEX: torch.tensor([index]),
+        }
+        (sample,) = await self.client.put(S.PROMPTS, data, version=0)
+        self.prompt_samples[sample] = group
+
+    async def _watch_events(self) -> None:
+        since = 0
+        while True:
+            batch = await self.client.events(since)
+            since = batch.cursor
+            for event in batch.events:
+                if event.kind not in ("evicted", "lost"):
+                    continue
+                if event.topic == S.ROLLOUT:
+                    for gid in event.group_ids:
+                        index = self.inflight.pop(gid, None)
+                        if index is not None:
+                            self.hooks.reinjected += 1
+                            await self._put_prompt(index)
+                elif event.topic == S.PROMPTS:
+                    for sample in event.indexes:
+                        gid = self.prompt_samples.pop(sample, -1)
+                        if gid in self.inflight:
+                            self.hooks.reinjected += 1
+                            await self._put_prompt(self.inflight[gid], gid)
+
+    async def receive(self, msg: StepDone | GetRoleStats, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, GetRoleStats):
+            await trio.lowlevel.checkpoint()
+            self.meter.extra = {"in_flight_slots": float(self.flow.statistics().in_flight)}
+            return self.meter.statistics()
+        return await self._step_done(msg)
+
+    async def _step_done(self, msg: StepDone) -> StepAck:
+        trainer = self.hooks.trainer
+        assert trainer is not None, "the pipeline sets hooks.trainer before training starts"
+        for gid in msg.groups:
+            self.inflight.pop(gid, None)
+        self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
+        self.version = msg.version
+        self.meter.set_version(msg.version)
+        await self.client.set_version(S.ROLLOUT, msg.version)
+        report = await trainer.ask(SyncWeights(msg.version))
+        self.flow.release(msg.samples)
+        now = trio.current_time()
+        seconds, self._step_started = now - self._step_started, now
+        self.meter.done(msg.samples, msg.tokens)
+        spec = self.spec
+        steps_done = msg.version - spec.start_version
+        every = spec.train.checkpoint_every
+        if every and spec.run_dir and steps_done % every == 0:
+            await self.save_checkpoint(trainer)
+        if self.hooks.on_step is not None:
+            await self.hooks.on_step(msg, report, seconds)
+        stop = msg.version >= spec.train.steps
+        if stop:
+            self.hooks.done.set()
+        return StepAck(stop)
+
+    async def save_checkpoint(self, trainer: ActorRef[Any]) -> str:
+        """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>``."""
+        assert self.spec.run_dir is not None
+        directory = os.path.join(self.spec.run_dir, "checkpoints", f"step-{self.version:06d}")
+        await trainer.ask(SaveCheckpoint(directory))
+        pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog)))
+        state = DriverState(self.version, self.cursor, pending)
+        await in_thread(state.write, directory)
+        self.hooks.checkpoints.append(directory)
+        return directory

@@ -1,0 +1,186 @@
+"""ActorForward (old log-probs) and RefForward (reference log-probs): forward-only stations.
+
+ActorForward *recomputes* the log-probs of every rollout token with the trainer's latest weights
+(the proximal policy of decoupled PPO), so the trainer's ``mismatch_kl_*`` and ``ess`` compare
+two different computations — the engine's incremental decode and a full forward — and are
+meaningful even at staleness 0 (near 0 and 1, not 0 by construction). Its weights arrive
+through the CheckpointEngine: bytes land in a host cache during the sync and are loaded
+lazily, at the station's next batch boundary. RefForward holds the initial policy and never
+syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..actors import Actor, ActorContext, ActorRef
+from ..checkpoint import SYNC_MESSAGES, PauseAck, PauseMode, SyncMessage, WeightReceiver
+from ..observe import clock_ns
+from . import _schema as S
+from ._messages import AdoptVersion, GetRoleStats
+from ._settings import RunSpec
+from ._shared import shared_policy
+from ._worker import Station, in_thread, take
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PolicyCopy:
+    """A forward station's copy of the policy as a ``SyncTarget``.
+
+    Loads never overlap a forward pass (one lock): a lazy load happens at the station's batch
+    boundary anyway; an eager one waits for the batch in progress.
+    """
+
+    def __init__(self, model: Any, version: int) -> None:
+        self.model = model
+        self.version = version
+        self.lock = trio.Lock()
+
+    async def pause(self, mode: PauseMode) -> PauseAck:
+        await trio.lowlevel.checkpoint()
+        return PauseAck(mode, self.version)
+
+    async def resume(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        async with self.lock:
+            await in_thread(self._load, dict(weights))
+            self.version = version
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        import torch
+
+        with torch.no_grad():
+            state = self.model.state_dict()
+            for name, tensor in weights.items():
+                state[name].copy_(tensor)
+
+
+class _Forward(Station):
+    column: str = S.OLD
+
+    async def setup(self, ctx: ActorContext[Any]) -> None:
+        spec = self.spec
+        self.task = await in_thread(spec.task.build)
+        self.columns = S.station_columns(spec)[self.consumer]
+        self.model, self.tokenizer = await self.load_model()
+        self.copy = PolicyCopy(self.model, spec.start_version)
+        self.meter.set_version(spec.start_version)
+
+    async def load_model(self) -> tuple[Any, Any]:
+        policy: tuple[Any, Any] = await in_thread(
+            self.compute.build_policy, self.spec.model, self.task
+        )
+        return policy
+
+    async def boundary(self) -> None:
+        """The batch boundary: where pending weights load."""
+
+    async def run(self) -> None:
+        spec = self.spec
+        n = spec.rollout.group_size
+        while True:
+            batch = await self.fetch(
+                self.columns,
+                spec.fetch_size,
+                whole_groups=spec.stage_barrier,
+                min_count=spec.fetch_size if spec.stage_barrier else n,
+            )
+            await self.boundary()
+            rows = self.dp.rows(batch)
+            prompts = take(batch, rows, S.PROMPT_IDS)
+            responses = take(batch, rows, S.RESPONSE_IDS)
+            with self.meter.track.span(self.role, samples=batch.indexes, version=self.copy.version):
+                start = clock_ns()
+                async with self.copy.lock:
+                    logprobs = await in_thread(
+                        functools.partial(
+                            self.compute.sequence_logprobs,
+                            self.model,
+                            prompts,
+                            responses,
+                            pad_id=self.tokenizer.pad_id,
+                            temperature=spec.rollout.temperature,
+                        )
+                    )
+                self.meter.busy(start)
+                await self.write_back(batch, rows, {self.column: logprobs})
+            assert self.client is not None
+            await self.client.ack(batch)
+            self.meter.done(len(rows), sum(int(r.shape[0]) for r in responses))
+
+
+class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
+    """Old log-probs with the trainer's latest weights (see the module docstring)."""
+
+    role = "actor_fwd"
+    consumer = "actor_fwd"
+    column = S.OLD
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        controller: ActorRef[Any],
+        worker: str,
+        rank: int = 0,
+        ranks: int = 1,
+    ) -> None:
+        super().__init__(spec, controller, worker, rank, ranks)
+
+    async def setup(self, ctx: ActorContext[Any]) -> None:
+        await super().setup(ctx)
+        self.receiver = WeightReceiver(self.copy, load="lazy", name=self.worker)
+
+    async def load_model(self) -> tuple[Any, Any]:
+        spec = self.spec
+        if spec.colocated:
+            shared: tuple[Any, Any] = await shared_policy(spec, self.compute, self.task)
+            return shared
+        path = (
+            os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
+        )
+        policy: tuple[Any, Any] = await in_thread(
+            lambda: self.compute.build_policy(spec.model, self.task, path=path)
+        )
+        return policy
+
+    async def boundary(self) -> None:
+        version = await self.receiver.apply_pending()
+        if version is not None:
+            self.meter.set_version(version)
+
+    async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, SYNC_MESSAGES):
+            return await self.receiver.handle(msg, ctx)
+        if isinstance(msg, AdoptVersion):
+            await trio.lowlevel.checkpoint()
+            self.copy.version = msg.version
+            self.meter.set_version(msg.version)
+            return msg.version
+        return await super().handle(msg, ctx)
+
+
+class RefForward(_Forward, Actor[GetRoleStats]):
+    """Reference log-probs of the initial policy (for a KL penalty)."""
+
+    role = "ref_fwd"
+    consumer = "ref_fwd"
+    column = S.REF
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        controller: ActorRef[Any],
+        worker: str,
+        rank: int = 0,
+        ranks: int = 1,
+    ) -> None:
+        super().__init__(spec, controller, worker, rank, ranks)

@@ -1,0 +1,104 @@
+"""Messages between the roles (frozen attrs values; they cross the wire)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from ..actors import Request
+
+
+def _floats(value: Mapping[str, float]) -> dict[str, float]:
+    return dict(value)
+
+
+@attrs.frozen
+class RoleStatistics:
+    """What a station did so far: ``busy_s`` computing, ``wait_s`` blocked on the TQ or slots.
+
+    ``extra`` holds role-specific counters (e.g. ``partial_samples`` for rollout).
+    """
+
+    role: str
+    worker: str
+    version: int
+    samples: int
+    tokens: int
+    steps: int
+    busy_s: float
+    wait_s: float
+    extra: Mapping[str, float] = attrs.field(factory=dict, converter=_floats)
+
+
+@attrs.frozen
+class GetRoleStats(Request[RoleStatistics]):
+    pass
+
+
+@attrs.frozen
+class StepAck:
+    """The Driver's answer to ``StepDone``: ``stop`` once the run has trained enough."""
+
+    stop: bool
+
+
+@attrs.frozen
+class StepDone(Request[StepAck]):
+    """The Trainer finished global batch ``version - 1`` and now holds ``version``.
+
+    ``groups``: the rollout groups it trained (the Driver retires their prompts);
+    ``staleness``: how many trained samples lagged by 0, 1, 2, ... versions (oldest token);
+    ``metrics``: loss and reward figures of the step (plain floats).
+    """
+
+    version: int
+    samples: int
+    tokens: int
+    groups: tuple[int, ...]
+    staleness: tuple[int, ...]
+    metrics: Mapping[str, float] = attrs.field(converter=_floats)
+
+
+@attrs.frozen
+class SyncReport:
+    """How the weight sync to ``version`` went: phase seconds (``sync_pause`` ... ``sync_total``)
+    and bytes, as ``checkpoint.SyncResult.metrics()`` gives them."""
+
+    version: int
+    metrics: Mapping[str, float] = attrs.field(converter=_floats)
+
+
+@attrs.frozen
+class SyncWeights(Request[SyncReport]):
+    """Driver → Trainer: send the weights of ``version`` to every rollout and forward worker."""
+
+    version: int
+
+
+@attrs.frozen
+class AdoptVersion(Request[int]):
+    """Colocated mode: the target's model *is* the trainer's; take ``version`` without bytes."""
+
+    version: int
+
+
+@attrs.frozen
+class SaveCheckpoint(Request[str]):
+    """Driver → Trainer: write model, optimizer, version and RNG under ``directory``."""
+
+    directory: str
+
+
+@attrs.frozen
+class Scored:
+    rewards: tuple[float, ...]
+
+
+@attrs.frozen
+class Score(Request[Scored]):
+    """Rollout → Reward: score ``responses`` to one prompt against its ``answer``."""
+
+    prompt: str
+    answer: str
+    responses: tuple[str, ...]

@@ -1,0 +1,194 @@
+"""What every role of a run needs to know: frozen, wire-safe settings.
+
+These values cross the wire to the nodes that host the roles (no pickle: plain fields, tuples,
+nested attrs classes), so each station can rebuild its model, task and loss from them. The
+pipeline's ``PipelineConfig`` (TOML) is made of the same sections; ``RunSpec`` bundles them with
+what the mode decides (staleness, whole-batch stages, colocation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from ..rl import Task
+
+
+class SettingsError(ValueError):
+    """A setting is out of range or inconsistent; the message names the key."""
+
+
+def _positive(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SettingsError(f"{attribute.name} must be a number > 0, got {value!r}")
+
+
+def _non_negative(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise SettingsError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
+def _one_of(*choices: str) -> Any:
+    def check(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise SettingsError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class ModelSettings:
+    """The policy: a ``TinyDecoder`` built from ``seed`` (same weights in every process), or
+    loaded from ``init``, a file written by ``models.save_model`` (with its tokenizer); or,
+    with ``hf``, a local Hugging Face folder (``AutoModelForCausalLM`` and its tokenizer; the
+    ``hf`` extra), on ``device`` in the trainer and forward stations."""
+
+    d_model: int = attrs.field(default=64, validator=_positive)
+    n_layers: int = attrs.field(default=2, validator=_positive)
+    n_heads: int = attrs.field(default=4, validator=_positive)
+    max_seq_len: int = attrs.field(default=32, validator=_positive)
+    seed: int = 0
+    init: str | None = None
+    hf: str | None = None
+    device: str = "cpu"
+
+
+@attrs.frozen
+class TaskSettings:
+    """The prompt source and verifier: ``kind`` ``"addition"`` (``rl.AdditionTask``),
+    ``"longtail"`` (``rl.LongTailTask``) or ``"jsonl"`` (``rl.load_jsonl_task``, option
+    ``path``); ``options`` are the task's constructor keywords. ``seed`` draws the prompts."""
+
+    kind: str = attrs.field(default="addition", validator=_one_of("addition", "longtail", "jsonl"))
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    seed: int = 0
+
+    def build(self) -> Task:
+        """The task (imports ``rl``, hence torch). Raises ``SettingsError`` for bad options."""
+        from .. import rl
+
+        try:
+            if self.kind == "addition":
+                return rl.AdditionTask(**self.options)
+            if self.kind == "longtail":
+                return rl.LongTailTask(**self.options)
+            options = dict(self.options)
+            path = options.pop("path", None)
+            if not isinstance(path, str):
+                raise SettingsError("task.options.path: a jsonl task needs a path")
+            return rl.load_jsonl_task(path, **options)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"task.options: {exc}") from exc
+
+
+@attrs.frozen
+class RolloutSettings:
+    """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each.
+
+    ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each) of
+    kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
+    ``vllm_args`` are vLLM's engine arguments, e.g. ``gpu_memory_utilization``); ``reward``
+    ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
+    expensive rewards). ``pause_mode``: how engines pause for a weight sync.
+    """
+
+    group_size: int = attrs.field(default=8, validator=_positive)
+    max_new_tokens: int = attrs.field(default=8, validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=_positive)
+    top_p: float = attrs.field(default=1.0, validator=_positive)
+    workers: int = attrs.field(default=1, validator=_positive)
+    engines: int = attrs.field(default=1, validator=_positive)
+    max_batch: int = attrs.field(default=64, validator=_positive)
+    max_run_seconds: float = attrs.field(default=0.02, validator=_positive)
+    reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
+    engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
+    vllm_args: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    pause_mode: str = attrs.field(
+        default="keep", validator=_one_of("drain", "abort", "keep", "wait_batch")
+    )
+
+
+@attrs.frozen
+class AlgorithmSettings:
+    """The loss (``rl``): ``advantage`` estimator, PPO clip range, aggregation, KL to the
+    reference (``kl_coef > 0`` starts the RefForward role), entropy bonus, and the off-policy
+    correction of stale rollouts (``is_level`` ``"none"``, ``"token"`` or ``"sequence"``)."""
+
+    advantage: str = attrs.field(default="grpo", validator=_one_of("grpo", "dr_grpo", "rloo"))
+    clip_low: float = attrs.field(default=0.2, validator=_non_negative)
+    clip_high: float = attrs.field(default=0.2, validator=_non_negative)
+    agg: str = "token-mean"
+    kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    kl_estimator: str = attrs.field(default="k3", validator=_one_of("k1", "k2", "k3"))
+    entropy_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    is_level: str = attrs.field(default="none", validator=_one_of("none", "token", "sequence"))
+    is_threshold: float = attrs.field(default=2.0, validator=_positive)
+
+
+@attrs.frozen
+class TrainSettings:
+    """Training: ``steps`` global batches of ``prompts_per_step`` groups, each split into
+    ``mini_batches`` optimizer updates (AdamW, ``lr``) repeated ``epochs`` times.
+
+    ``forward_batch``: samples a forward or advantage station takes at a time when stages
+    stream (async); ``checkpoint_every``: save a resumable checkpoint every so many steps
+    (0: never). ``torch_threads``: intra-op threads in every process of the run.
+    """
+
+    steps: int = attrs.field(default=20, validator=_positive)
+    prompts_per_step: int = attrs.field(default=8, validator=_positive)
+    mini_batches: int = attrs.field(default=1, validator=_positive)
+    epochs: int = attrs.field(default=1, validator=_positive)
+    lr: float = attrs.field(default=5e-4, validator=_positive)
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
+    forward_batch: int = attrs.field(default=16, validator=_positive)
+    forward_workers: int = attrs.field(default=1, validator=_positive)
+    checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
+    torch_threads: int = attrs.field(default=1, validator=_positive)
+    seed: int = 0
+    shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch
+
+
+@attrs.frozen
+class RunSpec:
+    """Everything a role needs: the sections plus what the mode decides.
+
+    ``stage_barrier``: stations take whole global batches and each waits for the previous
+    stage's column (sync, colocated, one-step-off); otherwise they stream in ``forward_batch``
+    pieces and run in parallel. ``start_version``/``resume_from``: a resumed run.
+    """
+
+    mode: str
+    staleness: int
+    stage_barrier: bool
+    colocated: bool
+    model: ModelSettings = attrs.field(factory=ModelSettings)
+    task: TaskSettings = attrs.field(factory=TaskSettings)
+    rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
+    algorithm: AlgorithmSettings = attrs.field(factory=AlgorithmSettings)
+    train: TrainSettings = attrs.field(factory=TrainSettings)
+    run_dir: str | None = None
+    run_id: str = ""
+    start_version: int = 0
+    resume_from: str | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """Samples in a global batch (one policy version)."""
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def use_ref(self) -> bool:
+        return self.algorithm.kl_coef > 0
+
+    @property
+    def fetch_size(self) -> int:
+        """Samples a forward or advantage station takes at a time."""
+        if self.stage_barrier:
+            return self.batch_size
+        n = self.rollout.group_size
+        return max(n, self.train.forward_batch // n * n)

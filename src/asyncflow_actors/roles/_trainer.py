@@ -1,0 +1,214 @@
+"""Trainer: complete, fresh samples in; PPO updates; a new policy version per global batch.
+
+Each step: take a global batch of whole groups that have every column (rollout, old and — with
+a KL penalty — reference log-probs, advantages) and are inside the staleness window; check each
+sample's staleness (trainer version - its oldest token's version: it must lie in
+``[0, staleness]``, and at staleness 0 it is 0 for every sample, by construction); run
+``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
+bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
+TQ, asks this actor to sync the weights (``SyncWeights``: the CheckpointEngine, pause → …
+→ resume), releases the FlowControl slots, and only then answers: the next version is never
+trained before the sync of this one finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from ..actors import Actor, ActorContext, ActorRef
+from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFailed
+from ..observe import MetricInfo, clock_ns, get_registry
+from . import _schema as S
+from ._messages import (
+    AdoptVersion,
+    GetRoleStats,
+    SaveCheckpoint,
+    StepDone,
+    SyncReport,
+    SyncWeights,
+)
+from ._settings import RunSpec
+from ._shared import shared_policy
+from ._worker import Station, column, in_thread, take
+
+log = logging.getLogger("asyncflow_actors.roles")
+
+SYNC_ATTEMPTS = 6  # about 30 s of retries: long enough for a node to restart
+
+OFFPOLICY = MetricInfo(
+    "afa_train_offpolicy_samples_total",
+    "counter",
+    "samples",
+    "trained samples whose oldest token's version differs from the trainer's",
+)
+
+
+class StalenessViolation(RuntimeError):
+    """A trained sample lay outside the staleness window: a bug, never expected."""
+
+
+class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
+    """The trainer (see the module docstring). ``targets``: refs of the rollout and
+    ActorForward workers that receive its weights."""
+
+    role = "trainer"
+    consumer = "trainer"
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        controller: ActorRef[Any],
+        worker: str,
+        driver: ActorRef[Any],
+        targets: tuple[ActorRef[Any], ...] = (),
+    ) -> None:
+        super().__init__(spec, controller, worker)
+        self.driver = driver
+        self.targets = tuple(targets)
+        self.version = spec.start_version
+        registry = get_registry()
+        registry.declare(OFFPOLICY)
+        self._offpolicy = registry.counter(OFFPOLICY.name)
+        self._staleness = registry.histogram("afa_train_staleness_versions")
+        self._reward = registry.gauge("afa_reward_mean", role=self.role)
+        self._model_lock = trio.Lock()
+
+    async def setup(self, ctx: ActorContext[Any]) -> None:
+        spec = self.spec
+        task = await in_thread(spec.task.build)
+        shared = await shared_policy(spec, self.compute, task) if spec.colocated else None
+        self.learner = await in_thread(
+            lambda: self.compute.Learner(spec, task, resume=spec.resume_from, shared=shared)
+        )
+        self.sync_engine = CheckpointEngine(
+            self.targets, CheckpointConfig(pause_mode=PauseMode(spec.rollout.pause_mode))
+        )
+        self.columns = S.station_columns(spec)["trainer"]
+        self.meter.set_version(self.version)
+
+    async def run(self) -> None:
+        assert self.client is not None
+        spec = self.spec
+        size = spec.batch_size
+        while True:
+            batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
+            rows = list(range(len(batch)))
+            data = {name: take(batch, rows, name) for name in self.columns}
+            data[S.REWARDS] = column(batch, S.REWARDS)
+            histogram = self._check_staleness(data[S.TOKEN_VERSIONS], batch.versions)
+            with self.meter.track.span("train", samples=batch.indexes, version=self.version):
+                start = clock_ns()
+                async with self._model_lock:
+                    metrics = await in_thread(self.learner.step, data)
+                self.meter.busy(start)
+            await self.client.ack(batch)
+            tokens = sum(int(r.shape[0]) for r in data[S.RESPONSE_IDS])
+            rewards = column(batch, S.REWARDS)
+            metrics["reward_mean"] = float(rewards.mean())
+            metrics["accuracy"] = float((rewards == 1.0).float().mean())
+            metrics["response_length"] = tokens / len(batch)
+            resumed = sum(1 for r in data[S.RESUMES] if int(r) > 0)
+            metrics["partial_rollout_ratio"] = resumed / len(batch)
+            self._reward.set(metrics["reward_mean"])
+            self.meter.done(len(batch), tokens)
+            self.version += 1
+            self.meter.set_version(self.version)
+            groups = tuple(sorted(set(batch.group_ids)))
+            done = StepDone(self.version, len(batch), tokens, groups, histogram, metrics)
+            ack = await self.driver.ask(done)  # the Driver syncs the weights before answering
+            if ack.stop:
+                await trio.sleep_forever()
+
+    def _check_staleness(
+        self, token_versions: list[Any], versions: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Per sample: trainer version - oldest token version, within [0, staleness]."""
+        limit = self.spec.staleness
+        counts = [0] * (limit + 1)
+        for tokens, stored in zip(token_versions, versions, strict=True):
+            oldest = int(tokens.min()) if tokens.numel() else stored
+            lag = self.version - oldest
+            if not 0 <= lag <= limit:
+                raise StalenessViolation(
+                    f"a sample of version {oldest} reached the trainer at version "
+                    f"{self.version}; the window is {limit}"
+                )
+            counts[lag] += 1
+            self._staleness.observe(lag)
+        self._offpolicy.inc(sum(counts[1:]))
+        return tuple(counts)
+
+    async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, SyncWeights):
+            return await self._sync(msg.version)
+        if isinstance(msg, SaveCheckpoint):
+            async with self._model_lock:
+                meta = {"version": self.version}
+                await in_thread(self.learner.save, msg.directory, meta)
+            return msg.directory
+        return await super().handle(msg, ctx)
+
+    async def _sync_with_retries(self, version: int, weights: Any) -> tuple[Any, int]:
+        """Sync, and sync again after a failure: a receiver whose node died is restarted by its
+        supervisor (asks to it wait meanwhile), and the next sync starts from scratch. A sync
+        that committed but missed a resume confirmation counts as done (``None``)."""
+        registry = get_registry()
+        delay = 0.5
+        for attempt in range(SYNC_ATTEMPTS):
+            try:
+                return await self.sync_engine.sync(version, weights), attempt
+            except SyncFailed as exc:
+                registry.counter("afa_sync_failures_total").inc()
+                if exc.committed:
+                    log.warning(
+                        "sync of version %d committed, resume unconfirmed: %s", version, exc
+                    )
+                    return None, attempt
+                if attempt == SYNC_ATTEMPTS - 1:
+                    raise
+                log.warning(
+                    "sync of version %d failed (%s); retrying in %.1f s", version, exc, delay
+                )
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    async def _sync(self, version: int) -> SyncReport:
+        registry = get_registry()
+        started = clock_ns()
+        if self.spec.colocated:
+            # The targets hold this very model: only the version moves.
+            for target in self.targets:
+                await target.ask(AdoptVersion(version))
+            total = (clock_ns() - started) / 1e9
+            return SyncReport(version, {"sync_total": total, "sync_bytes": 0.0})
+        async with self._model_lock:
+            weights = await in_thread(self.learner.state_dict)
+            result, retries = await self._sync_with_retries(version, weights)
+        if result is None:  # committed, but a target did not confirm its resume in time
+            return SyncReport(version, {"sync_retries": float(retries)})
+        metrics = result.metrics()
+        metrics["sync_retries"] = float(retries)
+        track = self.meter.track
+        at = started
+        for phase in ("pause", "prepare", "topology", "broadcast", "finalize", "resume"):
+            seconds = metrics[f"sync_{phase}"]
+            end = at + int(seconds * 1e9)
+            track.tracer.record(
+                f"sync.{phase}", role=self.role, worker=self.worker, start_ns=at, end_ns=end,
+                version=version,
+            )  # fmt: skip
+            at = end
+            if phase != "topology":
+                registry.histogram("afa_sync_duration_seconds", phase=phase).observe(seconds)
+                registry.gauge("afa_sync_last_seconds", phase=phase).set(seconds)
+        registry.histogram("afa_sync_duration_seconds", phase="total").observe(result.total_s)
+        registry.gauge("afa_sync_last_seconds", phase="total").set(result.total_s)
+        registry.gauge("afa_sync_last_version").set(version)
+        registry.gauge("afa_sync_last_bytes").set(result.bytes_moved)
+        registry.counter("afa_sync_bytes_total").inc(result.bytes_moved)
+        registry.counter("afa_sync_total").inc()
+        return SyncReport(version, metrics)

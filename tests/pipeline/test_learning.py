@@ -1,0 +1,84 @@
+"""The pipeline learns: async GRPO (staleness 1) raises the held-out reward of a warmed-up
+policy on reversed-answer addition, and a control whose rewards are shuffled across the batch
+(same data, same optimiser, no credit assignment) does not."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncflow_actors.models import (
+    CharTokenizer,
+    SamplingParams,
+    TinyConfig,
+    TinyDecoder,
+    load_model,
+    save_model,
+)
+from asyncflow_actors.pipeline import PipelineConfig, run_pipeline
+from asyncflow_actors.rl import AdditionTask, evaluate, sft_warmup
+
+TASK = AdditionTask(min_digits=2, max_digits=2)
+
+
+def held_out_reward(model: TinyDecoder) -> float:
+    tokenizer = CharTokenizer(TASK.alphabet)
+    generator = torch.Generator().manual_seed(123)
+    problems = TASK.sample(512, seed=777)
+    return evaluate(
+        model, TASK, tokenizer, problems, SamplingParams(5), generator=generator
+    ).mean_reward
+
+
+def config(init: Path, run_dir: Path, *, shuffle: bool) -> PipelineConfig:
+    return PipelineConfig.from_dict(
+        {
+            "mode": "async",
+            "staleness": 1,
+            "progress": "none",
+            "plot": False,
+            "run_dir": str(run_dir),
+            "model": {"init": str(init)},
+            "task": {"options": {"min_digits": 2, "max_digits": 2}, "seed": 5},
+            "rollout": {"group_size": 8, "max_new_tokens": 5},
+            "train": {
+                "steps": 20,
+                "prompts_per_step": 16,
+                "lr": 5e-4,
+                "checkpoint_every": 20,
+                "shuffle_rewards": shuffle,
+            },
+            "placement": {"default": "local"},
+        }
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_async_grpo_raises_reward_and_a_shuffled_control_does_not(tmp_path: Path) -> None:
+    tokenizer = CharTokenizer(TASK.alphabet)
+    torch.manual_seed(2)
+    model = TinyDecoder(
+        TinyConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=4, max_seq_len=16)
+    )
+    sft = sft_warmup(
+        model, TASK, tokenizer, target_accuracy=0.3, max_steps=1500, eval_every=10, seed=2
+    )
+    assert sft.reached_target, sft
+    init = tmp_path / "sft.safetensors"
+    save_model(init, model, tokenizer=tokenizer)
+    before = held_out_reward(model)
+    after = {}
+    for shuffle in (False, True):
+        result = await run_pipeline(config(init, tmp_path / f"run-{shuffle}", shuffle=shuffle))
+        assert result.samples == 20 * 16 * 8
+        trained = load_model(os.path.join(result.checkpoints[-1], "policy.safetensors"))
+        after[shuffle] = held_out_reward(trained)
+    # 512 held-out problems, the same sampling seed before and after. Four runs on a loaded
+    # 2-core machine gave GRPO +0.039..+0.047 (0.282 -> 0.321..0.329) and the control
+    # -0.08..-0.16 (0.126..0.200): rollout timing varies which samples train at which version.
+    assert after[False] - before >= 0.015, (before, after)
+    assert after[False] - after[True] >= 0.05, (before, after)
