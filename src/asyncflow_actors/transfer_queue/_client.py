@@ -310,7 +310,9 @@ class TransferQueueClient:
             perm = [where[i] for i in lease.indexes]
         data = {
             c: assemble(
-                spec.columns[c], [materialize(p) for u in order for p in fetched[u].columns[c]], perm
+                spec.columns[c],
+                [materialize(p) for u in order for p in fetched[u].columns[c]],
+                perm,
             )
             for c in per_sample
         }
