@@ -1,10 +1,16 @@
 """The sending side of one connection to another actor system: requests, replies, credits.
 
-A ``NodeLink`` owns a DEALER socket connected to a peer's ROUTER (its server). ``run`` is its
-only receiving task; any task may send. Every request waits on a ``Reply`` keyed by a
-correlation id; when the link closes (the peer died, the connection dropped, the owner
-stopped), every pending request fails with ``ActorCrashed`` chained to a ``NodeLost``, so no
-asker ever hangs.
+A ``NodeLink`` owns a DEALER socket connected to a peer's ROUTER (its server); any task may send.
+Every request waits on a ``Reply`` keyed by a correlation id; when the link closes (the peer died,
+the connection dropped, the owner stopped), every pending request fails with ``ActorCrashed``
+chained to a ``NodeLost``, so no asker ever hangs.
+
+One task at a time receives, and whoever receives dispatches everything that arrives. That is
+``run``'s task, except while a requester waits for its reply and no one else receives: then the
+requester receives (``_wait_reply``), so the socket wakes it directly instead of waking ``run``'s
+task, which would then wake it (a scheduling round and a task switch less per ask). ``run``'s
+task steps aside after answering a requester, so that a loop of asks keeps receiving its own
+replies, and takes over again as soon as no requester receives.
 
 Liveness is decided on evidence only (``docs/remote.md``): the socket's monitor reports a dropped
 connection, and libzmq's ZMTP heartbeats (answered by libzmq's own I/O threads, so a busy Python

@@ -11,19 +11,31 @@ How waiting works
 process, which means only "``zmq.EVENTS`` may have changed". Any ``send``/``recv`` or read of
 ``EVENTS`` processes those commands and may consume the edge, so the rules are:
 
-- try the operation first (``NOBLOCK``); on ``EAGAIN`` re-read ``EVENTS``, and wait on the FD only
-  if ``EVENTS`` still lacks the wanted flag (a wait without that re-read can sleep forever);
-- after every operation, if other tasks are parked, re-read ``EVENTS`` and wake them when it
-  shows what they wait for: the operation may have consumed the edge they were sleeping on;
+- before waiting on the FD, a task must have seen the wanted flag missing from ``EVENTS`` *after*
+  libzmq processed its commands (a wait without that can sleep forever). A receiver reads
+  ``EVENTS`` first and calls ``recv`` only when it shows ``POLLIN``; right after a wake-up it calls
+  ``recv`` at once, and a failed ``NOBLOCK`` ``recv`` has processed the commands itself (libzmq
+  does so, unthrottled, before it returns ``EAGAIN``), so no second read is needed. A sender tries
+  first and reads ``EVENTS`` on ``EAGAIN`` (a ``send`` processes commands only now and then);
+- after every operation, if other tasks are parked, re-read ``EVENTS`` (or reuse the value the
+  operation just read) and wake them when it shows what they wait for: the operation may have
+  consumed the edge they were sleeping on;
 - a task that gets what it wants returns one message; callers drain by calling again, which is a
-  pure ``NOBLOCK`` attempt until ``EAGAIN`` (no waiting while messages are queued).
+  pure ``NOBLOCK`` attempt until the socket is empty (no waiting while messages are queued).
+
+Python costs count here (a remote ask pays them several times): ``recv`` reads parts with
+``Frame.more`` rather than ``RCVMORE`` (one ``getsockopt`` and enum conversion a part less), an
+empty socket is detected without raising ``zmq.Again``, and a task with nobody else parked
+reads ``EVENTS`` only where the rules above need it.
 
 trio allows only one task in ``wait_readable`` per FD (else ``BusyResourceError``), yet a sender
 and a receiver may both need to wait. So the first parked task becomes the *FD watcher* (it calls
 ``wait_readable`` inside its own cancel scope); the others park on a ``ParkingLot``. When the FD
 fires, or an operation in another task reveals a relevant change, everyone is woken (the watcher
 by cancelling its scope) and each re-checks; one of them becomes the next watcher. A watcher that
-is cancelled wakes the others so the FD never goes unwatched.
+is cancelled wakes the others so the FD never goes unwatched. :meth:`TrioSocket.wake` does the
+same on demand, for a task that receives on behalf of others while it waits for something that
+may happen without a message (:meth:`TrioSocket.recv_multipart_until`).
 
 Cancellation semantics are those of ``trio.MemorySendChannel.send``: ``checkpoint_if_cancelled``,
 then the ``NOBLOCK`` attempt, then ``cancel_shielded_checkpoint`` on success; otherwise park (a
