@@ -104,6 +104,10 @@ class Reply:
 
     async def wait(self) -> Any:
         await self._event.wait()
+        return self.unwrap()
+
+    def unwrap(self) -> Any:
+        """The answer of a resolved slot (raises its error), for a waiter that saw it ``done``."""
         assert self._outcome is not None
         return self._outcome.unwrap()
 

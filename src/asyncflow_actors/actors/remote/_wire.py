@@ -336,6 +336,8 @@ def _check_meta(obj: object, depth: int) -> None:
     if t is list or t is tuple:
         items: list[object] | tuple[object, ...] = obj  # type: ignore[assignment]
         for i, x in enumerate(items):
+            if type(x) in _INLINE:
+                continue
             try:
                 _check_meta(x, depth + 1)
             except _PathError as e:
@@ -346,6 +348,8 @@ def _check_meta(obj: object, depth: int) -> None:
         for k, v in obj.items():  # type: ignore[attr-defined]
             if type(k) is not str:
                 raise _PathError(f"meta key {k!r} has type {type(k).__qualname__}; expected str", k)
+            if type(v) in _INLINE:
+                continue
             try:
                 _check_meta(v, depth + 1)
             except _PathError as e:
@@ -383,7 +387,7 @@ def encode(
     enc = _Encoder(registry, inline_threshold, address_of, auto_register)
     root = "meta"
     try:
-        meta_dict = dict(meta)
+        meta_dict = meta if type(meta) is dict else dict(meta)  # only read, never kept
         _check_meta(meta_dict, 0)
         root = "payload"
         body = enc.walk(payload, 0)

@@ -292,12 +292,14 @@ def _check_meta_decoded(obj: object, depth: int) -> None:
         raise MalformedMessage(f"meta nested deeper than {MAX_DEPTH} levels")
     if t is list:
         for x in obj:  # type: ignore[attr-defined]
-            _check_meta_decoded(x, depth + 1)
+            if type(x) not in _INLINE:
+                _check_meta_decoded(x, depth + 1)
     elif t is dict:
         for k, v in obj.items():  # type: ignore[attr-defined]
             if type(k) is not str:
                 raise MalformedMessage(f"meta key {k!r} is not a str")
-            _check_meta_decoded(v, depth + 1)
+            if type(v) not in _INLINE:
+                _check_meta_decoded(v, depth + 1)
     else:
         raise MalformedMessage(f"unexpected {t.__qualname__} in meta")
 
@@ -366,7 +368,7 @@ def decode(
         raw = raw_tensors(meta_obj) if callable(raw_tensors) else raw_tensors
         dec = _Decoder(registry, views, raw, resolve)
         payload = dec.walk(body, 0)
-        if not all(dec.used[1:]):
+        if n > 1 and not all(dec.used[1:]):
             unused = [i for i, u in enumerate(dec.used) if i and not u]
             raise MalformedMessage(f"data frames {unused} are not referenced by the body")
         return meta_obj, payload

@@ -11,19 +11,31 @@ How waiting works
 process, which means only "``zmq.EVENTS`` may have changed". Any ``send``/``recv`` or read of
 ``EVENTS`` processes those commands and may consume the edge, so the rules are:
 
-- try the operation first (``NOBLOCK``); on ``EAGAIN`` re-read ``EVENTS``, and wait on the FD only
-  if ``EVENTS`` still lacks the wanted flag (a wait without that re-read can sleep forever);
-- after every operation, if other tasks are parked, re-read ``EVENTS`` and wake them when it
-  shows what they wait for: the operation may have consumed the edge they were sleeping on;
+- before waiting on the FD, a task must have seen the wanted flag missing from ``EVENTS`` *after*
+  libzmq processed its commands (a wait without that can sleep forever). A receiver reads
+  ``EVENTS`` first and calls ``recv`` only when it shows ``POLLIN``; right after a wake-up it calls
+  ``recv`` at once, and a failed ``NOBLOCK`` ``recv`` has processed the commands itself (libzmq
+  does so, unthrottled, before it returns ``EAGAIN``), so no second read is needed. A sender tries
+  first and reads ``EVENTS`` on ``EAGAIN`` (a ``send`` processes commands only now and then);
+- after every operation, if other tasks are parked, re-read ``EVENTS`` (or reuse the value the
+  operation just read) and wake them when it shows what they wait for: the operation may have
+  consumed the edge they were sleeping on;
 - a task that gets what it wants returns one message; callers drain by calling again, which is a
-  pure ``NOBLOCK`` attempt until ``EAGAIN`` (no waiting while messages are queued).
+  pure ``NOBLOCK`` attempt until the socket is empty (no waiting while messages are queued).
+
+Python costs count here (a remote ask pays them several times): ``recv`` reads parts with
+``Frame.more`` rather than ``RCVMORE`` (one ``getsockopt`` and enum conversion a part less), an
+empty socket is detected without raising ``zmq.Again``, and a task with nobody else parked
+reads ``EVENTS`` only where the rules above need it.
 
 trio allows only one task in ``wait_readable`` per FD (else ``BusyResourceError``), yet a sender
 and a receiver may both need to wait. So the first parked task becomes the *FD watcher* (it calls
 ``wait_readable`` inside its own cancel scope); the others park on a ``ParkingLot``. When the FD
 fires, or an operation in another task reveals a relevant change, everyone is woken (the watcher
 by cancelling its scope) and each re-checks; one of them becomes the next watcher. A watcher that
-is cancelled wakes the others so the FD never goes unwatched.
+is cancelled wakes the others so the FD never goes unwatched. :meth:`TrioSocket.wake` does the
+same on demand, for a task that receives on behalf of others while it waits for something that
+may happen without a message (:meth:`TrioSocket.recv_multipart_until`).
 
 Cancellation semantics are those of ``trio.MemorySendChannel.send``: ``checkpoint_if_cancelled``,
 then the ``NOBLOCK`` attempt, then ``cancel_shielded_checkpoint`` on success; otherwise park (a
@@ -126,6 +138,9 @@ class SendTracker(Tracker):
             delay = min(delay * 2, 5e-3)
 
 
+_SENT: Final = SendTracker()  # returned by every send without zero-copy frames: always done
+
+
 class TrioSocket:
     """A ``zmq.Socket`` usable from trio tasks; owns the socket and closes it in :meth:`aclose`.
 
@@ -147,6 +162,7 @@ class TrioSocket:
         self._watch: trio.CancelScope | None = None
         self._parked_in = 0
         self._parked_out = 0
+        self._seen = 0  # EVENTS as the last failed attempt left them (see _run)
         self.bound_endpoints: list[str] = []
         """Resolved endpoints of :meth:`bind` calls (``tcp://127.0.0.1:41234`` for ``:*``)."""
         self._ipc_files: list[tuple[str, int, int]] = []
@@ -193,17 +209,35 @@ class TrioSocket:
         Raises ``trio.WouldBlock`` if no message is queued.
         """
         self._check_open()
-        try:
-            frames = self._sock.recv_multipart(_NOBLOCK, copy=False)
-        except zmq.Again:
-            self._after_op()
-            raise trio.WouldBlock from None
-        self._after_op()
+        frames = self._try_recv(False)
+        if frames is None:
+            raise trio.WouldBlock
         return frames
 
     async def recv_multipart(self) -> list[zmq.Frame]:
         """Receive one whole message as zero-copy frames (``zmq.Frame``; ``memoryview(f)``)."""
-        return await self._run(self.recv_multipart_nowait, _POLLIN)
+        self._check_open()
+        frames = await self._run(self._try_recv, _POLLIN)
+        assert frames is not None
+        return frames
+
+    async def recv_multipart_until(self, done: Callable[[], bool]) -> list[zmq.Frame] | None:
+        """Like :meth:`recv_multipart`, but give up (return ``None``, nothing received) once
+        ``done()`` is true when the task wakes up; :meth:`wake` makes parked tasks re-check.
+
+        For a task that waits for one thing while receiving on behalf of others, and must also
+        notice when that thing happens without a message (a link that closes fails its
+        requests). ``done`` is checked after each wait, not before the first attempt.
+        """
+        self._check_open()
+        return await self._run(self._try_recv, _POLLIN, done)
+
+    def wake(self) -> None:
+        """Make every task parked on the socket re-check (see :meth:`recv_multipart_until`)."""
+        if self._lot:
+            self._lot.unpark_all()
+        if self._watch is not None:
+            self._watch.cancel()
 
     # --------------------------------------------------------------------------------- send
 
@@ -220,37 +254,10 @@ class TrioSocket:
         copied. Either every part is queued or none is (``WouldBlock``, ``TypeError``).
         """
         self._check_open()
-        if not frames:
-            raise ValueError("a message needs at least one frame")
-        sizes = []
-        for i, f in enumerate(frames):
-            try:
-                sizes.append(memoryview(cast(Any, f)).nbytes)
-            except TypeError:
-                raise TypeError(
-                    f"frame {i} is a {type(f).__qualname__}: expected bytes, a buffer or zmq.Frame"
-                ) from None
-        sock = self._sock
-        last = len(frames) - 1
-        trackers: list[zmq.MessageTracker] = []
-        try:
-            for i, f in enumerate(frames):
-                flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
-                if isinstance(f, zmq.Frame):
-                    tracker = sock.send(f, flags, copy=False)
-                    if tracker is not None and not tracker.done:
-                        trackers.append(tracker)
-                elif sizes[i] >= copy_threshold:
-                    trackers.append(sock.send(f, flags, copy=False, track=True))
-                else:
-                    sock.send(f, flags)
-        except zmq.Again:
-            # Only the first part can block, and libzmq rolls back a partial message: nothing
-            # was sent (module docstring).
-            self._after_op()
-            raise trio.WouldBlock from None
-        self._after_op()
-        return SendTracker(trackers)
+        tracker = self._try_send(frames, copy_threshold)
+        if tracker is None:
+            raise trio.WouldBlock
+        return tracker
 
     async def send_multipart(
         self,
@@ -263,9 +270,10 @@ class TrioSocket:
         Returns a :class:`SendTracker` for its zero-copy frames (already done if there were
         none). If cancelled, nothing was sent.
         """
-        return await self._run(
-            lambda: self.send_multipart_nowait(frames, copy_threshold=copy_threshold), _POLLOUT
-        )
+        self._check_open()
+        tracker = await self._run(lambda _: self._try_send(frames, copy_threshold), _POLLOUT)
+        assert tracker is not None
+        return tracker
 
     # -------------------------------------------------------------------------------- close
 
@@ -310,31 +318,111 @@ class TrioSocket:
         if self._closed:
             raise trio.ClosedResourceError("the zmq socket was closed")
 
-    async def _run(self, attempt: Callable[[], _T], flag: int) -> _T:
-        await checkpoint_if_cancelled()
+    def _try_recv(self, woken: bool) -> list[zmq.Frame] | None:
+        """One whole message, or ``None`` with ``_seen`` set (see ``_run``).
+
+        Right after a wake-up a message is likely queued, so it is tried at once; otherwise
+        ``EVENTS`` is read first, which processes libzmq's commands like a failed ``recv`` but
+        costs no ``zmq.Again`` (a Python exception) when the socket is empty, the usual case
+        for a receive loop that just handled a message.
+        """
+        sock = self._sock
+        events = -1
+        if not woken:
+            events = self._events()
+            if not events & _POLLIN:
+                self._seen = events
+                self._after_op(events)
+                return None
         try:
-            result = attempt()
-        except trio.WouldBlock:
-            pass
-        else:
+            frame = sock.recv(_NOBLOCK, copy=False)
+        except zmq.Again:
+            # Either way libzmq processed its commands: a failed NOBLOCK recv does so before
+            # giving up (unthrottled), so POLLIN is known to be false; but if EVENTS said POLLIN
+            # and recv still failed, keep that answer so that _run polls instead of parking.
+            self._seen = max(events, 0)
+            self._after_op()
+            return None
+        frames = [frame]
+        while frame.more:  # the other parts are queued already: libzmq delivers whole messages
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        self._after_op()
+        return frames
+
+    def _try_send(
+        self, frames: Sequence[zmq.Frame | bytes | bytearray | memoryview], copy_threshold: int
+    ) -> SendTracker | None:
+        """Queue one whole message, or return ``None`` with ``_seen`` set (see ``_run``)."""
+        if not frames:
+            raise ValueError("a message needs at least one frame")
+        sizes = []
+        for i, f in enumerate(frames):
+            try:
+                sizes.append(memoryview(cast(Any, f)).nbytes)
+            except TypeError:
+                raise TypeError(
+                    f"frame {i} is a {type(f).__qualname__}: expected bytes, a buffer or zmq.Frame"
+                ) from None
+        sock = self._sock
+        last = len(frames) - 1
+        trackers: list[zmq.MessageTracker] = []
+        try:
+            for i, f in enumerate(frames):
+                flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
+                if isinstance(f, zmq.Frame):
+                    tracker = sock.send(f, flags, copy=False)
+                    if tracker is not None and not tracker.done:
+                        trackers.append(tracker)
+                elif sizes[i] >= copy_threshold:
+                    trackers.append(sock.send(f, flags, copy=False, track=True))
+                else:
+                    sock.send(f, flags)
+        except zmq.Again:
+            # Only the first part can block, and libzmq rolls back a partial message: nothing
+            # was sent (module docstring). A send processes commands only now and then
+            # (throttled), so EVENTS must be read before parking.
+            self._seen = self._events()
+            self._after_op(self._seen)
+            return None
+        self._after_op()
+        return SendTracker(trackers) if trackers else _SENT
+
+    async def _run(
+        self,
+        attempt: Callable[[bool], _T | None],
+        flag: int,
+        done: Callable[[], bool] | None = None,
+    ) -> _T | None:
+        """Run ``attempt`` (its argument: whether this task was just woken) until it succeeds,
+        or until ``done()`` after a wait (then ``None``).
+
+        An attempt that fails leaves in ``_seen`` what ``EVENTS`` says after it (libzmq's
+        commands processed), which tells whether waiting on the FD is safe.
+        """
+        await checkpoint_if_cancelled()
+        result = attempt(False)
+        if result is not None:
             await cancel_shielded_checkpoint()
             return result
         # Slow path: each wait below is a full checkpoint, and a cancel can only land there,
         # before the operation happened; after a successful retry there is nothing to undo.
         spins = 0
         while True:
-            if self._events() & flag:
+            if self._seen & flag:
                 # EVENTS says ready but the operation would block (e.g. ROUTER_MANDATORY to a full
                 # peer): no FD edge is due, so poll with backoff instead of spinning.
                 spins += 1
                 await trio.sleep(min(1e-5 * (1 << min(spins, 10)), 5e-3))
+                self._check_open()
             else:
                 spins = 0
                 await self._park(flag)
-            try:
-                return attempt()
-            except trio.WouldBlock:
-                pass
+            if done is not None and done():
+                return None
+            result = attempt(True)
+            if result is not None:
+                return result
 
     async def _park(self, flag: int) -> None:
         """Sleep until the FD fires or another task's operation may have changed ``EVENTS``."""
@@ -352,7 +440,8 @@ class TrioSocket:
                     self._watch = None
                     # Whether the FD fired or this watcher is leaving (cancel, close), the others
                     # must re-check and one must take over the watch.
-                    self._lot.unpark_all()
+                    if self._lot:
+                        self._lot.unpark_all()
             else:
                 await self._lot.park()
         finally:
@@ -362,14 +451,14 @@ class TrioSocket:
                 self._parked_out -= 1
         self._check_open()
 
-    def _after_op(self) -> None:
+    def _after_op(self, events: int = -1) -> None:
+        """Wake parked tasks if ``EVENTS`` (read now unless given fresh) shows what they want."""
         if not (self._parked_in or self._parked_out):
             return
-        events = self._events()
+        if events < 0:
+            events = self._events()
         if (events & _POLLIN and self._parked_in) or (events & _POLLOUT and self._parked_out):
-            self._lot.unpark_all()
-            if self._watch is not None:
-                self._watch.cancel()
+            self.wake()
 
 
 # -------------------------------------------------------------------------------- open socket
