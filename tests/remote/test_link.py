@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.lowlevel
 import zmq
 
 from asyncflow_actors.actors import ActorCrashed
@@ -45,9 +46,7 @@ class Peer:
 
 
 @asynccontextmanager
-async def linked(
-    *, run: bool = True
-) -> AsyncIterator[tuple[NodeLink, Peer, trio.Nursery]]:
+async def linked(*, run: bool = True) -> AsyncIterator[tuple[NodeLink, Peer, trio.Nursery]]:
     ctx: zmq.Context[Any] = zmq.Context()
     endpoint = f"inproc://link-{random.getrandbits(64):x}"
     registry = MessageRegistry()
@@ -131,7 +130,7 @@ async def test_concurrent_askers_each_get_their_own_reply_in_any_order() -> None
                 n = k * 1000 + j
                 got[n] = await link.ask("actor", n)
                 if rng.random() < 0.3:
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
 
         async def shuffling_peer() -> None:
             held: list[tuple[dict[str, Any], object]] = []
