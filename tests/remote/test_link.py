@@ -9,13 +9,17 @@ requester parked on the socket, and cancelled requesters hand receiving back.
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 import zmq
 
 from asyncflow_actors.actors import ActorCrashed
@@ -219,3 +223,67 @@ async def test_random_cancellations_lose_no_reply_and_no_credit(seed: int) -> No
                 await trio.sleep(0.01)
             assert await link.ask("actor", 7) == 7
         assert answered > 0
+
+
+async def test_an_answer_sent_just_before_the_peer_left_reaches_its_requester(
+    tmp_path: Path,
+) -> None:
+    """A node answers ``SHUTDOWN`` and exits at once: its answer is queued on our socket when
+    the monitor reports the dropped connection. The loop is held while both arrive, so the
+    requester and the monitor wake in one batch, in an order trio picks at random: over 20
+    rounds both orders come (a monitor that closed the link first failed the requester with
+    ``NodeLost`` although its answer was there)."""
+    registry = MessageRegistry()
+    for n in range(20):
+        assert await _ask_a_leaving_peer(f"ipc://{tmp_path}/peer-{n}.sock", registry) == "bye"
+
+
+async def _ask_a_leaving_peer(endpoint: str, registry: MessageRegistry) -> object:
+    ctx: zmq.Context[Any] = zmq.Context()
+    bound, asked, go = threading.Event(), threading.Event(), threading.Event()
+
+    def leaving_peer() -> None:
+        server = ctx.socket(zmq.ROUTER)
+        server.linger = -1  # the answer is flushed before the connection drops
+        server.bind(endpoint)
+        bound.set()
+        identity, *frames = server.recv_multipart()
+        meta, _ = decode(frames, registry=registry, max_message_bytes=MAX)
+        asked.set()
+        go.wait(10)
+        server.send_multipart(
+            [identity, *encode({"k": P.OK, "c": meta["c"]}, "bye", registry=registry)]
+        )
+        server.close()
+
+    peer = threading.Thread(target=leaving_peer)
+    peer.start()
+    answer: list[object] = []
+    try:
+        bound.wait(10)
+        async with (
+            open_zmq_socket(ctx, zmq.DEALER, connect=endpoint) as client,
+            trio.open_nursery() as nursery,
+        ):
+            link = NodeLink(client, registry, node="peer", max_message_bytes=MAX)
+            nursery.start_soon(link.run)
+            await trio.testing.wait_all_tasks_blocked()  # its monitor watches the socket
+
+            async def requester() -> None:
+                answer.append(await link.request(P.SHUTDOWN))
+
+            nursery.start_soon(requester)
+            with trio.fail_after(10):
+                while not asked.is_set():
+                    await trio.sleep(0.001)
+                go.set()
+                # the answer and the drop arrive while the loop is held (deliberately blocked)
+                time.sleep(0.1)  # noqa: ASYNC251
+                while link.closed is None or not answer:  # (a failed request raises)
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+    finally:
+        go.set()
+        peer.join(10)
+        ctx.destroy(linger=0)
+    return answer[0]

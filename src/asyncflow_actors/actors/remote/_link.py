@@ -249,10 +249,22 @@ class NodeLink:
                     lost = P.NodeLost(f"node {self.node!r} refused our CURVE credentials")
                 else:
                     lost = P.NodeLost(f"the connection to node {self.node!r} dropped")
+                self._drain_queued()
                 self.close(lost)
                 if self.on_lost is not None:
                     self.on_lost(lost)
                 return
+
+    def _drain_queued(self) -> None:
+        """Dispatch what the peer sent before its connection dropped and is queued here: a
+        node answers ``SHUTDOWN`` and exits at once, and whether this task or the receiver
+        runs first must not decide if its answer is seen."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                return
+            self._handle(frames)
 
     def _dispatch(self, meta: dict[str, Any], payload: object) -> bool:
         """Act on one message; True if it resolved a pending request."""

@@ -27,6 +27,7 @@ import zmq
 
 from .._actor import Actor, ActorContext, accepted_message_types
 from .._cell import Reply
+from .._errors import ActorCrashed
 from .._message import Request
 from .._supervisor import ChildSpec, OneForOne, Restart, Strategy
 from . import _protocol as P
@@ -237,7 +238,13 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(link.run)
             if launched.owns_node and (process is None or process.returncode is None):
-                await link.request(P.SHUTDOWN)
+                try:
+                    await link.request(P.SHUTDOWN)
+                except ActorCrashed as exc:
+                    # the node exits when asked: its connection may drop before its answer
+                    # arrives. The caller waits for the process either way.
+                    if not isinstance(exc.error, P.NodeLost):
+                        raise
             elif not launched.owns_node:
                 for actor in list(self.peer.specs):
                     await link.request(P.STOP, target=actor, tok=self.peer.tokens.get(actor, ""))
