@@ -110,7 +110,9 @@ async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None
         await client.nack(got)
         again = await client.get("rollout", "trainer", ["tokens"], 8)
         assert torch.equal(again["tokens"], data["tokens"])
-        assert sum(u.shm_fetches for u in (await client.statistics()).units.values() if u) == 2
+        # the leases named where the rows lie: both reads mapped them without asking the unit
+        assert client.io.direct == 2
+        assert sum(u.fetches for u in (await client.statistics()).units.values() if u) == 0
         await client.ack(again)
 
         async def only_probes() -> bool:
@@ -135,6 +137,51 @@ async def test_same_host_bodies_go_through_shared_memory_the_units_own() -> None
 
         await eventually(swept, 30)
     assert segments(ns) == set()  # the queue is gone: so is every segment of it
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+async def test_a_reader_asks_the_unit_once_rows_are_no_longer_where_they_were_put() -> None:
+    """Leases name where rows put through shared memory lie. Rows rewritten since, or moved by
+    the unit (a compaction frees the segment they were put in), are fetched from the unit, and
+    the reader gets exactly what was written last."""
+    config = tq.TransferQueueConfig(
+        topics=(SPEC,), units=1, placement="process", shm_min_bytes=64 * 1024
+    )
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 50_000, (8, 4096), generator=gen) for _ in range(2))  # 256 KiB
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        ns = queue.namespace
+        client = await queue.client()
+
+        async def fetches() -> int:
+            (unit,) = (await client.statistics()).units.values()
+            assert unit is not None
+            return unit.fetches
+
+        await client.put("rollout", {"tokens": a}, version=0)
+        got = await client.get("rollout", "trainer", ["tokens"], 8)
+        assert torch.equal(got["tokens"], a) and client.io.direct == 1
+        await client.put_columns(got, {"tokens": b})  # rewritten: no longer where it was put
+        await client.nack(got)
+        again = await client.get("rollout", "trainer", ["tokens"], 8)
+        assert torch.equal(again["tokens"], b) and (client.io.direct, await fetches()) == (1, 1)
+        await client.ack(again)
+
+        probes = segments(ns)
+        indexes = await client.put("rollout", {"tokens": a}, version=0)
+        (first,) = segments(ns) - probes
+        await client.discard("rollout", indexes[:5])
+        await client.flush()  # 5 of 8 rows freed: the unit compacts the 3 left into a new segment
+        (unit,) = (await client.statistics()).units.values()
+        assert unit is not None and unit.compactions == 1
+        assert first not in segments(ns)  # the segment the controller knows of is gone
+        tail = await client.get("rollout", "trainer", ["tokens"], 3)
+        assert torch.equal(tail["tokens"], a[5:])
+        assert (client.io.direct, await fetches()) == (1, 2)
+        await client.ack(tail)
 
 
 async def test_without_shared_memory_bodies_take_the_socket() -> None:

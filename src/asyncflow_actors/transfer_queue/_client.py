@@ -145,7 +145,7 @@ class TransferQueueClient:
             for position, unit in enumerate(allocation.units):
                 positions.setdefault(unit, []).append(position)
             try:
-                await self.io.store(
+                stored = await self.io.store(
                     topic,
                     placed.incarnations,
                     positions,
@@ -155,7 +155,10 @@ class TransferQueueClient:
                     group_ids=allocation.group_ids,
                     lengths=lens if lens is not None else [1] * n,
                 )
-                commit = M.Commit(topic, allocation.indexes, prepared.sizes, put_id, new=True)
+                located = {u: where for u, where in stored.items() if where is not None}
+                commit = M.Commit(
+                    topic, allocation.indexes, prepared.sizes, put_id, new=True, located=located
+                )
                 await self._ask(commit)
                 return allocation.indexes
             except UnknownSample as exc:
@@ -300,7 +303,13 @@ class TransferQueueClient:
         per_sample = [c for c in columns if not spec.columns[c].shared]
         shared_cols = [c for c in columns if spec.columns[c].shared]
         fetched = await self.io.fetch(
-            lease.topic, leased.incarnations, lease.placement, per_sample, lease.shared, shared_cols
+            lease.topic,
+            leased.incarnations,
+            lease.placement,
+            per_sample,
+            lease.shared,
+            shared_cols,
+            leased.located,
         )
         order = sorted(lease.placement, key=lambda u: min(lease.placement[u], default=0))
         arrived = [i for u in order for i in lease.placement[u]]

@@ -29,8 +29,9 @@ from . import _messages as M
 from . import _unit_messages as U
 from . import _units
 from ._errors import TransferQueueError, UnknownSample
+from ._located import Locations
 from ._recovery import Recovery, UnitSeen
-from ._results import GroupSlot, Update
+from ._results import GroupSlot, Lease, Update
 from ._runtime import Actor, ActorContext, ActorRef, Reply, Request
 from ._spec import TopicSpec
 from ._state import ControllerState
@@ -110,6 +111,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
         self.flush_now = trio.Event()
         self.flush_waiters: list[Reply] = []
+        self.locations = Locations()  # rows put through shared memory (see ``_located``)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -292,6 +294,10 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         if msg.put_id and msg.put_id in self.shared.done:
             return  # a retry: the first commit went through
         state.commit_write(msg.topic, msg.indexes, msg.columns)
+        if not msg.new:
+            self.locations.drop(msg.topic, msg.indexes)  # rewritten cells lie elsewhere now
+        for unit, located in msg.located.items():
+            self.locations.add(msg.topic, unit, located)
         if msg.new:
             placed: dict[str, list[int]] = {}
             gids = set()
@@ -367,7 +373,21 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         self.granted[msg.claim_id] = lease.id
         self.granted_by_lease[lease.id] = msg.claim_id
         self.timer_wake.set()
-        return M.Leased(lease, self._incarnations(lease.placement))
+        return M.Leased(lease, self._incarnations(lease.placement), self._located(lease))
+
+    def _located(self, lease: Lease) -> dict[str, Any]:
+        """The lease's parts on units whose rows all lie in shared memory (a unit that also
+        holds group-shared columns the lease needs is fetched from, as usual)."""
+        spec = self.shared.specs[lease.topic]
+        per_sample = [c for c in lease.columns if not spec.columns[c].shared]
+        shared = len(per_sample) < len(lease.columns)
+        out = {}
+        for unit, indexes in lease.placement.items():
+            if not (shared and lease.shared.get(unit)):
+                parts = self.locations.parts(lease.topic, indexes, per_sample)
+                if parts is not None:
+                    out[unit] = parts
+        return out
 
     def _retry_claims(self, topic: str) -> None:
         state = self.state
@@ -435,6 +455,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
 
     def _apply(self, update: Update) -> None:
         for release in update.releases:
+            self.locations.drop(release.topic, release.indexes)
             self._to_unit(
                 release.unit,
                 U.Delete(release.topic, list(release.indexes), list(release.group_ids)),

@@ -7,11 +7,13 @@ from typing import Any
 
 import attrs
 
+from ._located import Located
 from ._results import Allocation, GroupSlot, Lease
 from ._runtime import ActorRef, Request
 from ._samplers import FIFO, Sampler
 from ._spec import TopicSpec
 from ._stats import StateStatistics
+from ._unit_messages import ShmBody
 
 
 @attrs.frozen
@@ -94,10 +96,13 @@ class Opened:
 
 @attrs.frozen
 class Leased:
-    """A lease and the incarnation of each unit holding its samples (fetches name it)."""
+    """A lease and the incarnation of each unit holding its samples (fetches name it);
+    ``located``: for units whose rows of the lease all lie in shared memory, the parts a fetch
+    would return (a reader on that host maps them without asking the unit, see ``_located``)."""
 
     lease: Lease
     incarnations: dict[str, str]
+    located: dict[str, dict[str, list[ShmBody | list[ShmBody]]]] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -134,13 +139,15 @@ class CancelPut:
 class Commit(Request[None]):
     """The bytes of these cells are stored: mark them present (``columns``: nbytes per index,
     or one for all). ``new``: the first write of new samples (a put, not ``put_columns``).
-    ``put_id`` makes a retry after a controller restart harmless."""
+    ``put_id`` makes a retry after a controller restart harmless. ``located``: per unit,
+    where the rows the put stored through shared memory lie (see ``_located``)."""
 
     topic: str
     indexes: tuple[int, ...]
     columns: dict[str, list[int] | int]
     put_id: int = 0
     new: bool = False
+    located: dict[str, Located] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -280,4 +287,7 @@ ControllerMessage = (
     | GetControllerStatistics
     | Flushed
     | CheckUnits
+    # not sent on their own: named so a node registers them at the top level (deterministic)
+    | Located
+    | ShmBody
 )

@@ -20,6 +20,7 @@ from . import _unit_messages as U
 from . import _units
 from ._errors import TransferQueueError
 from ._inventory import Inventory, TopicRecord
+from ._located import Locations
 from ._results import Loss, Update
 from ._runtime import ActorContext, ActorCrashed
 from ._state import ControllerState
@@ -49,6 +50,7 @@ class Recovery:
     outbox_wake: trio.Event
     check_now: trio.Event
     lost_samples: int
+    locations: Locations
 
     def _apply(self, update: Update) -> None: ...
     def _to_unit(self, unit: str, item: Any) -> None: ...
@@ -147,6 +149,7 @@ class Recovery:
 
     def _dropped(self, unit: str) -> None:
         """``unit``'s bookkeeping went with its incarnation: wake those who wait for it."""
+        self.locations.drop_unit(unit)
         self.shared.outbox.drop(unit)
         self.flush_now.set()
         self.outbox_wake.set()

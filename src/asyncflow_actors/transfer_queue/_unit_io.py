@@ -21,6 +21,7 @@ import trio
 from . import _shm
 from ._batch import dtype_name, is_tensor, take, torch_module
 from ._errors import StorageUnavailable, TransferQueueError
+from ._located import Located, locate
 from ._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
 from ._unit_messages import (
     Delete,
@@ -61,6 +62,7 @@ class UnitIO:
         self.on_failure = on_failure
         self._nonce = os.urandom(4).hex()
         self._seq = itertools.count()
+        self.direct = 0  # unit parts of leases mapped without asking their unit
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -134,11 +136,12 @@ class UnitIO:
         group_ids: Sequence[int] = (),
         lengths: Sequence[int] = (),
         create: bool = True,
-    ) -> None:
-        """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit."""
+    ) -> dict[str, Located | None]:
+        """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit;
+        per unit, where new samples stored through shared memory lie (``None``: not there)."""
 
         def make(unit: str) -> Callable[[], Any]:
-            async def one() -> None:
+            async def one() -> Located | None:
                 where = positions[unit]
                 part = {name: take(value, where) for name, value in columns.items()}
                 msg = Store(
@@ -153,8 +156,10 @@ class UnitIO:
                 )
                 prefix = await self._prefix(unit, msg.incarnation)
                 segment = ""
+                located = None
                 if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
                     segment, part, reused = await self._to_segment(prefix, part)
+                    located = locate(msg.indexes, segment, part) if create else None
                     msg = Store(
                         msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
                         msg.lengths, part, segment, create, reused,
@@ -167,10 +172,11 @@ class UnitIO:
                     raise
                 if prefix is not None:
                     _free[prefix] = list(stored.free)
+                return located
 
             return one
 
-        await self._each({unit: make(unit) for unit in positions})
+        return await self._each({unit: make(unit) for unit in positions})
 
     async def _to_segment(
         self, prefix: str, part: dict[str, Any]
@@ -223,14 +229,26 @@ class UnitIO:
         columns: list[str],
         shared_groups: Mapping[str, Sequence[int]],
         shared_columns: list[str],
+        located: Mapping[str, dict[str, list[Any]]] | None = None,
     ) -> dict[str, Fetched]:
         """Each unit's part of a lease, tensors as torch tensors (views of shared memory where
-        the unit is on this host)."""
+        the unit is on this host). ``located``: per unit, the parts the controller knows lie in
+        shared memory (see ``_located``): mapped at once without asking the unit, which is
+        asked only if a segment is gone."""
 
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> Fetched:
                 incarnation = incarnations.get(unit, "")
                 shm = await self._prefix(unit, incarnation) is not None
+                parts = located.get(unit) if shm and located else None
+                if parts is not None:
+                    try:
+                        mapped = _mapped(Fetched(parts, {}), unit)
+                    except StorageUnavailable:
+                        pass  # compacted, freed or swept since: the unit knows where the rows are
+                    else:
+                        self.direct += 1
+                        return mapped
                 groups = list(shared_groups.get(unit, ())) if shared_columns else []
                 msg = Fetch(
                     topic, incarnation, list(placement[unit]), columns, groups,

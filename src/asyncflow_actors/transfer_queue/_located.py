@@ -1,0 +1,134 @@
+"""Where samples put through shared memory lie, so readers on the host skip the unit (internal).
+
+A writer that stored a put through a shared-memory segment tells the controller, with its
+commit, where each row lies in it (:class:`Located`). A lease then carries, for each unit whose
+rows of the lease are all located, the parts a ``Fetch`` from that unit would return (segment,
+offset, dtype, shape): a reader on the host maps them at once, without a round trip to the unit.
+
+This is safe without the unit's word because the bytes under a segment's name never change: a
+segment is written once under a name never used before, and a freed one is refilled only under
+a new name (``_shm``: recycled by a rename, and only while no reader holds it). So a location is
+either still true (the reader maps exactly the rows that were put) or names a file that is gone
+(the unit compacted the rows elsewhere, freed or recycled the segment, or restarted): the reader
+then asks the unit, as it would have without a location, and gets the rows or a typed error.
+
+:class:`Locations` belongs to one controller incarnation: a restarted controller knows none
+(readers fetch from the units), and a unit's locations go with its loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from ._runtime import itemsize
+from ._unit_messages import ShmBody
+
+
+@attrs.frozen
+class Located:
+    """Rows ``indexes`` of one store, in segment ``segment`` of its unit: per column, one
+    batch body ``[n, ...]`` or one body per row (as in the ``Store``)."""
+
+    segment: str
+    indexes: tuple[int, ...]
+    columns: dict[str, ShmBody | list[ShmBody]]
+
+
+class _Block:
+    __slots__ = ("columns", "segment", "unit")
+
+    def __init__(self, unit: str, located: Located) -> None:
+        self.unit = unit
+        self.segment = located.segment
+        self.columns = located.columns
+
+
+class Locations:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict[int, tuple[_Block, int]]] = {}  # topic -> index -> cell
+
+    def add(self, topic: str, unit: str, located: Located) -> None:
+        block = _Block(unit, located)
+        rows = self._rows.setdefault(topic, {})
+        for r, index in enumerate(located.indexes):
+            rows[index] = (block, r)
+
+    def drop(self, topic: str, indexes: Iterable[int]) -> None:
+        """Forget rows (freed, or rewritten elsewhere)."""
+        rows = self._rows.get(topic)
+        if rows:
+            for index in indexes:
+                rows.pop(index, None)
+
+    def drop_unit(self, unit: str) -> None:
+        """Forget every row on ``unit`` (it was lost)."""
+        for rows in self._rows.values():
+            for index in [i for i, (block, _) in rows.items() if block.unit == unit]:
+                del rows[index]
+
+    def parts(
+        self, topic: str, indexes: Sequence[int], columns: Iterable[str]
+    ) -> dict[str, list[Any]] | None:
+        """``columns`` of ``indexes`` as a ``Fetch`` of their unit would return them (runs of
+        consecutive rows as one body, rows stored one by one as lists), or ``None`` if any
+        cell is not located."""
+        rows = self._rows.get(topic)
+        if not rows:
+            return None
+        cells = [rows.get(i) for i in indexes]
+        if any(cell is None for cell in cells):
+            return None
+        out: dict[str, list[Any]] = {}
+        for column in columns:
+            parts: list[Any] = []
+            run: tuple[_Block, int, int] | None = None  # (block, first row, count)
+            for block, r in cells:  # type: ignore[misc]
+                body = block.columns.get(column)
+                if body is None:
+                    return None
+                if isinstance(body, ShmBody):
+                    if run is not None and run[0] is block and run[1] + run[2] == r:
+                        run = (block, run[1], run[2] + 1)
+                        continue
+                    if run is not None:
+                        parts.append(_rows(run, column))
+                    run = (block, r, 1)
+                    continue
+                if run is not None:
+                    parts.append(_rows(run, column))
+                    run = None
+                if not parts or not isinstance(parts[-1], list):
+                    parts.append([])
+                parts[-1].append(attrs.evolve(body[r], segment=block.segment))
+            if run is not None:
+                parts.append(_rows(run, column))
+            out[column] = parts
+        return out
+
+
+def _rows(run: tuple[_Block, int, int], column: str) -> ShmBody:
+    block, first, count = run
+    body = block.columns[column]
+    assert isinstance(body, ShmBody)
+    row_bytes = itemsize(body.dtype) * math.prod(body.shape[1:])
+    return ShmBody(
+        body.offset + first * row_bytes, body.dtype, (count, *body.shape[1:]), block.segment
+    )
+
+
+def locate(indexes: Sequence[int], segment: str, part: dict[str, Any]) -> Located | None:
+    """The :class:`Located` of a store whose bodies all went to ``segment`` (``None`` when a
+    column holds values stored inline, such as text: the unit holds those)."""
+    for value in part.values():
+        if isinstance(value, list):
+            if not all(isinstance(v, ShmBody) for v in value):
+                return None
+        elif not isinstance(value, ShmBody):
+            return None
+    return Located(segment, tuple(indexes), dict(part))
