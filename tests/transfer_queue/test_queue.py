@@ -157,9 +157,11 @@ async def test_an_expired_lease_returns_its_samples(autojump_clock: trio.testing
         client = await queue.client("a")
         await client.put("plain", {"x": torch.zeros(2, 3)}, version=0)
         first = await client.get("plain", "trainer", ["x"], 2)  # never acked
+        t0 = trio.current_time()
         await trio.sleep(1.5)  # lease_ttl 1.0
         again = await client.get("plain", "trainer", ["x"], 2)
         assert again.indexes == first.indexes
+        assert trio.current_time() - t0 == 1.5  # on time: it was back when the get came
         with pytest.raises(tq.UnknownLease):
             await client.ack(first)
         await client.ack(again)

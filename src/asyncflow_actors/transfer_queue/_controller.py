@@ -106,6 +106,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         self.lost_samples = 0
         self.abandoned_samples = 0
         self.timer_wake = trio.Event()
+        self.timer_at = math.inf  # the deadline the timer sleeps until
         self.check_now = trio.Event()
         self.outbox_wake = trio.Event()
         self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
@@ -256,7 +257,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
             self._group_infos(msg.topic, (slot.group_id,))
             self._records(msg.topic)
             self._granted(msg.put_id, slot)
-            self.timer_wake.set()
+            self._write_deadline(msg.topic, now)
             return M.Opened(slot, self.shared.known.get(slot.unit) or "")
         allocation = state.allocate(
             msg.topic,
@@ -271,7 +272,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         # unit that held the newest samples is gone
         self._records(msg.topic)
         self._granted(msg.put_id, allocation)
-        self.timer_wake.set()
+        self._write_deadline(msg.topic, now)
         self._kick(msg.topic, puts=False)
         return M.Placed(allocation, self._incarnations(set(allocation.units)))
 
@@ -372,7 +373,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
             return None
         self.granted[msg.claim_id] = lease.id
         self.granted_by_lease[lease.id] = msg.claim_id
-        self.timer_wake.set()
+        self._deadline(lease.deadline)
         return M.Leased(lease, self._incarnations(lease.placement), self._located(lease))
 
     def _located(self, lease: Lease) -> dict[str, Any]:
@@ -473,8 +474,6 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
             claim_id = self.granted_by_lease.pop(lease_id, None)
             if claim_id is not None:
                 self.granted.pop(claim_id, None)
-        if update.ended or update.abandoned:
-            self.timer_wake.set()
 
     def _to_unit(self, unit: str, item: Any) -> None:
         """Queue bookkeeping for a unit; the flusher delivers it (kept until taken)."""
@@ -534,12 +533,25 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
 
     # -- helper tasks ----------------------------------------------------------------------------
 
+    def _deadline(self, at: float) -> None:
+        """Something new is due at ``at``: wake the timer if it sleeps past that. (Deadlines
+        that go away need no wake-up: the timer then wakes early, finds nothing due and
+        sleeps again.)"""
+        if at < self.timer_at:
+            self.timer_wake.set()
+
+    def _write_deadline(self, topic: str, now: float) -> None:
+        ttl = self.shared.specs[topic].write_ttl
+        if ttl is not None:
+            self._deadline(now + ttl)
+
     async def _timer(self, ctx: ActorContext[Any]) -> None:
         while True:
             self.timer_wake = trio.Event()
             state = self.state
             deadline = state.next_deadline() if state is not None else None
-            with trio.move_on_at(deadline if deadline is not None else math.inf):
+            self.timer_at = deadline if deadline is not None else math.inf
+            with trio.move_on_at(self.timer_at):
                 await self.timer_wake.wait()
                 continue
             await ctx.self.send(_Tick())
