@@ -84,30 +84,31 @@ class Locations:
         cells = [rows.get(i) for i in indexes]
         if any(cell is None for cell in cells):
             return None
+        runs: list[tuple[_Block, int, int]] = []  # (block, first row, count), in order
+        for block, r in cells:  # type: ignore[misc]
+            if runs and runs[-1][0] is block and runs[-1][1] + runs[-1][2] == r:
+                runs[-1] = (block, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((block, r, 1))
         out: dict[str, list[Any]] = {}
         for column in columns:
             parts: list[Any] = []
-            run: tuple[_Block, int, int] | None = None  # (block, first row, count)
-            for block, r in cells:  # type: ignore[misc]
+            for run in runs:
+                block, first, count = run
                 body = block.columns.get(column)
                 if body is None:
                     return None
                 if isinstance(body, ShmBody):
-                    if run is not None and run[0] is block and run[1] + run[2] == r:
-                        run = (block, run[1], run[2] + 1)
-                        continue
-                    if run is not None:
-                        parts.append(_rows(run, column))
-                    run = (block, r, 1)
-                    continue
-                if run is not None:
                     parts.append(_rows(run, column))
-                    run = None
-                if not parts or not isinstance(parts[-1], list):
-                    parts.append([])
-                parts[-1].append(attrs.evolve(body[r], segment=block.segment))
-            if run is not None:
-                parts.append(_rows(run, column))
+                    continue
+                values = [
+                    attrs.evolve(body[r], segment=block.segment)
+                    for r in range(first, first + count)
+                ]
+                if parts and isinstance(parts[-1], list):
+                    parts[-1].extend(values)
+                else:
+                    parts.append(values)
             out[column] = parts
         return out
 
