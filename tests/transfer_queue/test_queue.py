@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import trio
@@ -12,6 +13,7 @@ import trio.testing
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
+from asyncflow_actors.transfer_queue._controller import ControllerShared
 
 ROLLOUT = tq.TopicSpec.from_dict(
     {
@@ -165,6 +167,31 @@ async def test_an_expired_lease_returns_its_samples(autojump_clock: trio.testing
         with pytest.raises(tq.UnknownLease):
             await client.ack(first)
         await client.ack(again)
+
+
+async def test_bookkeeping_travels_in_batches_and_arrives_on_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What units keep for a rebuild (commits, consumption marks, deletes) lingers to travel
+    with more, in one message per unit, and reaches them ``flush_linger`` later unasked."""
+    spec = attrs.evolve(PLAIN, capacity=None)  # no put waits for the slots deletes free
+    config = tq.TransferQueueConfig(topics=(spec,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
+        client = await queue.client("a")
+        t0 = trio.current_time()
+        for _ in range(5):
+            await client.put("plain", {"x": torch.zeros(2, 3)}, version=0)
+            await client.ack(await client.get("plain", "trainer", ["x"], 2))
+        linger = attrs.fields(ControllerShared).flush_linger.default
+        await trio.sleep(0.9 * linger)
+        stats = await client.statistics()
+        assert trio.current_time() - t0 == 0.9 * linger  # nothing waited for the units
+        assert stats.controller.outbox == 16  # per round committed, consumed, deleted; watermarks
+        assert stats.units["unit-0"] is not None and stats.units["unit-0"].samples == 10
+        await trio.sleep(0.2 * linger)  # past the linger: delivered, nobody asked
+        stats = await client.statistics()
+        assert stats.controller.outbox == 0
+        assert stats.units["unit-0"] is not None and stats.units["unit-0"].samples == 0
 
 
 async def test_a_cancelled_get_loses_nothing(queue: Any) -> None:

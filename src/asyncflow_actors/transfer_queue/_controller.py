@@ -51,10 +51,10 @@ class ControllerShared:
     specs: dict[str, TopicSpec]
     units: dict[str, ActorRef[Any]]
     unit_check_interval: float = 0.5
-    flush_linger: float = 0.005  # bookkeeping waits this long to travel with more
+    flush_linger: float = 0.05  # bookkeeping nobody waits for waits this long to travel with more
     unit_timeout: float = 5.0  # the controller's own requests to units
     io_timeout: float = 60.0  # clients' data requests to units
-    shm_min_bytes: int | None = 1 << 20
+    shm_min_bytes: int | None = 64 << 10
     max_events: int = 10_000
     incarnations: int = 0
     log: EventLog = attrs.Factory(lambda self: EventLog(self.max_events), takes_self=True)
@@ -557,8 +557,10 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
             await ctx.self.send(_Tick())
 
     async def _flusher(self, ctx: ActorContext[Any]) -> None:
-        """Deliver bookkeeping to the units: a few milliseconds after it is queued (so that
-        what many operations queue travels together), at once when someone waits for it."""
+        """Deliver bookkeeping to the units: ``flush_linger`` after it is queued, so that what
+        many operations queue travels together (every message to a unit process costs the data
+        path on the client's host: one per linger, not one per operation), and at once when
+        someone waits for it (``flush()``, a put waiting for the slots deletes free)."""
         shared = self.shared
         while True:
             await self.outbox_wake.wait()

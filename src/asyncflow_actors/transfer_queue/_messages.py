@@ -76,7 +76,7 @@ class Topology:
 
     specs: dict[str, TopicSpec]
     units: dict[str, ActorRef[Any]]
-    shm_min_bytes: int | None = 1 << 20
+    shm_min_bytes: int | None = 64 << 10
     unit_timeout: float = 60.0
 
 

@@ -77,7 +77,7 @@ class TransferQueueConfig:
     unit_timeout: float = 5.0
     io_timeout: float = 60.0
     shm: bool = True
-    shm_min_bytes: int = 1 << 20
+    shm_min_bytes: int = 64 << 10
     shm_orphan_age: float = 60.0
     shm_pool_bytes: int = 256 << 20
     name: str = "tq"
