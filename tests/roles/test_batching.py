@@ -6,9 +6,18 @@ from __future__ import annotations
 import attrs
 import torch
 import trio
+import trio.testing
 
 import asyncflow_actors as afa
-from asyncflow_actors.roles import ActorForward, GetRoleStats, Rollout, RunSpec, topic_specs
+from asyncflow_actors.roles import (
+    ActorForward,
+    Driver,
+    DriverHooks,
+    GetRoleStats,
+    Rollout,
+    RunSpec,
+    topic_specs,
+)
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._settings import ModelSettings, RolloutSettings, TrainSettings
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
@@ -87,3 +96,26 @@ async def test_rollout_takes_every_ready_prompt_in_one_lease() -> None:
                 await trio.sleep(0.01)
     (rollout,) = prompts.consumers
     assert rollout.leased == 0 and prompts.live == 0, "every prompt acked once written"
+
+
+async def test_the_driver_puts_the_prompts_admitted_together_in_one_put() -> None:
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("rollout-0")
+        columns = [S.PROMPT_TEXT, S.GROUP]
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                got: list[int] = []
+
+                async def first_claim() -> None:
+                    # waiting before the Driver starts: satisfied by its first put
+                    batch = await client.get(S.PROMPTS, "rollout", columns, 64, min_count=1)
+                    assert batch is not None
+                    got.append(len(batch))
+
+                nursery.start_soon(first_claim)
+                await trio.testing.wait_all_tasks_blocked()
+                driver = Driver(SPEC, queue.controller, DriverHooks())
+                await system.spawn(lambda: driver, name="driver")
+        # capacity (staleness + 1) x batch = 2 x 8 prompts, all free at the start
+        assert got == [16]
