@@ -55,6 +55,7 @@ ADDITION = AdditionTask(min_digits=1, max_digits=2)
 LONGTAIL = LongTailTask(op="reverse", distribution="pareto", min_length=2, max_length=40)
 TARGET = 0.8
 PROMPTS, GROUP, LR = 16, 8, 5e-4
+EVAL_CHUNKS, EVAL_CHUNK = 8, 256
 
 
 def warm(task: Any, path: str, *, max_seq_len: int, accuracy: float, steps: int) -> None:
@@ -148,27 +149,41 @@ async def pipeline_time_to_reward(init: str, max_steps: int) -> tuple[float, int
     return reached[0].seconds, reached[0].step
 
 
-def held_out(path: str) -> float:
+def held_out(path: str) -> list[float]:
+    """Mean reward on each of ``EVAL_CHUNKS`` disjoint chunks of held-out problems, sampled as in
+    training. Every policy sees the same problems and the same sampling seeds (common random
+    numbers), so a difference between two policies is not eval-sampling noise drawn twice."""
     model = load_model(path)
     tokenizer = CharTokenizer(ADDITION.alphabet)
-    generator = torch.Generator().manual_seed(123)
-    problems = ADDITION.sample(512, seed=777)
-    return evaluate(
-        model, ADDITION, tokenizer, problems, SamplingParams(4), generator=generator
-    ).mean_reward
+    problems = ADDITION.sample(EVAL_CHUNKS * EVAL_CHUNK, seed=777)
+    means = []
+    for k in range(EVAL_CHUNKS):
+        generator = torch.Generator().manual_seed(123 + k)
+        chunk = problems[k * EVAL_CHUNK : (k + 1) * EVAL_CHUNK]
+        result = evaluate(model, ADDITION, tokenizer, chunk, SamplingParams(4), generator=generator)
+        means.append(result.mean_reward)
+    return means
 
 
 async def reward_gap(init: str, steps: int, workdir: str) -> None:
-    finals: dict[str, float] = {}
+    """Held-out reward after ``steps`` steps (the same trained samples) of async at staleness 1
+    and 2 minus sync; the ``#`` line gives each gap's standard error over the eval chunks."""
+    finals: dict[str, list[float]] = {"start": held_out(init)}
     for name, mode, staleness in (("sync", "sync", None), ("s1", "async", 1), ("s2", "async", 2)):
         run_dir = os.path.join(workdir, f"gap-{name}")
         extra: dict[str, Any] = {"staleness": staleness} if staleness is not None else {}
         result = await run_pipeline(config(mode, init, run_dir=run_dir,
                                            train={"steps": steps, "checkpoint_every": steps}, **extra))  # fmt: skip
         finals[name] = held_out(os.path.join(result.checkpoints[-1], "policy.safetensors"))
+    notes = []
     for name in ("s1", "s2"):
-        emit(f"pipeline_final_reward_gap_{name}", 100 * (finals[name] - finals["sync"]), "pp")
-    print(f"# held-out reward after {steps} steps: {finals} (start {held_out(init):.3f})",
+        diffs = [100 * (a - b) for a, b in zip(finals[name], finals["sync"], strict=True)]
+        error = statistics.stdev(diffs) / len(diffs) ** 0.5
+        emit(f"pipeline_final_reward_gap_{name}", statistics.mean(diffs), "pp")
+        notes.append(f"{name} {statistics.mean(diffs):+.1f} ± {error:.1f} pp")
+    means = {name: round(statistics.mean(v), 3) for name, v in finals.items()}
+    print(f"# held-out reward ({EVAL_CHUNKS}x{EVAL_CHUNK} problems) after {steps} steps: {means}; "
+          f"gaps (± standard error over the eval chunks): {', '.join(notes)}",
           file=sys.stderr)  # fmt: skip
 
 
@@ -196,7 +211,7 @@ async def main(rounds: int, quick: bool) -> None:
         emit("pipeline_time_to_reward", subject_s, "s", base_s)
         print(f"# time to reward {TARGET}: async {subject_s:.1f} s ({subject_steps} steps), "
               f"plain loop {base_s:.1f} s ({base_steps} steps)", file=sys.stderr)  # fmt: skip
-        await reward_gap(addition, 6 if quick else 30, workdir)
+        await reward_gap(addition, 6 if quick else 60, workdir)
         await offpolicy_at_staleness_zero(addition, 4 if quick else 10)
 
 

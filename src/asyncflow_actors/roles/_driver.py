@@ -3,7 +3,8 @@
 - **Admission.** Before it injects a prompt the Driver acquires ``group_size`` FlowControl slots;
   the capacity is ``(staleness + 1) x batch``, so rollout never runs more than ``staleness``
   versions ahead of training. Injecting a prompt opens its group in the ``rollout`` topic (the
-  prompt ids stored once, shared) and puts a ``prompts`` sample naming that group.
+  prompt ids stored once, shared) and puts a ``prompts`` sample naming that group; the prompts
+  whose slots are free at once go out in one put (the rollout takes them in one lease).
 - **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
   (samples that fall out of the window are evicted), asks the Trainer to sync the weights, and
   only then releases the batch's slots and answers: at staleness 0 no prompt is admitted before
@@ -116,38 +117,61 @@ class Driver(Actor[StepDone | GetRoleStats]):
         return self._chunk[1][index % PROMPT_CHUNK]
 
     async def _inject(self) -> None:
+        """Admit prompts as slots free up: every prompt whose slots are free at once goes out in
+        one ``prompts`` put, so the rollout takes them in one lease."""
         n = self.spec.rollout.group_size
         while True:
             start = clock_ns()
             await self.flow.acquire(n)
             self.meter.waited("acquire", start)
-            if self.backlog:
-                index = self.backlog.pop(0)
-            else:
-                index, self.cursor = self.cursor, self.cursor + 1
-            await self._put_prompt(index)
+            indexes = [self._next_index()]
+            while True:
+                try:
+                    self.flow.acquire_nowait(n)
+                except trio.WouldBlock:
+                    break
+                indexes.append(self._next_index())
+            await self._put_prompts(indexes)
+
+    def _next_index(self) -> int:
+        if self.backlog:
+            return self.backlog.pop(0)
+        index, self.cursor = self.cursor, self.cursor + 1
+        return index
 
     async def _put_prompt(self, index: int, group: int | None = None) -> None:
         """Open a rollout group for prompt ``index`` (unless ``group`` is open already) and put
         the prompt that names it."""
+        await self._put_prompts([index], [group])
+
+    async def _put_prompts(
+        self, indexes: list[int], groups: list[int | None] | None = None
+    ) -> None:
+        """Open a rollout group for each prompt (unless its group is open already) and put the
+        prompts that name them, in one put."""
         import torch
 
-        problem = self.problem(index)
-        if group is None:
-            ids = torch.tensor(self.tokenizer.encode(problem.prompt, add_bos=True))
-            slot = await self.client.open_group(
-                S.ROLLOUT, self.spec.rollout.group_size, shared={S.PROMPT_IDS: ids}
-            )
-            group = slot.group_id
-        self.inflight[group] = index
+        problems = [self.problem(index) for index in indexes]
+        opened: list[int] = []
+        for k, problem in enumerate(problems):
+            group = groups[k] if groups is not None else None
+            if group is None:
+                ids = torch.tensor(self.tokenizer.encode(problem.prompt, add_bos=True))
+                slot = await self.client.open_group(
+                    S.ROLLOUT, self.spec.rollout.group_size, shared={S.PROMPT_IDS: ids}
+                )
+                group = slot.group_id
+            self.inflight[group] = indexes[k]
+            opened.append(group)
         data = {
-            S.PROMPT_TEXT: [problem.prompt],
-            S.ANSWER: [problem.answer],
-            S.GROUP: torch.tensor([group]),
-            S.PROMPT_INDEX: torch.tensor([index]),
+            S.PROMPT_TEXT: [p.prompt for p in problems],
+            S.ANSWER: [p.answer for p in problems],
+            S.GROUP: torch.tensor(opened),
+            S.PROMPT_INDEX: torch.tensor(indexes),
         }
-        (sample,) = await self.client.put(S.PROMPTS, data, version=0)
-        self.prompt_samples[sample] = group
+        samples = await self.client.put(S.PROMPTS, data, version=0)
+        for sample, group in zip(samples, opened, strict=True):
+            self.prompt_samples[sample] = group
 
     async def _watch_events(self) -> None:
         since = 0

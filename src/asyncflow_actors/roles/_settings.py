@@ -133,8 +133,10 @@ class TrainSettings:
     """Training: ``steps`` global batches of ``prompts_per_step`` groups, each split into
     ``mini_batches`` optimizer updates (AdamW, ``lr``) repeated ``epochs`` times.
 
-    ``forward_batch``: samples a forward or advantage station takes at a time when stages
-    stream (async); ``checkpoint_every``: save a resumable checkpoint every so many steps
+    ``forward_batch``: the most samples a forward or advantage station takes at a time when
+    stages stream (async): it takes every whole group ready, up to that (default: a global
+    batch), so a station that falls behind catches up in fewer, larger steps instead of paying
+    a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many steps
     (0: never). ``torch_threads``: intra-op threads in every process of the run.
     """
 
@@ -145,7 +147,9 @@ class TrainSettings:
     lr: float = attrs.field(default=5e-4, validator=_positive)
     weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
     max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
-    forward_batch: int = attrs.field(default=16, validator=_positive)
+    forward_batch: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     forward_workers: int = attrs.field(default=1, validator=_positive)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
@@ -187,8 +191,9 @@ class RunSpec:
 
     @property
     def fetch_size(self) -> int:
-        """Samples a forward or advantage station takes at a time."""
+        """The most samples a forward or advantage station takes at a time (whole groups)."""
         if self.stage_barrier:
             return self.batch_size
         n = self.rollout.group_size
-        return max(n, self.train.forward_batch // n * n)
+        most = self.batch_size if self.train.forward_batch is None else self.train.forward_batch
+        return max(n, most // n * n)
