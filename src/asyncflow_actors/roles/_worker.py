@@ -61,10 +61,18 @@ _running: set[threading.Event] = set()  # compute threads of this process not ye
 async def in_thread(fn: Any, *args: Any) -> Any:
     """Run blocking ``fn(*args)`` in a worker thread; a cancellation abandons it safely (the
     thread finishes on its own and nothing reads its result). ``wait_for_threads`` waits for
-    abandoned ones, so a process never exits under a running torch kernel."""
+    abandoned ones, so a process never exits under a running torch kernel. A call cancelled
+    before its thread started is withdrawn: ``fn`` never runs and nothing waits for it."""
     done = threading.Event()
+    lock = threading.Lock()
+    started = withdrawn = False
 
     def call() -> Any:
+        nonlocal started
+        with lock:
+            if withdrawn:
+                return None
+            started = True
         try:
             return fn(*args)
         finally:
@@ -74,7 +82,9 @@ async def in_thread(fn: Any, *args: Any) -> Any:
     try:
         return await trio.to_thread.run_sync(call, abandon_on_cancel=True)
     finally:
-        if done.is_set():
+        with lock:
+            withdrawn = not started
+        if done.is_set() or withdrawn:
             _running.discard(done)
 
 
