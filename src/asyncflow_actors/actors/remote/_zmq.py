@@ -41,9 +41,12 @@ Another task wakes the watcher with ``trio.lowlevel.notify_closing(fd)``, which 
 ``wait_readable`` raise ``ClosedResourceError`` and drops trio's registration of the FD (the next
 ``wait_readable`` registers it again); the watcher tells such a *nudge* from a real close by the
 socket's own closed flag and re-checks as if the FD had fired. A nudge that races with the FD
-firing finds no registered waiter and does nothing, and the watcher returns normally. The
+firing finds no registered waiter and wakes nobody (the watcher returns normally, and the next
+wait registers the FD anew); a task nudged while being cancelled re-checks like any woken task,
+and the cancellation lands at its next park or checkpoint, so no message is lost. The
 alternative, a cancel scope around every wait, costs more than the rest of a park on the path of
-every remote ask, while a nudge is only needed when tasks actually share the socket.
+every remote ask (two per round trip), while a nudge is only needed when tasks actually share
+the socket.
 
 Cancellation semantics are those of ``trio.MemorySendChannel.send``: ``checkpoint_if_cancelled``,
 then the ``NOBLOCK`` attempt, then ``cancel_shielded_checkpoint`` on success; otherwise park (a
