@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import random
+import select
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -327,6 +329,64 @@ async def test_two_receivers_share_a_socket(ctx: zmq.Context[zmq.Socket[bytes]])
                 for i in range(n):
                     await push.send_multipart([str(i).encode()])
     assert sorted(seen) == list(range(n))
+
+
+async def test_wake_nudges_the_fd_watcher_and_the_fd_is_watched_again(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """wake() interrupts the task parked on the FD (not as a close), and the next wait watches
+    the FD again: the nudge drops trio's registration of it."""
+    async with pair(ctx, "inproc://nudge", (zmq.DEALER, zmq.DEALER)) as (a, b):
+        done = False
+        results: list[object] = []
+
+        async def until() -> None:
+            results.append(await a.recv_multipart_until(lambda: done))
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(until)
+                await trio.testing.wait_all_tasks_blocked()
+                a.wake()  # not done yet: it re-checks and parks again
+                await trio.testing.wait_all_tasks_blocked()
+                assert results == []
+                done = True
+                a.wake()
+            assert results == [None]
+
+            async def recv() -> None:
+                results.append(payloads(await a.recv_multipart()))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(recv)
+                await trio.testing.wait_all_tasks_blocked()
+                await b.send_multipart([b"after"])
+        assert results == [None, [b"after"]]
+
+
+async def test_a_send_that_consumes_the_fd_edge_wakes_the_parked_receiver(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The FD fires for a message, then another task's send processes libzmq's commands before
+    the receiver ran: the edge is gone, so only the sender's wake-up can get the message read."""
+    async with pair(ctx, "inproc://edge", (zmq.DEALER, zmq.DEALER)) as (a, b):
+        got: list[list[bytes]] = []
+
+        async def recv() -> None:
+            got.append(payloads(await a.recv_multipart()))
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(recv)
+                await trio.testing.wait_all_tasks_blocked()  # recv watches a's FD
+                b.send_multipart_nowait([b"hello"])  # a's FD fires...
+                # libzmq processes commands on send at most once a millisecond or so: past that,
+                # a's next send processes them (no checkpoint in between: recv cannot run yet)
+                time.sleep(0.01)  # noqa: ASYNC251 (blocking on purpose: no checkpoint)
+                a.send_multipart_nowait([b"out"])
+                fd = a.socket.getsockopt(zmq.FD)
+                assert not select.select([fd], [], [], 0)[0], "the send left the edge in place"
+        assert got == [[b"hello"]]
 
 
 # ---------------------------------------------------------------------------- send tracker

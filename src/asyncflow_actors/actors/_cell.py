@@ -74,7 +74,7 @@ class Reply:
         cell: ActorCell | None = None,
         callback: Callable[[outcome.Outcome[Any]], None] | None = None,
     ) -> None:
-        self._event = trio.Event()
+        self._event: trio.Event | None = None  # made by the first waiter: most replies have none
         self._outcome: outcome.Outcome[Any] | None = None
         self._cell = cell
         self._callback = callback  # run synchronously on resolution (must not raise)
@@ -95,7 +95,8 @@ class Reply:
         if self._outcome is not None:
             return False
         self._outcome = result
-        self._event.set()
+        if self._event is not None:
+            self._event.set()
         if self._cell is not None:
             self._cell.outstanding.discard(self)
         if self._callback is not None:
@@ -103,7 +104,12 @@ class Reply:
         return True
 
     async def wait(self) -> Any:
-        await self._event.wait()
+        if self._outcome is None:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+        else:
+            await trio.lowlevel.checkpoint()
         return self.unwrap()
 
     def unwrap(self) -> Any:

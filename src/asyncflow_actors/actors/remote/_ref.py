@@ -69,18 +69,19 @@ class RemoteActorRef(ActorRef[M]):
         if not accepts:
             return
         if isinstance(accepts, tuple):
-            ok = isinstance(msg, (*accepts, Terminated))
+            if isinstance(msg, (accepts, Terminated)):
+                return
             names = " | ".join(t.__name__ for t in accepts)
         else:
             cls = type(msg)
             registry = self._node.mesh.registry
             register_types(registry, cls)
-            ok = cls in registry and registry.name_of(cls) in accepts
+            if cls in registry and registry.name_of(cls) in accepts:
+                return
             names = " | ".join(sorted(accepts))
-        if not ok:
-            raise MessageTypeError(
-                f"actor {self.name!r} accepts {names}, not {type(msg).__name__}: {msg!r}"
-            )
+        raise MessageTypeError(
+            f"actor {self.name!r} accepts {names}, not {type(msg).__name__}: {msg!r}"
+        )
 
     def _count(self) -> None:
         self._node.sent[self._actor] = self._node.sent.get(self._actor, 0) + 1
@@ -117,8 +118,10 @@ class RemoteActorRef(ActorRef[M]):
     async def ask(self, request: Request[R]) -> R:
         require_request(request)
         self._node.take_rejection(self._actor)
-        link = await self._node.wait_link(self._actor)
-        await link.ensure_target(self._node, self._actor)
+        link = self._node.link
+        if link is None or link.closed is not None or self._actor not in link.credits:
+            link = await self._node.wait_link(self._actor)  # the link's ask is the checkpoint
+            await link.ensure_target(self._node, self._actor)
         self._check(request)
         result: R = await link.ask(self._actor, request)
         self._count()

@@ -92,6 +92,11 @@ class _Served:
     spawner: str | None = None  # the session that spawned it here (None: a local actor)
     windows: dict[bytes, _Window] = attrs.Factory(dict)
     backlog: int = 0  # messages in the inbox or held by the forwarder
+    # credits go back in batches of this many (or piggybacked on a reply before that)
+    credit_batch: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.credit_batch = max(1, self.capacity // 2)
 
 
 def _credit_window(capacity: float) -> int:
@@ -211,18 +216,20 @@ class NodeServer:
     # -- receiving -------------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        recv = self.sock.recv_multipart
+        peers = self.peers
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await recv()
             if len(frames) < 2:
                 self.wire_errors += 1
                 continue
             peer = frames[0].bytes
-            state = self.peers.get(peer)
+            state = peers.get(peer)
             if state is None:
-                state = self.peers[peer] = PeerState(peer, fd=source_fd(frames[1]))
+                state = peers[peer] = PeerState(peer, fd=source_fd(frames[1]))
             state.disconnected_at = None
             self.received += 1
-            self.received_bytes += _nbytes(frames)
+            self.received_bytes += sum([len(f) for f in frames])  # zmq.Frame: its byte size
             try:
                 meta, payload = self._decode(frames[1:])
             except WireError as exc:
@@ -322,9 +329,12 @@ class NodeServer:
                     peer, {"k": P.GONE, "t": target}, P.error_info(error, str(target))
                 )
             return
-        window = self._take(served, peer)
+        window = served.windows.get(peer)
+        if window is None:
+            window = served.windows[peer] = _Window()
+        window.in_flight += 1
         if window.in_flight > served.capacity:  # it ignored its window: refuse, bounded inbox
-            self._untake(served, peer)
+            window.in_flight -= 1
             self.rejected += 1
             refused = P.MessageRejected(f"{served.path!r}: more messages in flight than credits")
             if kind == P.ASK:
@@ -339,22 +349,12 @@ class NodeServer:
             except trio.WouldBlock:
                 pass
             else:
-                self._owe(served, peer, 1)
+                window.owed += 1
+                if window.owed >= served.credit_batch:
+                    self._owe(served, peer, 0)
                 return
         served.backlog += 1
         served.inbox_send.send_nowait((peer, kind, corr, msg))
-
-    def _take(self, served: _Served, peer: bytes) -> _Window:
-        window = served.windows.get(peer)
-        if window is None:
-            window = served.windows[peer] = _Window()
-        window.in_flight += 1
-        return window
-
-    def _untake(self, served: _Served, peer: bytes) -> None:
-        window = served.windows.get(peer)
-        if window is not None:
-            window.in_flight -= 1
 
     async def _forward(self, served: _Served) -> None:
         """Move an actor's backlog into its mailbox in order, waiting while it is full."""
@@ -411,7 +411,7 @@ class NodeServer:
         if window is None:
             return  # that peer's window was dropped (it reconnected or left)
         window.owed += n
-        if window.owed >= max(1, served.capacity // 2):
+        if window.owed >= served.credit_batch:
             meta = {"k": P.CREDIT, "t": served.path, "n": window.owed}
             window.in_flight -= window.owed
             window.owed = 0
@@ -583,4 +583,4 @@ class NodeServer:
 
 
 def _nbytes(frames: Sequence[Any]) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
+    return sum([memoryview(f).nbytes for f in frames])

@@ -166,6 +166,8 @@ class _Encoder:
         t = type(obj)
         if t in _SCALARS:
             return obj
+        if t is bytes and len(obj) < self.threshold:  # type: ignore[arg-type]
+            return obj  # small bytes travel inline (raw_bytes without its views)
         if depth >= MAX_DEPTH:
             raise _PathError(f"nesting deeper than {MAX_DEPTH} levels (or a cycle)", obj)
         if t is list:

@@ -63,19 +63,21 @@ ResolveRef = Callable[[ActorAddress], object]
 
 
 class _Decoder:
-    __slots__ = ("raw", "registry", "resolve", "used", "views")
+    __slots__ = ("meta", "raw", "registry", "resolve", "used", "views")
 
     def __init__(
         self,
         registry: MessageRegistry,
         views: list[memoryview],
-        raw: bool,
+        raw: bool | Callable[[dict[str, Any]], bool],
         resolve: ResolveRef | None,
+        meta: dict[str, Any],
     ) -> None:
         self.registry = registry
         self.views = views
         self.used = [False] * len(views)
-        self.raw = raw
+        self.raw = raw  # a callable is asked at the first tensor: most messages have none
+        self.meta = meta
         self.resolve = resolve
 
     def walk(self, obj: object, depth: int) -> object:
@@ -139,7 +141,10 @@ class _Decoder:
             view, _ = self.data(node[1], None)
             return bytes(view)
         if tag is _TENSOR:
-            if self.raw:
+            raw = self.raw
+            if raw is not True and raw is not False:
+                raw = self.raw = bool(raw(self.meta))
+            if raw:
                 return self.raw_tensor(node[1], node[2], node[3])
             return self.tensor(node[1], node[2], node[3])
         if tag is _NDARRAY:
@@ -365,8 +370,13 @@ def decode(
         meta = meta_obj
         if type(nframes) is not int or nframes != n - 1:
             raise MalformedMessage(f"header announces {nframes!r} data frames; got {n - 1}")
-        raw = raw_tensors(meta_obj) if callable(raw_tensors) else raw_tensors
-        dec = _Decoder(registry, views, raw, resolve)
+        if type(body) in _INLINE:  # a scalar payload (a small reply): nothing to walk
+            if n > 1:
+                raise MalformedMessage(
+                    f"data frames {list(range(1, n))} are not referenced by the body"
+                )
+            return meta_obj, body
+        dec = _Decoder(registry, views, raw_tensors, resolve, meta_obj)
         payload = dec.walk(body, 0)
         if n > 1 and not all(dec.used[1:]):
             unused = [i for i, u in enumerate(dec.used) if i and not u]

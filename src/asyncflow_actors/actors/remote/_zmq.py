@@ -30,12 +30,23 @@ reads ``EVENTS`` only where the rules above need it.
 
 trio allows only one task in ``wait_readable`` per FD (else ``BusyResourceError``), yet a sender
 and a receiver may both need to wait. So the first parked task becomes the *FD watcher* (it calls
-``wait_readable`` inside its own cancel scope); the others park on a ``ParkingLot``. When the FD
-fires, or an operation in another task reveals a relevant change, everyone is woken (the watcher
-by cancelling its scope) and each re-checks; one of them becomes the next watcher. A watcher that
-is cancelled wakes the others so the FD never goes unwatched. :meth:`TrioSocket.wake` does the
-same on demand, for a task that receives on behalf of others while it waits for something that
-may happen without a message (:meth:`TrioSocket.recv_multipart_until`).
+``wait_readable``); the others park on a ``ParkingLot``. When the FD fires, or an operation in
+another task reveals a relevant change, everyone is woken and each re-checks; one of them becomes
+the next watcher. A watcher that is cancelled wakes the others so the FD never goes unwatched.
+:meth:`TrioSocket.wake` does the same on demand, for a task that receives on behalf of others
+while it waits for something that may happen without a message
+(:meth:`TrioSocket.recv_multipart_until`).
+
+Another task wakes the watcher with ``trio.lowlevel.notify_closing(fd)``, which makes its
+``wait_readable`` raise ``ClosedResourceError`` and drops trio's registration of the FD (the next
+``wait_readable`` registers it again); the watcher tells such a *nudge* from a real close by the
+socket's own closed flag and re-checks as if the FD had fired. A nudge that races with the FD
+firing finds no registered waiter and wakes nobody (the watcher returns normally, and the next
+wait registers the FD anew); a task nudged while being cancelled re-checks like any woken task,
+and the cancellation lands at its next park or checkpoint, so no message is lost. The
+alternative, a cancel scope around every wait, costs more than the rest of a park on the path of
+every remote ask (two per round trip), while a nudge is only needed when tasks actually share
+the socket.
 
 Cancellation semantics are those of ``trio.MemorySendChannel.send``: ``checkpoint_if_cancelled``,
 then the ``NOBLOCK`` attempt, then ``cancel_shielded_checkpoint`` on success; otherwise park (a
@@ -159,7 +170,8 @@ class TrioSocket:
         sock.copy_threshold = 0
         self._closed = False
         self._lot = ParkingLot()
-        self._watch: trio.CancelScope | None = None
+        self._watching = False  # a task waits in wait_readable(self._fd) (see _park)
+        self._nudged = False  # wake() has woken that task already
         self._parked_in = 0
         self._parked_out = 0
         self._seen = 0  # EVENTS as the last failed attempt left them (see _run)
@@ -236,8 +248,11 @@ class TrioSocket:
         """Make every task parked on the socket re-check (see :meth:`recv_multipart_until`)."""
         if self._lot:
             self._lot.unpark_all()
-        if self._watch is not None:
-            self._watch.cancel()
+        if self._watching and not self._nudged:
+            # The FD watcher sleeps in wait_readable; this wakes it with ClosedResourceError,
+            # which _park tells apart from a real close (module docstring).
+            self._nudged = True
+            notify_closing(self._fd)
 
     # --------------------------------------------------------------------------------- send
 
@@ -356,25 +371,32 @@ class TrioSocket:
         """Queue one whole message, or return ``None`` with ``_seen`` set (see ``_run``)."""
         if not frames:
             raise ValueError("a message needs at least one frame")
-        sizes = []
+        zero_copy: list[bool | None] = []  # per frame: zero-copy? (None: a zmq.Frame as it is)
         for i, f in enumerate(frames):
-            try:
-                sizes.append(memoryview(cast(Any, f)).nbytes)
-            except TypeError:
-                raise TypeError(
-                    f"frame {i} is a {type(f).__qualname__}: expected bytes, a buffer or zmq.Frame"
-                ) from None
+            if type(f) is bytes:  # the usual small frame: no view needed for its size
+                zero_copy.append(len(f) >= copy_threshold)
+            elif isinstance(f, zmq.Frame):
+                zero_copy.append(None)
+            else:
+                try:
+                    zero_copy.append(memoryview(cast(Any, f)).nbytes >= copy_threshold)
+                except TypeError:
+                    raise TypeError(
+                        f"frame {i} is a {type(f).__qualname__}: expected bytes, a buffer or "
+                        "zmq.Frame"
+                    ) from None
         sock = self._sock
         last = len(frames) - 1
         trackers: list[zmq.MessageTracker] = []
         try:
             for i, f in enumerate(frames):
                 flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
-                if isinstance(f, zmq.Frame):
+                mode = zero_copy[i]
+                if mode is None:
                     tracker = sock.send(f, flags, copy=False)
                     if tracker is not None and not tracker.done:
                         trackers.append(tracker)
-                elif sizes[i] >= copy_threshold:
+                elif mode:
                     trackers.append(sock.send(f, flags, copy=False, track=True))
                 else:
                     sock.send(f, flags)
@@ -431,13 +453,17 @@ class TrioSocket:
         else:
             self._parked_out += 1
         try:
-            if self._watch is None:
+            if not self._watching:
+                self._watching = True
+                self._nudged = False
                 try:
-                    with trio.CancelScope() as scope:
-                        self._watch = scope
-                        await wait_readable(self._fd)
+                    await wait_readable(self._fd)
+                except trio.ClosedResourceError:
+                    if not self._nudged or self._closed:
+                        raise
+                    # woken by wake(): re-check, like after the FD fired
                 finally:
-                    self._watch = None
+                    self._watching = False
                     # Whether the FD fired or this watcher is leaving (cancel, close), the others
                     # must re-check and one must take over the watch.
                     if self._lot:
