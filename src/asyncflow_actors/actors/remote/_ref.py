@@ -75,7 +75,8 @@ class RemoteActorRef(ActorRef[M]):
         else:
             cls = type(msg)
             registry = self._node.mesh.registry
-            register_types(registry, cls)
+            if cls not in registry:  # (a link walks the nested types when it first sends it)
+                register_types(registry, cls)
             if cls in registry and registry.name_of(cls) in accepts:
                 return
             names = " | ".join(sorted(accepts))
