@@ -12,19 +12,17 @@ syncs.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..actors import Actor, ActorContext, ActorRef
+from ..actors import Actor, ActorContext
 from ..checkpoint import SYNC_MESSAGES, PauseAck, PauseMode, SyncMessage, WeightReceiver
 from ..observe import clock_ns
 from . import _schema as S
 from ._messages import AdoptVersion, GetRoleStats
-from ._settings import RunSpec
-from ._shared import shared_policy
+from ._shared import load_policy
 from ._worker import Station, in_thread, take
 
 if TYPE_CHECKING:
@@ -125,32 +123,12 @@ class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
     consumer = "actor_fwd"
     column = S.OLD
 
-    def __init__(
-        self,
-        spec: RunSpec,
-        controller: ActorRef[Any],
-        worker: str,
-        rank: int = 0,
-        ranks: int = 1,
-    ) -> None:
-        super().__init__(spec, controller, worker, rank, ranks)
-
     async def setup(self, ctx: ActorContext[Any]) -> None:
         await super().setup(ctx)
         self.receiver = WeightReceiver(self.copy, load="lazy", name=self.worker)
 
     async def load_model(self) -> tuple[Any, Any]:
-        spec = self.spec
-        if spec.colocated:
-            shared: tuple[Any, Any] = await shared_policy(spec, self.compute, self.task)
-            return shared
-        path = (
-            os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
-        )
-        policy: tuple[Any, Any] = await in_thread(
-            lambda: self.compute.build_policy(spec.model, self.task, path=path)
-        )
-        return policy
+        return await load_policy(self.spec, self.compute, self.task)
 
     async def boundary(self) -> None:
         version = await self.receiver.apply_pending()
@@ -174,13 +152,3 @@ class RefForward(_Forward, Actor[GetRoleStats]):
     role = "ref_fwd"
     consumer = "ref_fwd"
     column = S.REF
-
-    def __init__(
-        self,
-        spec: RunSpec,
-        controller: ActorRef[Any],
-        worker: str,
-        rank: int = 0,
-        ranks: int = 1,
-    ) -> None:
-        super().__init__(spec, controller, worker, rank, ranks)

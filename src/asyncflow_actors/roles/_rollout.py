@@ -31,7 +31,7 @@ from ..observe import clock_ns, get_registry
 from . import _schema as S
 from ._messages import AdoptVersion, GetRoleStats, Score, Scored
 from ._settings import RunSpec
-from ._shared import shared_policy
+from ._shared import load_policy
 from ._worker import Station, column, in_thread, load_compute
 
 if TYPE_CHECKING:
@@ -147,17 +147,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         return rollout.open_torch_engine(model, config)
 
     async def _model(self) -> tuple[Any, Any]:
-        spec = self.spec
-        if spec.colocated:
-            shared: tuple[Any, Any] = await shared_policy(spec, self.compute, self.task)
-            return shared
-        path = (
-            os.path.join(spec.resume_from, self.compute.POLICY_FILE) if spec.resume_from else None
-        )
-        policy: tuple[Any, Any] = await in_thread(
-            lambda: self.compute.build_policy(spec.model, self.task, path=path)
-        )
-        return policy
+        return await load_policy(self.spec, self.compute, self.task)
 
     async def run(self) -> None:
         spec = self.spec

@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from ._settings import RunSpec
+from ._worker import in_thread
 
 _policies: dict[str, tuple[Any, Any]] = {}
 _lock = trio.Lock()
@@ -33,6 +34,18 @@ async def shared_policy(spec: RunSpec, compute: Any, task: Any) -> tuple[Any, An
                 lambda: compute.build_policy(spec.model, task, path=path)
             )
         return _policies[key]
+
+
+async def load_policy(spec: RunSpec, compute: Any, task: Any) -> tuple[Any, Any]:
+    """The policy a station computes with: the process's shared one when colocated, else its
+    own copy, from the resume point or the initial policy (built in a worker thread)."""
+    if spec.colocated:
+        return await shared_policy(spec, compute, task)
+    path = os.path.join(spec.resume_from, compute.POLICY_FILE) if spec.resume_from else None
+    policy: tuple[Any, Any] = await in_thread(
+        lambda: compute.build_policy(spec.model, task, path=path)
+    )
+    return policy
 
 
 def forget_shared_policy(spec: RunSpec) -> None:
