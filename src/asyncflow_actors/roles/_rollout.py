@@ -28,6 +28,7 @@ import trio
 from ..actors import Actor, ActorContext, ActorRef, RemoteError
 from ..checkpoint import SYNC_MESSAGES, PauseAck, PauseMode, SyncMessage, WeightReceiver
 from ..observe import clock_ns, get_registry
+from ..transfer_queue import StorageUnavailable, UnknownSample
 from . import _schema as S
 from ._messages import AdoptVersion, GetRoleStats, Score, Scored
 from ._settings import RunSpec
@@ -297,15 +298,22 @@ def _put_outcome(exc: BaseException) -> str | None:
     re-injects its prompt; or it is full: a crashed predecessor wrote it before its ack), or
     ``None`` (a real error). Errors of the TQ controller in another
     process may arrive as ``RemoteError``s naming their type, possibly in exception groups."""
-    names = {
-        e.type_name.rsplit(":", 1)[-1] if isinstance(e, RemoteError) else type(e).__name__
-        for e in _leaves(exc)
-    }
+    names = {_error_name(e) for e in _leaves(exc)}
     if names <= {"StaleVersionError"}:
         return "stale"
     if names <= {"StaleVersionError", "UnknownSample", "UnknownGroup", "GroupError"}:
         return "gone"  # GroupError: a restarted worker writing a group its predecessor wrote
     return None
+
+
+def _error_name(exc: BaseException) -> str:
+    if isinstance(exc, RemoteError):
+        return exc.type_name.rsplit(":", 1)[-1]
+    if isinstance(exc, StorageUnavailable) and isinstance(exc.__cause__, UnknownSample):
+        # the client's word for a put whose samples were evicted or lost before it committed:
+        # the queue reports them as events, as for a put the controller refused
+        return "UnknownSample"
+    return type(exc).__name__
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
