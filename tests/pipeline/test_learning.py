@@ -25,12 +25,24 @@ TASK = AdditionTask(min_digits=2, max_digits=2)
 
 
 def held_out_reward(model: TinyDecoder) -> float:
+    """Mean reward of 4 sampled responses to each of 512 held-out problems (fixed seeds): one
+    response each had a sampling noise of about 0.01, as large as the effect measured."""
     tokenizer = CharTokenizer(TASK.alphabet)
-    generator = torch.Generator().manual_seed(123)
     problems = TASK.sample(512, seed=777)
-    return evaluate(
-        model, TASK, tokenizer, problems, SamplingParams(5), generator=generator
-    ).mean_reward
+    return (
+        sum(
+            evaluate(
+                model,
+                TASK,
+                tokenizer,
+                problems,
+                SamplingParams(5),
+                generator=torch.Generator().manual_seed(123 + seed),
+            ).mean_reward
+            for seed in range(4)
+        )
+        / 4
+    )
 
 
 def config(init: Path, run_dir: Path, *, shuffle: bool) -> PipelineConfig:
@@ -47,7 +59,7 @@ def config(init: Path, run_dir: Path, *, shuffle: bool) -> PipelineConfig:
             "train": {
                 "steps": 40,
                 "prompts_per_step": 16,
-                "lr": 5e-4,
+                "lr": 2e-4,
                 "checkpoint_every": 40,
                 "shuffle_rewards": shuffle,
             },
@@ -77,10 +89,10 @@ async def test_async_grpo_raises_reward_and_a_shuffled_control_does_not(tmp_path
         assert result.samples == 40 * 16 * 8
         trained = load_model(os.path.join(result.checkpoints[-1], "policy.safetensors"))
         after[shuffle] = held_out_reward(trained)
-    # 512 held-out problems, the same sampling seed before and after. Rollout timing varies
-    # which samples train at which version, so the gain varies between runs: after 20 steps it
-    # ranged +0.008..+0.047 (two runs fell under the bar, one of them in CI), after 40 steps four
-    # runs on a loaded 2-core machine (two at a time) gave +0.043..+0.069 and the control
-    # 0.018..0.113 (from 0.282).
-    assert after[False] - before >= 0.015, (before, after)
-    assert after[False] - after[True] >= 0.05, (before, after)
+    # Why lr 2e-4 and not the default 5e-4: with 128 samples a step, Adam's steps at 5e-4 are
+    # dominated by the policy gradient's noise on this model. A plain single-loop GRPO (no
+    # pipeline) from this start gained +0.009 +- 0.030 in 40 steps at 5e-4 (4 seeds), so a gain
+    # bar failed now and then whatever the pipeline did; at 2e-4 it gained +0.059 +- 0.006, and
+    # three pipeline runs gained +0.056..+0.070 with the control at 0.14..0.21 (from 0.293).
+    assert after[False] - before >= 0.03, (before, after)
+    assert after[False] - after[True] >= 0.08, (before, after)
