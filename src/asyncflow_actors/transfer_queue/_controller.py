@@ -32,7 +32,7 @@ from ._delivery import Delivered, Delivery
 from ._errors import TransferQueueError, UnknownSample
 from ._located import Locations
 from ._recovery import Recovery, UnitSeen
-from ._results import GroupSlot, Lease, Update
+from ._results import Allocation, GroupSlot, Lease, Update
 from ._runtime import Actor, ActorContext, ActorRef, Reply, Request
 from ._spec import TopicSpec
 from ._state import ControllerState
@@ -77,6 +77,14 @@ class _Tick:
     """Self-message from the timer: expire what is due."""
 
 
+@attrs.frozen
+class _Allocated:
+    """An allocation granted to a put (``group``: the open group it joined, if any)."""
+
+    allocation: Allocation
+    group: int | None
+
+
 @attrs.define(eq=False)
 class _WaitingPut:
     msg: M.Allocate | M.OpenGroup
@@ -97,7 +105,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         self.claims = ClaimQueues()
         self.granted: dict[int, int] = {}  # claim id -> lease id, until the lease ends
         self.granted_by_lease: dict[int, int] = {}
-        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> Allocation | slot
+        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> _Allocated | slot
         self.waiters = EventWaiters(shared.log)
         self.evicted_groups = 0
         self.lost_samples = 0
@@ -274,7 +282,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         # every unit keeps the watermarks: a rebuild must never reuse an index, even if the
         # unit that held the newest samples is gone
         self._records(msg.topic)
-        self._granted(msg.put_id, allocation)
+        self._granted(msg.put_id, _Allocated(allocation, msg.group))
         self._write_deadline(msg.topic, now)
         self._kick(msg.topic, puts=False)
         units = set(allocation.units)
@@ -312,15 +320,21 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         for unit, located in msg.located.items():
             self.locations.add(msg.topic, unit, located)
         if msg.new:
+            granted = self.granted_puts.pop(msg.put_id, None)
+            if isinstance(granted, _Allocated) and granted.allocation.indexes == msg.indexes:
+                # placed as allocated (no lookup); only an explicit group has a record to send
+                pairs: Any = zip(msg.indexes, granted.allocation.units, strict=True)
+                gids: Any = () if granted.group is None else (granted.group,)
+            else:  # allocated by an earlier incarnation
+                where = state.locate(msg.topic, msg.indexes)
+                pairs = ((index, unit) for index, (_, unit) in where.items())
+                gids = {gid for gid, _ in where.values()}
             placed: dict[str, list[int]] = {}
-            gids = set()
-            for index, (gid, unit) in state.locate(msg.topic, msg.indexes).items():
+            for index, unit in pairs:
                 placed.setdefault(unit, []).append(index)
-                gids.add(gid)
             for unit, indexes in placed.items():
                 self._to_unit(unit, U.Committed(msg.topic, indexes))
             self._group_infos(msg.topic, gids)
-            self.granted_puts.pop(msg.put_id, None)
             self.shared.remember(msg.put_id, None)
         self._kick(msg.topic)
 
@@ -343,7 +357,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
                 pass  # already used or gone
             self._kick(topic)
         else:  # allocated, but the writer never saw the indexes
-            self._discard(state, M.Discard(granted.topic, granted.indexes, missing_ok=True))
+            allocation = granted.allocation
+            self._discard(state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True))
 
     def _retry_puts(self, topic: str) -> None:
         state = self.state
