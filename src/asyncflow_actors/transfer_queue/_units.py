@@ -86,6 +86,7 @@ class Outbox:
         items = self.items.pop(unit, [])
         self._count(items, -1)
         self.taken[unit] = self.queued.get(unit, 0)
+        self.free.pop(unit, None)
         segments = [i.segment for i in items if isinstance(i, Store) and i.segment]
         if segments:
             self.orphans.setdefault(unit, []).extend(segments)
