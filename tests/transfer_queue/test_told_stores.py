@@ -9,6 +9,9 @@ that passes was not served by the linger running out.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 import trio
@@ -109,3 +112,38 @@ async def test_a_told_put_survives_a_controller_restart_before_the_unit_took_it(
         await remote.flush()
         (unit,) = (await remote.statistics()).units.values()
         assert unit is not None and (unit.stores, unit.samples) == (1, 0)
+
+
+async def test_a_lease_held_for_a_told_put_goes_out_when_its_unit_is_lost() -> None:
+    config = tq.TransferQueueConfig(
+        topics=(SPEC,),
+        units=1,
+        placement="process",
+        shm_min_bytes=64 * 1024,
+        unit_check_interval=0.2,
+        unit_timeout=1.0,
+    )
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        queue.shared.flush_linger = 30.0
+        writer, remote = await queue.client(), await queue.client()
+        remote.io.shm_min_bytes = None
+        indexes = await writer.put("rollout", {"tokens": tokens(4)}, version=0)
+        pid = (await queue.unit_pids())["unit-0"]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # the unit never takes the told store
+        with trio.fail_after(15):  # the held lease is answered once the loss is known
+            try:
+                got = await remote.get("rollout", "trainer", ["tokens"], 8, wait=False)
+            except tq.StorageUnavailable:
+                got = None  # leased before the loss was noticed: its fetch failed
+            assert got is None
+            lost: set[int] = set()
+            cursor = 0
+            while not set(indexes) <= lost:  # and the samples are reported lost, exactly
+                batch = await writer.events(cursor)
+                cursor = batch.cursor
+                lost.update(i for e in batch.events if e.kind == "lost" for i in e.indexes)
+        assert lost == set(indexes)
