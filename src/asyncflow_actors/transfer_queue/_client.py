@@ -141,6 +141,7 @@ class TransferQueueClient:
             placed: M.Placed = await self._waiting(alloc, M.CancelPut(put_id))
             allocation = placed.allocation
             self.incarnations.update(placed.incarnations)
+            self.io.hint(placed.incarnations, placed.free)
             positions: dict[str, list[int]] = {}
             for position, unit in enumerate(allocation.units):
                 positions.setdefault(unit, []).append(position)
@@ -154,12 +155,20 @@ class TransferQueueClient:
                     versions=[version] * n,
                     group_ids=allocation.group_ids,
                     lengths=lens if lens is not None else [1] * n,
+                    tell=True,
                 )
-                located = {u: where for u, where in stored.items() if where is not None}
+                located = {u: where for u, (where, _) in stored.items() if where is not None}
+                told = {u: store for u, (_, store) in stored.items() if store is not None}
                 commit = M.Commit(
-                    topic, allocation.indexes, prepared.sizes, put_id, new=True, located=located
-                )
-                await self._ask(commit)
+                    topic, allocation.indexes, prepared.sizes, put_id, new=True,
+                    located=located, stores=told,
+                )  # fmt: skip
+                try:
+                    await self._ask(commit)
+                except TransferQueueError as exc:
+                    if not isinstance(exc, ControllerUnavailable):  # refused: nobody takes them
+                        self.io.unlink([store.segment for store in told.values()])
+                    raise
                 return allocation.indexes
             except UnknownSample as exc:
                 await self._undo_put(topic, allocation.indexes, put_id, positions)
@@ -201,6 +210,7 @@ class TransferQueueClient:
             raise SchemaError(f"{prepared.n} rows for a lease of {len(lease.indexes)} samples")
         where = {index: k for k, index in enumerate(lease.indexes)}
         positions = {unit: [where[i] for i in indexes] for unit, indexes in lease.placement.items()}
+        await self._ask(M.AwaitStores(tuple(positions)))  # the units heard of these samples
         await self.io.store(
             lease.topic,
             self.incarnations,
@@ -282,7 +292,7 @@ class TransferQueueClient:
         claim_id = next(_request_ids)
         claim = M.Claim(
             topic, consumer, tuple(columns), count, self.holder, claim_id, sampler,
-            min_count, share_key, share_count, wait,
+            min_count, share_key, share_count, wait, self.io.mapped(self.incarnations),
         )  # fmt: skip
         leased: M.Leased | None = await self._waiting(claim, M.CancelClaim(claim_id))
         if leased is None:

@@ -28,10 +28,11 @@ import trio
 from . import _messages as M
 from . import _unit_messages as U
 from . import _units
+from ._delivery import Delivered, Delivery
 from ._errors import TransferQueueError, UnknownSample
 from ._located import Locations
 from ._recovery import Recovery, UnitSeen
-from ._results import GroupSlot, Lease, Update
+from ._results import Allocation, GroupSlot, Lease, Update
 from ._runtime import Actor, ActorContext, ActorRef, Reply, Request
 from ._spec import TopicSpec
 from ._state import ControllerState
@@ -77,8 +78,11 @@ class _Tick:
 
 
 @attrs.frozen
-class _Delivered:
-    """Self-message from the flusher: units took deletions, so waiting puts may fit now."""
+class _Allocated:
+    """An allocation granted to a put (``group``: the open group it joined, if any)."""
+
+    allocation: Allocation
+    group: int | None
 
 
 @attrs.define(eq=False)
@@ -87,7 +91,8 @@ class _WaitingPut:
     reply: Reply
 
 
-class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | UnitSeen]):
+# (Delivery before Recovery: Recovery only declares the ``_to_unit`` that Delivery defines)
+class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -100,7 +105,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         self.claims = ClaimQueues()
         self.granted: dict[int, int] = {}  # claim id -> lease id, until the lease ends
         self.granted_by_lease: dict[int, int] = {}
-        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> Allocation | slot
+        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> _Allocated | slot
         self.waiters = EventWaiters(shared.log)
         self.evicted_groups = 0
         self.lost_samples = 0
@@ -112,6 +117,7 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
         self.flush_now = trio.Event()
         self.flush_waiters: list[Reply] = []
+        self.store_waits = _units.StoreWaits()  # replies held until units took told stores
         self.locations = Locations()  # rows put through shared memory (see ``_located``)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -199,7 +205,8 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         elif isinstance(msg, M.ReleaseHolder):
             self._apply(state.release_holder(msg.holder))
             self._kick_all()
-        elif isinstance(msg, _Delivered):
+        elif isinstance(msg, Delivered):
+            self._stores_taken(state)
             for topic in list(self.puts):
                 self._retry_puts(topic)
         elif isinstance(msg, _Tick):
@@ -223,6 +230,10 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
             return self._statistics(state)
         elif isinstance(msg, M.CheckUnits):
             self.check_now.set()
+        elif isinstance(msg, M.AwaitStores):
+            marks = self.store_waits.marks(self.shared.outbox, msg.units)
+            if marks:
+                self._hold(marks, ctx.defer_reply(), None)
         elif isinstance(msg, M.Flushed) and len(self.shared.outbox):
             self.flush_waiters.append(ctx.defer_reply())  # answered once it is empty
             self.flush_now.set()
@@ -271,10 +282,13 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
         # every unit keeps the watermarks: a rebuild must never reuse an index, even if the
         # unit that held the newest samples is gone
         self._records(msg.topic)
-        self._granted(msg.put_id, allocation)
+        self._granted(msg.put_id, _Allocated(allocation, msg.group))
         self._write_deadline(msg.topic, now)
         self._kick(msg.topic, puts=False)
-        return M.Placed(allocation, self._incarnations(set(allocation.units)))
+        units = set(allocation.units)
+        free = self.shared.outbox.free
+        hints = {u: free[u] for u in units if free.get(u)}
+        return M.Placed(allocation, self._incarnations(units), hints)
 
     def _fits(self, state: ControllerState, topic: str, size: int) -> bool:
         """Whether ``size`` slots fit now: the capacity counts live samples, reserved group
@@ -294,21 +308,33 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
     def _commit(self, msg: M.Commit, state: ControllerState) -> None:
         if msg.put_id and msg.put_id in self.shared.done:
             return  # a retry: the first commit went through
+        known = self.shared.known
+        for unit, store in msg.stores.items():
+            if unit not in self.shared.units or known.get(unit) != store.incarnation:
+                raise UnknownSample(msg.topic, store.indexes)  # that incarnation is gone
         state.commit_write(msg.topic, msg.indexes, msg.columns)
+        for unit, store in msg.stores.items():  # before its Committed and any Delete
+            self._to_unit(unit, store)
         if not msg.new:
             self.locations.drop(msg.topic, msg.indexes)  # rewritten cells lie elsewhere now
         for unit, located in msg.located.items():
             self.locations.add(msg.topic, unit, located)
         if msg.new:
+            granted = self.granted_puts.pop(msg.put_id, None)
+            if isinstance(granted, _Allocated) and granted.allocation.indexes == msg.indexes:
+                # placed as allocated (no lookup); only an explicit group has a record to send
+                pairs: Any = zip(msg.indexes, granted.allocation.units, strict=True)
+                gids: Any = () if granted.group is None else (granted.group,)
+            else:  # allocated by an earlier incarnation
+                where = state.locate(msg.topic, msg.indexes)
+                pairs = ((index, unit) for index, (_, unit) in where.items())
+                gids = {gid for gid, _ in where.values()}
             placed: dict[str, list[int]] = {}
-            gids = set()
-            for index, (gid, unit) in state.locate(msg.topic, msg.indexes).items():
+            for index, unit in pairs:
                 placed.setdefault(unit, []).append(index)
-                gids.add(gid)
             for unit, indexes in placed.items():
                 self._to_unit(unit, U.Committed(msg.topic, indexes))
             self._group_infos(msg.topic, gids)
-            self.granted_puts.pop(msg.put_id, None)
             self.shared.remember(msg.put_id, None)
         self._kick(msg.topic)
 
@@ -331,7 +357,8 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
                 pass  # already used or gone
             self._kick(topic)
         else:  # allocated, but the writer never saw the indexes
-            self._discard(state, M.Discard(granted.topic, granted.indexes, missing_ok=True))
+            allocation = granted.allocation
+            self._discard(state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True))
 
     def _retry_puts(self, topic: str) -> None:
         state = self.state
@@ -351,10 +378,22 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
 
     def _claim(self, msg: M.Claim, ctx: ActorContext[Any], state: ControllerState) -> Any:
         leased = self._try_claim(state, msg)
-        if leased is not None or not msg.wait:
-            return leased
+        if leased is not None:
+            marks = self._store_marks(msg, leased)
+            if not marks:
+                return leased
+            self._hold(marks, ctx.defer_reply(), leased)
+            return None
+        if not msg.wait:
+            return None
         self.claims.add(WaitingClaim(msg, ctx.defer_reply()), state.changes(msg.topic))
         return None
+
+    def _store_marks(self, msg: M.Claim, leased: M.Leased) -> dict[str, int]:
+        """The told stores to wait for before the claimant may ask the units of its lease:
+        none for units whose rows it maps from shared memory without asking."""
+        units = [u for u in leased.lease.placement if u not in leased.located or u not in msg.maps]
+        return self.store_waits.marks(self.shared.outbox, units)
 
     def _try_claim(self, state: ControllerState, msg: M.Claim) -> M.Leased | None:
         lease = state.claim(
@@ -402,7 +441,10 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
                 return True
             if leased is None:
                 return False
-            if not waiting.reply.send(leased):  # the claimant is gone: give the samples back
+            marks = self._store_marks(waiting.msg, leased)
+            if marks:
+                self._hold(marks, waiting.reply, leased)
+            elif not waiting.reply.send(leased):  # the claimant is gone: give the samples back
                 self._apply(state.nack(leased.lease.id))
             return True
 
@@ -475,15 +517,6 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
             if claim_id is not None:
                 self.granted.pop(claim_id, None)
 
-    def _to_unit(self, unit: str, item: Any) -> None:
-        """Queue bookkeeping for a unit; the flusher delivers it (kept until taken)."""
-        if unit not in self.shared.units or self.shared.known.get(unit) is None:
-            return  # the unit is down: its loss covers what this item described
-        self.shared.outbox.put(unit, item)
-        self.outbox_wake.set()
-        if isinstance(item, U.Delete) and self.puts.get(item.topic):
-            self.flush_now.set()  # puts wait for these slots: no lingering
-
     def _group_infos(self, topic: str, gids: Any) -> None:
         """Send explicit groups' records (absolute values) to their units."""
         assert self.state is not None
@@ -555,32 +588,6 @@ class Controller(Recovery, Actor[M.ControllerMessage | _Tick | _Delivered | Unit
                 await self.timer_wake.wait()
                 continue
             await ctx.self.send(_Tick())
-
-    async def _flusher(self, ctx: ActorContext[Any]) -> None:
-        """Deliver bookkeeping to the units: ``flush_linger`` after it is queued, so that what
-        many operations queue travels together (every message to a unit process costs the data
-        path on the client's host: one per linger, not one per operation), and at once when
-        someone waits for it (``flush()``, a put waiting for the slots deletes free)."""
-        shared = self.shared
-        while True:
-            await self.outbox_wake.wait()
-            with trio.move_on_after(shared.flush_linger):
-                await self.flush_now.wait()
-            self.outbox_wake = trio.Event()
-            self.flush_now = trio.Event()
-            deleting = sum(shared.outbox.deleting.values())
-            failed = await shared.outbox.flush(shared.units, shared.known, shared.unit_timeout)
-            if sum(shared.outbox.deleting.values()) < deleting and any(self.puts.values()):
-                await ctx.self.send(_Delivered())
-            if not len(shared.outbox):
-                waiters, self.flush_waiters = self.flush_waiters, []
-                for reply in waiters:
-                    reply.send(None)
-            if failed:  # gone, restarted or slow: look at them, and try again in a while
-                self.check_now.set()
-                with trio.move_on_after(shared.unit_check_interval):
-                    await trio.sleep_forever()
-                self.outbox_wake.set()
 
 
 def _slots(msg: M.Allocate | M.OpenGroup) -> int:

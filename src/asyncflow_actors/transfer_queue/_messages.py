@@ -13,7 +13,7 @@ from ._runtime import ActorRef, Request
 from ._samplers import FIFO, Sampler
 from ._spec import TopicSpec
 from ._stats import StateStatistics
-from ._unit_messages import ShmBody
+from ._unit_messages import FreeSegment, ShmBody, Store
 
 
 @attrs.frozen
@@ -82,10 +82,13 @@ class Topology:
 
 @attrs.frozen
 class Placed:
-    """An allocation and the incarnation of each unit it places samples on (stores name it)."""
+    """An allocation and the incarnation of each unit it places samples on (stores name it);
+    ``free``: the free segments those units last reported (a writer on their host may claim
+    one instead of creating a segment, see ``_pool``)."""
 
     allocation: Allocation
     incarnations: dict[str, str]
+    free: dict[str, tuple[FreeSegment, ...]] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -140,7 +143,9 @@ class Commit(Request[None]):
     """The bytes of these cells are stored: mark them present (``columns``: nbytes per index,
     or one for all). ``new``: the first write of new samples (a put, not ``put_columns``).
     ``put_id`` makes a retry after a controller restart harmless. ``located``: per unit,
-    where the rows the put stored through shared memory lie (see ``_located``)."""
+    where the rows the put stored through shared memory lie (see ``_located``). ``stores``:
+    per unit, the ``Store`` of rows the writer put in a shared-memory segment without asking
+    the unit: the controller tells the unit (in order with the rest of its bookkeeping)."""
 
     topic: str
     indexes: tuple[int, ...]
@@ -148,6 +153,7 @@ class Commit(Request[None]):
     put_id: int = 0
     new: bool = False
     located: dict[str, Located] = attrs.Factory(dict)
+    stores: dict[str, Store] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -172,6 +178,7 @@ class Claim(Request["Leased | None"]):
     share_key: Hashable | None = None
     share_count: int = 1
     wait: bool = True
+    maps: tuple[str, ...] = ()  # units whose segments the claimant maps (it is on their host)
 
 
 @attrs.frozen
@@ -261,6 +268,14 @@ class Flushed(Request[None]):
 
 
 @attrs.frozen
+class AwaitStores(Request[None]):
+    """Reply once ``units`` have taken every put told to them so far (or were declared lost):
+    a writer of columns to samples it leased asks this before it asks those units."""
+
+    units: tuple[str, ...]
+
+
+@attrs.frozen
 class CheckUnits(Request[None]):
     """Check now that every storage unit is alive and unchanged (a client saw it fail)."""
 
@@ -286,6 +301,7 @@ ControllerMessage = (
     | CancelWait
     | GetControllerStatistics
     | Flushed
+    | AwaitStores
     | CheckUnits
     # not sent on their own: named so a node registers them at the top level (deterministic)
     | Located

@@ -62,9 +62,9 @@ class SegmentPool:
                 self.recycled += 1
             del self.draining[name]
 
-    def hints(self) -> tuple[FreeSegment, ...]:
+    def hints(self, limit: int = MAX_HINTS) -> tuple[FreeSegment, ...]:
         """Free segments for writers to claim, the most recently freed first."""
-        newest = sorted(self.free.items(), key=lambda item: -item[1][1])[:MAX_HINTS]
+        newest = sorted(self.free.items(), key=lambda item: -item[1][1])[:limit]
         return tuple(FreeSegment(name, size) for name, (size, _) in newest)
 
     def taken(self, free: str) -> None:

@@ -121,6 +121,9 @@ class Recovery:
         if token is not None:  # a fresh, empty incarnation: give it the watermarks again
             for info in self.shared.watermarks.values():
                 self._to_unit(unit, info)
+            orphans = self.shared.outbox.orphans.pop(unit, None)
+            if orphans:  # and the segments of told stores its predecessor never took
+                self._to_unit(unit, U.Unlink(orphans))
 
     def _unit_seen(self, state: ControllerState, msg: UnitSeen) -> None:
         known = self.shared.known

@@ -9,6 +9,7 @@ shared-memory segments. Bad requests raise :class:`UnitError` and change nothing
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from ._unit_messages import (
     UnitInventory,
     UnitSample,
 )
+
+log = logging.getLogger("asyncflow_actors.transfer_queue")
 
 MAP_GRACE = 30.0  # seconds a reader has to map a segment it was handed (compaction waits)
 
@@ -177,9 +180,13 @@ class Shelf:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def apply(self, item: Delete | MarkConsumed | Committed | GroupInfo | TopicInfo) -> None:
+    def apply(
+        self, item: Delete | MarkConsumed | Committed | GroupInfo | TopicInfo | Store
+    ) -> None:
         """One item of the controller's bookkeeping (each is idempotent)."""
-        if isinstance(item, Delete):
+        if isinstance(item, Store):
+            self.store_told(item)
+        elif isinstance(item, Delete):
             self.delete(item)
         elif isinstance(item, MarkConsumed):
             samples = self.samples.get(item.topic, {})
@@ -197,6 +204,17 @@ class Shelf:
             self.groups.setdefault(item.topic, {})[item.group_id] = (item.size, item.committed)
         else:
             self.watermark(item)
+
+    def store_told(self, msg: Store) -> None:
+        """A put told through the controller (its segment written and committed before the
+        unit heard of it). Delivered again after a controller restart, it finds its segment
+        taken already (or, once its rows went, gone): nothing to do then."""
+        if msg.segment in self.segments:
+            return
+        try:
+            self.store(msg)
+        except UnitError as exc:  # its segment is gone: the rows were stored and freed since
+            log.info("unit %s: told store of %s skipped: %s", self.name, msg.indexes[:8], exc)
 
     def watermark(self, info: TopicInfo) -> None:
         old = self.topic_info.get(info.topic)

@@ -41,10 +41,13 @@ from ._unit_messages import (
     TopicInfo,
     UnitBatch,
     UnitError,
+    Unlink,
 )
 
 ORPHAN_AGE = 60.0  # default: a segment not handed over after this long lost its writer
 POOL_BYTES = 256 << 20  # default: freed segments kept for reuse (see ``_pool``)
+BATCH_HINTS = 64  # free segments named to the controller, which passes them on to writers
+# whose stores it tells (one list per bookkeeping flush must last until the next)
 
 
 class StorageUnit(Actor[StorageMessage]):
@@ -110,9 +113,12 @@ class StorageUnit(Actor[StorageMessage]):
                 shelf.pool.drain()
                 shelf.pool.expire(self.orphan_age)
                 keep += [*shelf.pool.free, *shelf.pool.draining]
-            if shelf.prefix is not None:
+            if shelf.prefix is not None:  # the whole namespace: a segment written for an
+                # earlier incarnation (its writer did not know it restarted) is an orphan too
                 _shm.sweep(
-                    shelf.prefix, keep=[*keep, shelf.prefix + "probe"], older_than=self.orphan_age
+                    self.namespace,
+                    keep=[*keep, shelf.prefix + "probe"],
+                    older_than=self.orphan_age,
                 )
 
     async def receive(self, msg: StorageMessage, ctx: ActorContext[StorageMessage]) -> Any:
@@ -123,9 +129,12 @@ class StorageUnit(Actor[StorageMessage]):
                 ctx.reply_error(exc)
             return None
 
+    def _ours(self, segment: str) -> bool:
+        return bool(segment and self.namespace and segment.startswith(self.namespace))
+
     def _check(self, incarnation: str, segment: str = "") -> None:
         if incarnation != self.token:
-            if segment and self.namespace and segment.startswith(self.namespace):
+            if self._ours(segment):
                 _shm.unlink(segment)  # meant for an earlier incarnation: nobody will take it
             raise IncarnationMismatch(
                 f"unit {self.name!r} is incarnation {self.token}, not {incarnation}: it "
@@ -146,11 +155,20 @@ class StorageUnit(Actor[StorageMessage]):
                 for item in msg.items:  # watermarks hold for every incarnation
                     if isinstance(item, TopicInfo):
                         shelf.watermark(item)
+                    elif isinstance(item, Store) and self._ours(item.segment):
+                        _shm.unlink(item.segment)  # told for an earlier incarnation: unlink
                 self._check(msg.incarnation)
             for item in msg.items:
-                shelf.apply(item)
+                if isinstance(item, Unlink):
+                    for name in item.segments:
+                        if self._ours(name) and name not in shelf.segments:
+                            _shm.unlink(name)
+                else:
+                    shelf.apply(item)
             if shelf.pool is not None:
                 shelf.pool.drain()
+                return Stored(shelf.pool.hints(BATCH_HINTS))
+            return Stored()
         elif isinstance(msg, StoreShared):
             self._check(msg.incarnation)
             shelf.store_shared(msg)

@@ -37,11 +37,14 @@ from ._unit_messages import (
 )
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
+TELL_BYTES = THREAD_BYTES  # smaller new puts through shared memory are told, not asked
 
 # unit incarnation token -> its segment prefix if this process can map it (shared by clients)
 _prefixes: dict[str, str | None] = {}
 # segment prefix (a unit incarnation) -> free segments of its pool, as its last reply named them
 _free: dict[str, list[FreeSegment]] = {}
+_hinted: dict[str, tuple[FreeSegment, ...]] = {}  # prefix -> the free segments the controller
+# named last (told stores get no reply: the controller passes on the units' lists)
 
 
 class UnitIO:
@@ -136,12 +139,16 @@ class UnitIO:
         group_ids: Sequence[int] = (),
         lengths: Sequence[int] = (),
         create: bool = True,
-    ) -> dict[str, Located | None]:
+        tell: bool = False,
+    ) -> dict[str, tuple[Located | None, Store | None]]:
         """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit;
-        per unit, where new samples stored through shared memory lie (``None``: not there)."""
+        per unit, where new samples stored through shared memory lie (``None``: not there),
+        and, with ``tell``, the ``Store`` of a segment under ``TELL_BYTES`` written for the
+        unit but not sent: the caller's commit hands it to the controller, which tells the
+        unit (one round trip less; ``None``: the unit was asked)."""
 
         def make(unit: str) -> Callable[[], Any]:
-            async def one() -> Located | None:
+            async def one() -> tuple[Located | None, Store | None]:
                 where = positions[unit]
                 part = {name: take(value, where) for name, value in columns.items()}
                 msg = Store(
@@ -157,13 +164,16 @@ class UnitIO:
                 prefix = await self._prefix(unit, msg.incarnation)
                 segment = ""
                 located = None
-                if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
+                payload = _payload(part)
+                if prefix is not None and payload >= (self.shm_min_bytes or 0):
                     segment, part, reused = await self._to_segment(prefix, part)
                     located = locate(msg.indexes, segment, part) if create else None
                     msg = Store(
                         msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
                         msg.lengths, part, segment, create, reused,
                     )  # fmt: skip
+                    if tell and create and payload < TELL_BYTES:
+                        return located, msg
                 try:
                     stored: Stored = await self._ask(unit, msg)
                 except BaseException:
@@ -172,7 +182,7 @@ class UnitIO:
                     raise
                 if prefix is not None:
                     _free[prefix] = list(stored.free)
-                return located
+                return located, None
 
             return one
 
@@ -211,6 +221,28 @@ class UnitIO:
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
     ) -> None:
         await self._ask(unit, StoreShared(topic, incarnation, group_id, dict(columns)))
+
+    @staticmethod
+    def hint(incarnations: Mapping[str, str], free: Mapping[str, Sequence[FreeSegment]]) -> None:
+        """Free segments of units as the controller last heard of them: claimable again when
+        they changed since (the ones tried are struck off until then)."""
+        for unit, hints in free.items():
+            prefix = _prefixes.get(incarnations.get(unit, ""))
+            if prefix and _hinted.get(prefix) != hints:
+                _hinted[prefix] = tuple(hints)
+                _free[prefix] = list(hints)
+
+    @staticmethod
+    def unlink(segments: Sequence[str]) -> None:
+        """Remove segments written for told stores that no unit will take."""
+        for name in segments:
+            _shm.unlink(name)
+
+    def mapped(self, incarnations: Mapping[str, str]) -> tuple[str, ...]:
+        """The units (of ``incarnations``) whose segments this client is known to map."""
+        if self.shm_min_bytes is None:
+            return ()
+        return tuple(u for u, inc in incarnations.items() if _prefixes.get(inc))
 
     def forget(
         self, topic: str, parts: Mapping[str, list[int]], group_ids: Sequence[int] = ()

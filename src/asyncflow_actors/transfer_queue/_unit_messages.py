@@ -163,12 +163,25 @@ class GroupInfo:
 
 
 @attrs.frozen
-class UnitBatch(Request[None]):
+class Unlink:
+    """Segments written for told stores that an earlier incarnation of this unit never took (it
+    was lost before they reached it): nobody will take them, unlink them."""
+
+    segments: list[str]
+
+
+@attrs.frozen
+class UnitBatch(Request[Stored]):
     """The controller's bookkeeping for incarnation ``incarnation``, applied in order; replied
-    to once applied (the controller keeps the items until then). Every item is idempotent."""
+    to once applied (the controller keeps the items until then). Every item is idempotent.
+
+    A ``Store`` item is a put a writer on the unit's host handed over in a shared-memory
+    segment and committed through the controller (told, not asked: see ``_client``); applied
+    again, or after its segment went, it changes nothing. The reply names the unit's free
+    segments (the controller passes them on to writers with their placements)."""
 
     incarnation: str
-    items: list[Delete | MarkConsumed | Committed | GroupInfo | TopicInfo]
+    items: list[Delete | MarkConsumed | Committed | GroupInfo | TopicInfo | Store | Unlink]
 
 
 @attrs.frozen
@@ -272,6 +285,7 @@ StorageMessage = (
     | Committed
     | TopicInfo
     | GroupInfo
+    | Unlink
     | UnitSample
     | UnitGroup
     | UnitInventory

@@ -7,20 +7,30 @@ next incarnation sends them again (every item is idempotent) before it reads the
 Items are addressed to one unit incarnation; a unit that restarted refuses them, and its items
 are dropped with its loss. The outbox counts, per topic, the samples whose deletion a unit has
 not taken yet: the controller keeps their slots occupied until then, so a topic's capacity
-bounds the rows its units really hold, however far the bookkeeping lags behind.
+bounds the rows its units really hold, however far the bookkeeping lags behind. It also
+numbers each unit's items, so that a reader who must fetch from a unit can wait until the unit
+took the puts told to it through the controller (``Store`` items) before the reader asks it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import trio
 
 from ._errors import TransferQueueError
 from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._runtime import ActorCrashed, ActorRef
-from ._unit_messages import Delete, GetToken, MarkConsumed, UnitBatch, UnitInventory
+from ._runtime import ActorCrashed, ActorRef, Reply
+from ._unit_messages import (
+    Delete,
+    FreeSegment,
+    GetToken,
+    MarkConsumed,
+    Store,
+    UnitBatch,
+    UnitInventory,
+)
 
 MAX_BATCH = 4096  # bookkeeping items per UnitBatch
 
@@ -47,14 +57,39 @@ class Outbox:
     def __init__(self) -> None:
         self.items: dict[str, list[Any]] = {}
         self.deleting: dict[str, int] = {}  # topic -> samples whose Delete is not taken yet
+        self.queued: dict[str, int] = {}  # unit -> items ever queued
+        self.taken: dict[str, int] = {}  # unit -> items it took (or that went with it)
+        self.last_store: dict[str, int] = {}  # unit -> ``queued`` at its latest told Store
+        self.free: dict[str, tuple[FreeSegment, ...]] = {}  # unit -> its free segments, as
+        # its last reply named them
+        self.orphans: dict[str, list[str]] = {}  # unit -> segments of told stores dropped
+        # with its incarnation: its next incarnation unlinks them (see ``Unlink``)
 
     def put(self, unit: str, item: Any) -> None:
         self.items.setdefault(unit, []).append(item)
         self._count([item], 1)
+        queued = self.queued[unit] = self.queued.get(unit, 0) + 1
+        if isinstance(item, Store):
+            self.last_store[unit] = queued
+
+    def storing(self, unit: str) -> int | None:
+        """The mark to wait for (see :meth:`taken_up_to`) if ``unit`` has not yet taken every
+        told ``Store`` queued for it, else ``None``."""
+        mark = self.last_store.get(unit, 0)
+        return mark if self.taken.get(unit, 0) < mark else None
+
+    def taken_up_to(self, unit: str, mark: int) -> bool:
+        return self.taken.get(unit, 0) >= mark
 
     def drop(self, unit: str) -> None:
         """Forget a unit's items (its incarnation is gone, and so is what they described)."""
-        self._count(self.items.pop(unit, []), -1)
+        items = self.items.pop(unit, [])
+        self._count(items, -1)
+        self.taken[unit] = self.queued.get(unit, 0)
+        self.free.pop(unit, None)
+        segments = [i.segment for i in items if isinstance(i, Store) and i.segment]
+        if segments:
+            self.orphans.setdefault(unit, []).extend(segments)
 
     def _count(self, items: list[Any], sign: int) -> None:
         for item in items:
@@ -80,18 +115,55 @@ class Outbox:
                 batch = items[:MAX_BATCH]
                 try:
                     with trio.fail_after(timeout):
-                        await units[unit].ask(UnitBatch(str(known[unit]), _coalesce(batch)))
+                        stored = await units[unit].ask(
+                            UnitBatch(str(known[unit]), _coalesce(batch))
+                        )
                 except (ActorCrashed, trio.TooSlowError, TransferQueueError):
                     failed.append(unit)
                     return
                 if self.items.get(unit) is items:  # not dropped meanwhile
                     self._count(batch, -1)
                     del items[: len(batch)]
+                    self.taken[unit] = self.taken.get(unit, 0) + len(batch)
+                    self.free[unit] = stored.free
 
         async with trio.open_nursery() as nursery:
             for unit in [u for u, items in self.items.items() if items and u in units]:
                 nursery.start_soon(one, unit)
         return failed
+
+
+class StoreWaits:
+    """Replies held until units took the puts told to them so far (:meth:`Outbox.storing`):
+    a reader must not ask a unit for rows it has not heard of yet."""
+
+    def __init__(self) -> None:
+        self._waits: list[tuple[dict[str, int], Reply, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    @staticmethod
+    def marks(outbox: Outbox, units: Iterable[str]) -> dict[str, int]:
+        """What to wait for before asking ``units`` (empty: nothing)."""
+        if not outbox.last_store:
+            return {}
+        return {u: m for u in units if (m := outbox.storing(u)) is not None}
+
+    def add(self, marks: dict[str, int], reply: Reply, value: Any) -> None:
+        self._waits.append((marks, reply, value))
+
+    def ready(self, outbox: Outbox) -> list[tuple[Reply, Any]]:
+        """The held replies whose units took what they waited for (removed from the waits)."""
+        done, keep = [], []
+        for wait in self._waits:
+            marks = wait[0]
+            if all(outbox.taken_up_to(u, m) for u, m in marks.items()):
+                done.append((wait[1], wait[2]))
+            else:
+                keep.append(wait)
+        self._waits = keep
+        return done
 
 
 async def tokens(units: Mapping[str, ActorRef[Any]], timeout: float) -> dict[str, str | None]:

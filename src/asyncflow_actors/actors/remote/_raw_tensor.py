@@ -127,7 +127,9 @@ class RawTensor:
         dtype = _torch_dtypes()[0][self.dtype]
         if self.data.nbytes == 0:
             return torch.empty(self.shape, dtype=dtype)
-        with warnings.catch_warnings():
+        if not self.data.readonly:  # (a copy-on-write mapping): no warning to silence
+            return torch.frombuffer(self.data, dtype=torch.uint8).view(dtype).reshape(self.shape)
+        with warnings.catch_warnings():  # costs more than the rest: only where it warns
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             u8 = torch.frombuffer(self.data, dtype=torch.uint8)
         return u8.view(dtype).reshape(self.shape)

@@ -1,0 +1,98 @@
+"""How the controller delivers its bookkeeping to the storage units (internal).
+
+The flusher task sends each unit what a rebuild needs (``_units.Outbox``): ``flush_linger``
+after it is queued, so that what many operations queue travels together (every message to a
+unit process costs the data path on the client's host: one per linger, not one per operation),
+and at once when someone waits for it: ``flush()``, a put waiting for the slots deletes free,
+or a reply held until a unit took the puts told to it (a reader that must ask the unit for
+rows it has not heard of yet, a writer of columns to them: see ``_units.StoreWaits``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from . import _messages as M
+from . import _unit_messages as U
+from . import _units
+from ._errors import TransferQueueError
+from ._results import Update
+from ._runtime import ActorContext, Reply
+from ._state import ControllerState
+
+if TYPE_CHECKING:
+    from ._controller import ControllerShared
+
+
+@attrs.frozen
+class Delivered:
+    """Self-message from the flusher: units took deletions, so waiting puts may fit now, or
+    told stores that held replies wait for."""
+
+
+class Delivery:
+    """The delivery part of the controller actor (a mixin of ``Controller``)."""
+
+    shared: ControllerShared
+    puts: dict[str, deque[Any]]
+    flush_now: trio.Event
+    outbox_wake: trio.Event
+    check_now: trio.Event
+    flush_waiters: list[Reply]
+    store_waits: _units.StoreWaits
+
+    def _apply(self, update: Update) -> None: ...
+    def _kick(self, topic: str, *, puts: bool = True) -> None: ...
+
+    def _to_unit(self, unit: str, item: Any) -> None:
+        """Queue bookkeeping for a unit; the flusher delivers it (kept until taken)."""
+        if unit not in self.shared.units or self.shared.known.get(unit) is None:
+            return  # the unit is down: its loss covers what this item described
+        self.shared.outbox.put(unit, item)
+        self.outbox_wake.set()
+        if isinstance(item, U.Delete) and self.puts.get(item.topic):
+            self.flush_now.set()  # puts wait for these slots: no lingering
+
+    def _hold(self, marks: dict[str, int], reply: Reply, value: Any) -> None:
+        """Send ``value`` once the units took the told stores ``marks`` names."""
+        self.store_waits.add(marks, reply, value)
+        self.flush_now.set()  # no lingering: someone waits
+        self.outbox_wake.set()
+
+    def _stores_taken(self, state: ControllerState) -> None:
+        """Send the held replies whose units took their stores (or were declared lost)."""
+        for reply, value in self.store_waits.ready(self.shared.outbox):
+            if not reply.send(value) and isinstance(value, M.Leased):
+                try:  # the claimant is gone: give the samples back
+                    self._apply(state.nack(value.lease.id))
+                except TransferQueueError:
+                    pass  # it ended already (its claim was cancelled)
+                self._kick(value.lease.topic)
+
+    async def _flusher(self, ctx: ActorContext[Any]) -> None:
+        """Deliver bookkeeping to the units (see the module docstring)."""
+        shared = self.shared
+        while True:
+            await self.outbox_wake.wait()
+            with trio.move_on_after(shared.flush_linger):
+                await self.flush_now.wait()
+            self.outbox_wake = trio.Event()
+            self.flush_now = trio.Event()
+            deleting = sum(shared.outbox.deleting.values())
+            failed = await shared.outbox.flush(shared.units, shared.known, shared.unit_timeout)
+            freed = sum(shared.outbox.deleting.values()) < deleting and any(self.puts.values())
+            if freed or len(self.store_waits):
+                await ctx.self.send(Delivered())
+            if not len(shared.outbox):
+                waiters, self.flush_waiters = self.flush_waiters, []
+                for reply in waiters:
+                    reply.send(None)
+            if failed:  # gone, restarted or slow: look at them, and try again in a while
+                self.check_now.set()
+                with trio.move_on_after(shared.unit_check_interval):
+                    await trio.sleep_forever()
+                self.outbox_wake.set()
