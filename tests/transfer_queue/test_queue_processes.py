@@ -12,7 +12,7 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
-from asyncflow_actors.transfer_queue import _shm
+from asyncflow_actors.transfer_queue import _shm, _unit_io
 from asyncflow_actors.transfer_queue import _unit_messages as U
 
 SPEC = tq.TopicSpec.from_dict(
@@ -249,4 +249,19 @@ async def test_freed_segments_are_filled_again_only_once_no_reader_maps_them() -
         got = await client.get("rollout", "trainer", ["tokens"], 16)
         assert torch.equal(got["tokens"], torch.cat([a["tokens"], b["tokens"]]))
         await client.ack(got)
+        del got
+        await client.flush()
+        # the writer kept its mapping of the segment it refilled: the next refill of that file
+        # is a copy into the pages it mapped, and reads back exactly (the first put learns of
+        # the two free segments, the next two refill them)
+        refills = _unit_io.filler.refills
+        more = [batch(seed) for seed in (3, 4, 5)]
+        for data in more:
+            await put(data)
+        assert _unit_io.filler.refills == refills + 1
+        got = await client.get("rollout", "trainer", ["tokens"], 24)
+        assert torch.equal(got["tokens"], torch.cat([m["tokens"] for m in more]))
+        await client.ack(got)
     assert segments(ns) == set()  # the pool goes with the queue
+    _unit_io.filler.prune()
+    assert _unit_io.filler.nbytes == 0  # nothing of it stays mapped

@@ -16,6 +16,7 @@ import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import RawTensor
 from asyncflow_actors.transfer_queue import _shm
 from asyncflow_actors.transfer_queue import _unit_messages as S
+from asyncflow_actors.transfer_queue._filler import Filler
 from asyncflow_actors.transfer_queue._storage import StorageUnit
 
 
@@ -278,3 +279,57 @@ def test_a_segment_is_recycled_only_when_no_reader_maps_it() -> None:
             assert f.read(1028) == b"b" * 1024 + b"aaaa"  # the pages that existed, refilled
     finally:
         _shm.sweep(prefix)
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+def test_a_writer_refills_a_claimed_segment_through_the_mapping_it_kept() -> None:
+    prefix = f"afa-test-{os.getpid()}-{os.urandom(4).hex()}-"
+    filler = Filler(budget=3 * 4096, max_kept=2)
+    seq = iter(range(100))
+
+    def cycle(name: str) -> str:
+        """The unit frees ``name`` to its pool, a writer claims it: its new name."""
+        free, mine = f"{prefix}f{next(seq)}", f"{prefix}c{next(seq)}"
+        assert _shm.recycle(name, free) and _shm.claim(free, mine)
+        return mine
+
+    def content(name: str, n: int) -> bytes:
+        with open(_shm.path(name), "rb") as f:
+            return f.read(n)
+
+    try:
+        first = prefix + "c-first"
+        assert filler.write(first, [memoryview(b"a" * 5000)], reuse=False) == [0]
+        assert (filler.refills, filler.nbytes) == (0, 0)  # a new segment: written, not kept
+        again = cycle(first)
+        offsets = filler.write(again, [memoryview(b"b" * 10), [memoryview(b"c" * 7)]], reuse=True)
+        assert offsets == [0, 16] and (filler.refills, filler.nbytes) == (0, 5008)  # kept now
+        assert content(again, 24) == b"b" * 10 + b"a" * 6 + b"c" * 7 + b"a"
+        mapping = _shm.map_for_reading(again)  # a reader maps it: no refill under its view
+        assert not _shm.recycle(again, prefix + "f-no")
+        del mapping
+        gc.collect()
+        third = cycle(again)
+        filler.write(third, [memoryview(b"d" * 4)], reuse=True)
+        assert filler.refills == 1 and content(third, 6) == b"dddd" + b"b" * 2  # same pages
+        # the unit unlinks it: the writer's mapping would pin its pages, and goes
+        _shm.unlink(third)
+        other = prefix + "c-other"
+        filler.write(other, [memoryview(b"e" * 8192)], reuse=False)
+        assert filler.nbytes == 0
+        # at most ``budget`` bytes in ``max_kept`` mappings, the least recently filled go first
+        names = [prefix + f"c-many{k}" for k in range(3)]
+        for name in names:
+            _shm.write_segment(name, [memoryview(b"f" * 4096)])
+            filler.write(cycle(name), [memoryview(b"g")], reuse=True)
+        assert (len(filler._kept), filler.nbytes) == (2, 2 * 4096)
+        filler.write(cycle(other), [memoryview(b"h")], reuse=True)  # 8 KiB more: over budget
+        assert (len(filler._kept), filler.nbytes) == (2, 8192 + 4096)
+        big = prefix + "c-big"
+        _shm.write_segment(big, [memoryview(b"i" * 4 * 4096)])
+        filler.write(cycle(big), [memoryview(b"j" * 4 * 4096)], reuse=True)  # over the budget
+        assert (filler.refills, filler.nbytes) == (1, 8192 + 4096)  # written, not kept
+    finally:
+        _shm.sweep(prefix)
+        filler.prune()
+    assert filler.nbytes == 0

@@ -21,6 +21,7 @@ import trio
 from . import _shm
 from ._batch import dtype_name, is_tensor, take, torch_module
 from ._errors import StorageUnavailable, TransferQueueError
+from ._filler import Filler
 from ._located import Located, locate
 from ._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
 from ._unit_messages import (
@@ -42,6 +43,7 @@ THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker t
 _prefixes: dict[str, str | None] = {}
 # segment prefix (a unit incarnation) -> free segments of its pool, as its last reply named them
 _free: dict[str, list[FreeSegment]] = {}
+filler = Filler()  # writes segments, keeping the mappings of those it refills (shared by clients)
 
 
 class UnitIO:
@@ -63,6 +65,10 @@ class UnitIO:
         self._nonce = os.urandom(4).hex()
         self._seq = itertools.count()
         self.direct = 0  # unit parts of leases mapped without asking their unit
+
+    def close(self) -> None:
+        """The client is closing: drop kept mappings of segments that are gone."""
+        filler.prune()
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -191,7 +197,7 @@ class UnitIO:
         name = f"{prefix}c{self._nonce}-{next(self._seq)}"
         total = _shm.layout([b.nbytes for b in bodies])[1]
         reused = _claim(prefix, total, name)
-        write = functools.partial(_shm.write_segment, name, bodies, reuse=bool(reused))
+        write = functools.partial(filler.write, name, bodies, reuse=bool(reused))
         if total >= THREAD_BYTES:
             offsets = await trio.to_thread.run_sync(write)
         else:
