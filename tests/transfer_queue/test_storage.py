@@ -81,6 +81,8 @@ async def test_store_fetch_rewrite_delete(as_raw: bool) -> None:
         assert by_index[11].columns == {"tokens": 32, "text": 2, "lp": 16}
         with pytest.raises(S.UnitError, match="holds no samples"):  # columns for gone samples
             await unit.ask(store(me, [99], lp | {"lp": wrap(torch.ones(1, 4))}, create=False))
+        with pytest.raises(S.UnitError, match="indexes repeat"):  # one row per sample
+            await unit.ask(store(me, [11, 11], lp, create=False))
         await unit.ask(S.UnitBatch(me, [S.Delete("t", [10, 11, 12, 13, 14, 15], [])]))
         stats = await unit.ask(S.GetStorageStatistics())
         assert (stats.samples, stats.nbytes, stats.live_nbytes) == (0, 0, 0)
@@ -299,10 +301,11 @@ def test_a_writer_refills_a_claimed_segment_through_the_mapping_it_kept() -> Non
 
     try:
         first = prefix + "c-first"
-        assert filler.write(first, [memoryview(b"a" * 5000)], reuse=False) == [0]
+        _shm.create(first, 5008)
+        assert filler.write(first, [memoryview(b"a" * 5000)], claimed=False) == [0]
         assert (filler.refills, filler.nbytes) == (0, 0)  # a new segment: written, not kept
         again = cycle(first)
-        offsets = filler.write(again, [memoryview(b"b" * 10), [memoryview(b"c" * 7)]], reuse=True)
+        offsets = filler.write(again, [memoryview(b"b" * 10), [memoryview(b"c" * 7)]], claimed=True)
         assert offsets == [0, 16] and (filler.refills, filler.nbytes) == (0, 5008)  # kept now
         assert content(again, 24) == b"b" * 10 + b"a" * 6 + b"c" * 7 + b"a"
         mapping = _shm.map_for_reading(again)  # a reader maps it: no refill under its view
@@ -310,24 +313,25 @@ def test_a_writer_refills_a_claimed_segment_through_the_mapping_it_kept() -> Non
         del mapping
         gc.collect()
         third = cycle(again)
-        filler.write(third, [memoryview(b"d" * 4)], reuse=True)
+        filler.write(third, [memoryview(b"d" * 4)], claimed=True)
         assert filler.refills == 1 and content(third, 6) == b"dddd" + b"b" * 2  # same pages
         # the unit unlinks it: the writer's mapping would pin its pages, and goes
         _shm.unlink(third)
         other = prefix + "c-other"
-        filler.write(other, [memoryview(b"e" * 8192)], reuse=False)
+        _shm.create(other, 8192)
+        filler.write(other, [memoryview(b"e" * 8192)], claimed=False)
         assert filler.nbytes == 0
         # at most ``budget`` bytes in ``max_kept`` mappings, the least recently filled go first
         names = [prefix + f"c-many{k}" for k in range(3)]
         for name in names:
             _shm.write_segment(name, [memoryview(b"f" * 4096)])
-            filler.write(cycle(name), [memoryview(b"g")], reuse=True)
+            filler.write(cycle(name), [memoryview(b"g")], claimed=True)
         assert (len(filler._kept), filler.nbytes) == (2, 2 * 4096)
-        filler.write(cycle(other), [memoryview(b"h")], reuse=True)  # 8 KiB more: over budget
+        filler.write(cycle(other), [memoryview(b"h")], claimed=True)  # 8 KiB more: over budget
         assert (len(filler._kept), filler.nbytes) == (2, 8192 + 4096)
         big = prefix + "c-big"
         _shm.write_segment(big, [memoryview(b"i" * 4 * 4096)])
-        filler.write(cycle(big), [memoryview(b"j" * 4 * 4096)], reuse=True)  # over the budget
+        filler.write(cycle(big), [memoryview(b"j" * 4 * 4096)], claimed=True)  # over the budget
         assert (filler.refills, filler.nbytes) == (1, 8192 + 4096)  # written, not kept
     finally:
         _shm.sweep(prefix)

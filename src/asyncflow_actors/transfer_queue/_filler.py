@@ -11,7 +11,9 @@ name: names are never reused, files are).
 
 Safety. A writer writes into a kept mapping only after it claimed the file again (renamed it to
 a name of its own: the unit recycled it, so no reader maps it, see ``_shm``): exactly when it
-could ``pwrite`` into it. A kept mapping also keeps the file's pages alive after the unit
+could ``pwrite`` into it. It maps only files whose pages all exist (a claimed file was written
+whole before): a page that does not exist yet is written with ``pwrite``, where a full
+``/dev/shm`` is an ``OSError`` (through a mapping, it would be a ``SIGBUS``). A kept mapping also keeps the file's pages alive after the unit
 unlinks it, so the filler drops mappings of unlinked files before each write and when a client
 closes, and keeps at most ``budget`` bytes in ``max_kept`` mappings (the least recently filled
 go first): the memory a writer pins beyond what the units hold is bounded, and goes at its next
@@ -70,18 +72,21 @@ class Filler:
         return sum(k.size for k in self._kept.values())
 
     def write(
-        self, name: str, bodies: Sequence[memoryview | Sequence[memoryview]], *, reuse: bool
+        self, name: str, bodies: Sequence[memoryview | Sequence[memoryview]], *, claimed: bool
     ) -> list[int]:
-        """:func:`_shm.write_segment`, through a kept mapping of the file when ``reuse`` (a
-        segment this writer claimed); returns the offsets."""
+        """Fill segment ``name``, which exists (:func:`_shm.create`, or ``claimed`` from a
+        unit's pool: then through a kept mapping of the file), as
+        :func:`_shm.write_segment` would; returns the offsets."""
         self.prune()
         chunked = [[b] if isinstance(b, memoryview) else list(b) for b in bodies]
         offsets, total = _shm.layout([sum(c.nbytes for c in chunks) for chunks in chunked])
-        if not reuse or not 0 < total <= self.budget:
-            return _shm.write_segment(name, bodies, reuse=reuse)
+        if not claimed or not 0 < total <= self.budget:
+            return _shm.write_segment(name, bodies, reuse=True)
         kept = None
         try:
             kept = self._take(name, total)
+            if kept is None:
+                return _shm.write_segment(name, bodies, reuse=True)
             _fill(kept.mapping, chunked, offsets)
         except BaseException:
             if kept is not None:
@@ -91,9 +96,11 @@ class Filler:
         self._keep(kept)
         return offsets
 
-    def _take(self, name: str, total: int) -> _Kept:
-        """The kept mapping of claimed segment ``name`` (mapped now if none is kept), at least
-        ``total`` bytes, taken out of the cache while it is written."""
+    def _take(self, name: str, total: int) -> _Kept | None:
+        """The kept mapping of claimed segment ``name`` (mapped now if none is kept), taken out
+        of the cache while it is written; ``None`` if the file is smaller than ``total`` (it
+        grows: new pages are written, never mapped, so that a full ``/dev/shm`` is an
+        ``OSError``, not a ``SIGBUS``)."""
         st = os.stat(_shm.path(name))
         with self._lock:
             kept = self._kept.pop((st.st_dev, st.st_ino), None)
@@ -102,13 +109,11 @@ class Filler:
             return kept
         if kept is not None:
             kept.close()
+        if st.st_size < total:
+            return None
         fd = os.open(_shm.path(name), os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
-            if size < total:
-                os.ftruncate(fd, total)
-                size = total
-            return _Kept(fd, size)
+            return _Kept(fd, os.fstat(fd).st_size)
         except BaseException:
             os.close(fd)
             raise

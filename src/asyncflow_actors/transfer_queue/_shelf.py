@@ -83,6 +83,8 @@ class Shelf:
         if create and not len(msg.versions) == len(msg.group_ids) == len(msg.lengths) == n:
             raise UnitError("Store: indexes, versions, group_ids and lengths differ in length")
         samples = self.samples.setdefault(msg.topic, {})
+        if len(set(msg.indexes)) != n:
+            raise UnitError(f"Store: indexes repeat ({msg.indexes[:8]}...)")
         if not create:
             absent = [i for i in msg.indexes if i not in samples]
             if absent:
@@ -111,12 +113,16 @@ class Shelf:
             self.held += block.held
         touched: set[Block] = set()
         for r, sample in enumerate(owners):
+            cells = sample.cells
             for c in columns:
-                old = sample.cells.get(c)
+                old = cells.get(c)
                 if old is not None:
                     self._unref(old[0], c, old[1], touched)
-                sample.cells[c] = (block, r)
-                self._ref(block, c, r)
+                cells[c] = (block, r)
+        for col in columns.values():  # every cell of the new block is live (indexes distinct)
+            col.refs += n
+            block.live += col.held
+        self.live += block.live
         block.initial = block.live
         if not block.refs:
             self._free(block)  # no rows: nothing will ever free it otherwise
@@ -212,12 +218,19 @@ class Shelf:
     def delete(self, msg: Delete) -> None:
         samples = self.samples.get(msg.topic, {})
         touched: set[Block] = set()
+        freed = 0
         for index in msg.indexes:
             sample = samples.pop(index, None)
             if sample is not None:
-                for c, (block, r) in sample.cells.items():
-                    self._unref(block, c, r, touched)
+                for c, (block, r) in sample.cells.items():  # _unref, inlined: the hot loop
+                    col = block.columns[c]
+                    col.refs -= 1
+                    size = col.row_bytes if col.batch else nbytes(col.value[r])
+                    block.live -= size
+                    freed += size
+                    touched.add(block)
                     block.owners[r] = None
+        self.live -= freed
         self._settle(touched)
         blobs = self.blobs.get(msg.topic, {})
         groups = self.groups.get(msg.topic, {})

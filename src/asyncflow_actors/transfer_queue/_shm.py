@@ -99,13 +99,26 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def create(name: str, size: int) -> None:
+    """Create segment ``name`` (exclusively) of ``size`` bytes, to be filled with
+    ``write_segment(..., reuse=True)``."""
+    fd = os.open(path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
 def write_segment(
     name: str, bodies: Sequence[memoryview | Sequence[memoryview]], *, reuse: bool = False
 ) -> list[int]:
     """Write segment ``name`` holding ``bodies`` (each at an :data:`ALIGN`-ed offset; a body
     given as several buffers is written as one, back to back); returns the offsets. The file
-    is created exclusively, or with ``reuse`` it is one this writer claimed (kept at least
-    its size); it is removed again if writing fails."""
+    is created exclusively, or with ``reuse`` it exists (one this writer claimed or
+    made with :func:`create`: kept at least its size); it is removed if writing fails."""
     chunked = [[b] if isinstance(b, memoryview) else list(b) for b in bodies]
     offsets, total = layout([sum(c.nbytes for c in chunks) for chunks in chunked])
     flags = os.O_RDWR if reuse else os.O_CREAT | os.O_EXCL | os.O_RDWR

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from . import _shm
@@ -163,15 +164,16 @@ class UnitIO:
                 prefix = await self._prefix(unit, msg.incarnation)
                 segment = ""
                 located = None
+                fill = None
                 if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
-                    segment, part, reused = await self._to_segment(prefix, part)
+                    segment, part, reused, fill = self._to_segment(prefix, part)
                     located = locate(msg.indexes, segment, part) if create else None
                     msg = Store(
                         msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
                         msg.lengths, part, segment, create, reused,
                     )  # fmt: skip
                 try:
-                    stored: Stored = await self._ask(unit, msg)
+                    stored: Stored = await self._ask_filling(unit, msg, fill)
                 except BaseException:
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)
@@ -184,24 +186,22 @@ class UnitIO:
 
         return await self._each({unit: make(unit) for unit in positions})
 
-    async def _to_segment(
+    def _to_segment(
         self, prefix: str, part: dict[str, Any]
-    ) -> tuple[str, dict[str, Any], str]:
-        """Write the part's tensor bodies into a segment (a free one of the unit's pool if one
-        fits, else a new one); the segment, the part with :class:`ShmBody` references instead
-        of the tensors, and the free segment it was claimed from (or ``""``)."""
+    ) -> tuple[str, dict[str, Any], str, Fill]:
+        """Lay the part's tensor bodies out in a segment (a free one of the unit's pool if one
+        fits, else a new one, created at its size); the segment, the part with
+        :class:`ShmBody` references instead of the tensors, the free segment it was claimed
+        from (or ``""``), and what fills it."""
         tensors: list[Any] = []
         for value in part.values():
             tensors.extend([value] if is_tensor(value) else [v for v in value if is_tensor(v)])
         bodies = [_bytes(t) for t in tensors]
         name = f"{prefix}c{self._nonce}-{next(self._seq)}"
-        total = _shm.layout([b.nbytes for b in bodies])[1]
+        offsets, total = _shm.layout([b.nbytes for b in bodies])
         reused = _claim(prefix, total, name)
-        write = functools.partial(filler.write, name, bodies, reuse=bool(reused))
-        if total >= THREAD_BYTES:
-            offsets = await trio.to_thread.run_sync(write)
-        else:
-            offsets = write()
+        if not reused:
+            _shm.create(name, total)
         where = iter(offsets)
 
         def ref(t: Any) -> ShmBody:
@@ -211,7 +211,38 @@ class UnitIO:
             c: ref(v) if is_tensor(v) else [ref(x) if is_tensor(x) else x for x in v]
             for c, v in part.items()
         }
-        return name, out, reused
+        fill = functools.partial(filler.write, name, bodies, claimed=bool(reused))
+        return name, out, reused, Fill(fill, total)
+
+    async def _ask_filling(self, unit: str, msg: Store, fill: Fill | None) -> Stored:
+        """Ask ``unit`` to store ``msg`` while its segment is filled (a big one from a worker
+        thread, meanwhile): the unit takes the segment over at once but reads no byte of it
+        before the commit, which the writer sends only once both are done."""
+        if fill is None:
+            stored: Stored = await self._ask(unit, msg)
+            return stored
+        if fill.nbytes < THREAD_BYTES:
+            fill.write()
+            stored = await self._ask(unit, msg)
+            return stored
+        failed: list[Exception] = []
+
+        async def filling() -> None:
+            try:
+                await trio.to_thread.run_sync(fill.write)
+            except Exception as exc:
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(filling)
+            try:
+                stored = await self._ask(unit, msg)
+            except Exception as exc:  # the fill runs to its end (a thread is not abandoned)
+                failed.append(exc)
+        if failed:
+            raise failed[0]
+        return stored
 
     async def store_shared(
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
@@ -266,6 +297,14 @@ class UnitIO:
             return one
 
         return await self._each({unit: make(unit) for unit in placement})
+
+
+@attrs.frozen
+class Fill:
+    """Filling a segment: ``write()`` copies ``nbytes`` into it."""
+
+    write: Callable[[], Any]
+    nbytes: int
 
 
 def _claim(prefix: str, total: int, name: str) -> str:
