@@ -149,15 +149,15 @@ class UnitIO:
 
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> Located | None:
-                where = positions[unit]
+                where = _span(positions[unit])
                 part = {name: take(value, where) for name, value in columns.items()}
                 msg = Store(
                     topic,
                     incarnations.get(unit, ""),
-                    [indexes[p] for p in where],
-                    [versions[p] for p in where] if create else [],
-                    [group_ids[p] for p in where] if create else [],
-                    [lengths[p] for p in where] if create else [],
+                    _pick(indexes, where),
+                    _pick(versions, where) if create else [],
+                    _pick(group_ids, where) if create else [],
+                    _pick(lengths, where) if create else [],
                     part,
                     create=create,
                 )
@@ -318,6 +318,19 @@ def _claim(prefix: str, total: int, name: str) -> str:
         if _shm.claim(free.name, name):
             return free.name
     return ""
+
+
+def _span(positions: list[int]) -> slice | list[int]:
+    """``positions`` as a slice if they are one run (the usual case: a put's slice for a
+    unit), so that every column and list is cut once, as a view."""
+    first = positions[0]
+    if positions == list(range(first, first + len(positions))):
+        return slice(first, first + len(positions))
+    return positions
+
+
+def _pick(values: Sequence[int], where: slice | list[int]) -> list[int]:
+    return list(values[where]) if isinstance(where, slice) else [values[p] for p in where]
 
 
 def _payload(part: Mapping[str, Any]) -> int:
