@@ -245,6 +245,7 @@ async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
         (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
         body = S.ShmBody(offset, "float32", (64, 1024))
         await ref.ask(store(me, list(range(64)), {"x": body}, segment=name))
+        await ref.ask(S.UnitBatch(me, [S.Committed("t", list(range(64)))]))
         await ref.ask(fetch(me, [60, 61], ["x"], shm=True))  # a reader may still have to map it
         await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(56)), [])]))  # 8 of 64 live
         stats = await ref.ask(S.GetStorageStatistics())
@@ -254,6 +255,20 @@ async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
         assert stats.compactions == 1 and stats.nbytes == stats.live_nbytes == 8 * 4096
         assert name not in segments(namespace)  # the live rows moved to a segment of the unit's
         got = await ref.ask(fetch(me, list(range(56, 64)), ["x"]))
+        assert torch.equal(back(got.columns["x"][0]), rows[56:])
+        # rows not committed yet: their writer may still be filling the segment (a put's store
+        # overlaps its fill), so they are not copied out before their commit
+        name = f"{info.prefix}c1-1"
+        (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
+        body = S.ShmBody(offset, "float32", (64, 1024))
+        await ref.ask(store(me, list(range(100, 164)), {"x": body}, segment=name))
+        await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(100, 156)), [])]))
+        await trio.sleep(31)
+        assert (await ref.ask(S.GetStorageStatistics())).compactions == 1  # waits
+        await ref.ask(S.UnitBatch(me, [S.Committed("t", list(range(156, 164)))]))
+        await trio.sleep(11)
+        assert (await ref.ask(S.GetStorageStatistics())).compactions == 2
+        got = await ref.ask(fetch(me, list(range(156, 164)), ["x"]))
         assert torch.equal(back(got.columns["x"][0]), rows[56:])
 
 
@@ -276,6 +291,10 @@ def test_a_segment_is_recycled_only_when_no_reader_maps_it() -> None:
         with pytest.raises(FileNotFoundError):
             _shm.map_for_reading(name)  # a reader late with its reference finds it gone
         assert _shm.claim(free, mine) and not _shm.claim(free, prefix + "c2")  # one writer wins
+        lock = _shm.hold(mine)  # its writer fills it: not recycled meanwhile, either
+        assert not _shm.recycle(mine, prefix + "f1")
+        os.close(lock)
+        assert _shm.recycle(mine, prefix + "f1") and _shm.claim(prefix + "f1", mine)
         _shm.write_segment(mine, [memoryview(b"b" * 1024)], reuse=True)
         with open(_shm.path(mine), "rb") as f:
             assert f.read(1028) == b"b" * 1024 + b"aaaa"  # the pages that existed, refilled

@@ -329,8 +329,12 @@ class Shelf:
             elif block.held >= COMPACT_MIN and 2 * block.live < block.initial:
                 # half of what it held live is dead: a copy of the rest (same layout) is half
                 segment = block.segment
-                if segment is not None and self.clock() - segment.last_fetch < MAP_GRACE:
-                    self.deferred.add(block)  # a reader may still have to map it
+                if segment is not None and (
+                    self.clock() - segment.last_fetch < MAP_GRACE
+                    or not all(o is None or o.committed for o in block.owners)
+                ):
+                    # a reader may still have to map it, or its writer may still be filling it
+                    self.deferred.add(block)
                 else:
                     self._compact(block)
 

@@ -190,6 +190,18 @@ def _unmapped(name: str, lock: _Lock) -> None:
         os.close(lock.fd)  # releases the lock: the unit may recycle it now
 
 
+def hold(name: str) -> int:
+    """A shared lock on segment ``name`` while its writer fills it (as a reader's: the unit does
+    not recycle it meanwhile); close the returned descriptor to release it."""
+    fd = os.open(path(name), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def recycle(name: str, free: str) -> bool:
     """Rename segment ``name`` to ``free`` unless a reader holds a lock on it (``False``: try
     again later). Raises ``FileNotFoundError`` if it is gone."""

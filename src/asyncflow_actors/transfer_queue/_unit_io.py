@@ -16,7 +16,6 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import trio
 
 from . import _shm
@@ -165,16 +164,18 @@ class UnitIO:
                 segment = ""
                 located = None
                 fill = None
-                if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
-                    segment, part, reused, fill = self._to_segment(prefix, part)
-                    located = locate(msg.indexes, segment, part) if create else None
-                    msg = Store(
-                        msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
-                        msg.lengths, part, segment, create, reused,
-                    )  # fmt: skip
                 try:
-                    stored: Stored = await self._ask_filling(unit, msg, fill)
+                    if prefix is not None and _payload(part) >= (self.shm_min_bytes or 0):
+                        segment, part, reused, fill = self._to_segment(prefix, part)
+                        located = locate(msg.indexes, segment, part) if create else None
+                        msg = Store(
+                            msg.topic, msg.incarnation, msg.indexes, msg.versions,
+                            msg.group_ids, msg.lengths, part, segment, create, reused,
+                        )  # fmt: skip
+                    stored: Stored = await self._ask_filling(unit, msg, fill, create)
                 except BaseException:
+                    if fill is not None:
+                        fill.release()
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)
                     raise
@@ -200,8 +201,13 @@ class UnitIO:
         name = f"{prefix}c{self._nonce}-{next(self._seq)}"
         offsets, total = _shm.layout([b.nbytes for b in bodies])
         reused = _claim(prefix, total, name)
-        if not reused:
-            _shm.create(name, total)
+        try:
+            if not reused:
+                _shm.create(name, total)
+            lock = _shm.hold(name)  # from now until it is filled: see ``_ask_filling``
+        except BaseException:
+            _shm.unlink(name)
+            raise
         where = iter(offsets)
 
         def ref(t: Any) -> ShmBody:
@@ -212,37 +218,49 @@ class UnitIO:
             for c, v in part.items()
         }
         fill = functools.partial(filler.write, name, bodies, claimed=bool(reused))
-        return name, out, reused, Fill(fill, total)
+        return name, out, reused, Fill(fill, total, lock)
 
-    async def _ask_filling(self, unit: str, msg: Store, fill: Fill | None) -> Stored:
-        """Ask ``unit`` to store ``msg`` while its segment is filled (a big one from a worker
-        thread, meanwhile): the unit takes the segment over at once but reads no byte of it
-        before the commit, which the writer sends only once both are done."""
+    async def _ask_filling(self, unit: str, msg: Store, fill: Fill | None, early: bool) -> Stored:
+        """Ask ``unit`` to store ``msg`` once its segment is filled, or (``early``: new samples
+        in a big segment) while it is filled from a worker thread. The unit takes the segment
+        over at once but reads none of it before the commit, which the writer sends only once
+        both are done; the writer's shared lock keeps the unit from recycling it meanwhile (it
+        may free the rows: an expired allocation), and it compacts no rows before their
+        commit."""
         if fill is None:
             stored: Stored = await self._ask(unit, msg)
             return stored
-        if fill.nbytes < THREAD_BYTES:
-            fill.write()
-            stored = await self._ask(unit, msg)
-            return stored
-        failed: list[Exception] = []
-
-        async def filling() -> None:
-            try:
-                await trio.to_thread.run_sync(fill.write)
-            except Exception as exc:
-                failed.append(exc)
-                nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(filling)
-            try:
+        try:
+            if not early or fill.nbytes < THREAD_BYTES:
+                if fill.nbytes < THREAD_BYTES:
+                    fill.write()
+                else:
+                    await trio.to_thread.run_sync(fill.write)
+                fill.release()
                 stored = await self._ask(unit, msg)
-            except Exception as exc:  # the fill runs to its end (a thread is not abandoned)
-                failed.append(exc)
-        if failed:
-            raise failed[0]
-        return stored
+                return stored
+            failed: list[Exception] = []
+
+            async def filling() -> None:
+                try:
+                    await trio.to_thread.run_sync(fill.write)
+                except Exception as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+                finally:
+                    fill.release()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(filling)
+                try:
+                    stored = await self._ask(unit, msg)
+                except Exception as exc:  # the fill runs to its end (a thread is not abandoned)
+                    failed.append(exc)
+            if failed:
+                raise failed[0]
+            return stored
+        finally:
+            fill.release()
 
     async def store_shared(
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
@@ -299,12 +317,19 @@ class UnitIO:
         return await self._each({unit: make(unit) for unit in placement})
 
 
-@attrs.frozen
 class Fill:
-    """Filling a segment: ``write()`` copies ``nbytes`` into it."""
+    """Filling a segment: ``write()`` copies ``nbytes`` into it; ``lock``: the writer's shared
+    lock on it (a descriptor), until ``release()``."""
 
-    write: Callable[[], Any]
-    nbytes: int
+    def __init__(self, write: Callable[[], Any], nbytes: int, lock: int) -> None:
+        self.write = write
+        self.nbytes = nbytes
+        self._lock = lock
+
+    def release(self) -> None:
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
 
 
 def _claim(prefix: str, total: int, name: str) -> str:
