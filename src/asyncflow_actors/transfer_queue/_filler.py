@@ -13,13 +13,14 @@ Safety. A writer writes into a kept mapping only after it claimed the file again
 a name of its own: the unit recycled it, so no reader maps it, see ``_shm``): exactly when it
 could ``pwrite`` into it. It maps only files whose pages all exist (a claimed file was written
 whole before): a page that does not exist yet is written with ``pwrite``, where a full
-``/dev/shm`` is an ``OSError`` (through a mapping, it would be a ``SIGBUS``). A kept mapping also keeps the file's pages alive after the unit
-unlinks it, so the filler drops mappings of unlinked files before each write and when a client
-closes, and keeps at most ``budget`` bytes in ``max_kept`` mappings (the least recently filled
-go first): the memory a writer pins beyond what the units hold is bounded, and goes at its next
-put, its ``aclose``, or its exit (``/dev/shm`` itself never holds more: the names are gone).
-A new segment (nothing to claim) is written with ``pwrite``: its pages do not exist yet, and
-that is the cheapest way to make them.
+``/dev/shm`` is an ``OSError`` (through a mapping, it would be a ``SIGBUS``). A kept mapping
+also keeps the file's pages alive after the unit unlinks it, so the filler drops mappings of
+unlinked files before each write and when a client closes, and keeps at most ``budget`` bytes
+in ``max_kept`` mappings (the least recently filled go first): the memory a writer pins beyond
+what the units hold is bounded, and goes at its next put, its ``aclose``, or its exit
+(``/dev/shm`` itself never holds more: the names are gone). A new segment (nothing to claim)
+is written with ``pwrite``: its pages do not exist yet, and that is the cheapest way to make
+them.
 """
 
 from __future__ import annotations

@@ -192,10 +192,11 @@ def _unmapped(name: str, lock: _Lock) -> None:
 
 def hold(name: str) -> int:
     """A shared lock on segment ``name`` while its writer fills it (as a reader's: the unit does
-    not recycle it meanwhile); close the returned descriptor to release it."""
+    not recycle it meanwhile); close the returned descriptor to release it. Nobody else locks
+    a segment a writer just created or claimed: ``BlockingIOError`` if someone does."""
     fd = os.open(path(name), os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BaseException:
         os.close(fd)
         raise
