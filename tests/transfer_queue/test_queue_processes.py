@@ -12,7 +12,7 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
-from asyncflow_actors.transfer_queue import _shm
+from asyncflow_actors.transfer_queue import _shm, _unit_io
 from asyncflow_actors.transfer_queue import _unit_messages as U
 
 SPEC = tq.TopicSpec.from_dict(
@@ -251,4 +251,55 @@ async def test_freed_segments_are_filled_again_only_once_no_reader_maps_them() -
         got = await client.get("rollout", "trainer", ["tokens"], 16)
         assert torch.equal(got["tokens"], torch.cat([a["tokens"], b["tokens"]]))
         await client.ack(got)
+        del got
+        await client.flush()
+        # the writer kept its mapping of the segment it refilled: the next refill of that file
+        # is a copy into the pages it mapped, and reads back exactly (the flush passed the
+        # unit's two free segments on: the first two puts refill them, the third writes anew)
+        refills = _unit_io.filler.refills
+        more = [batch(seed) for seed in (3, 4, 5)]
+        for data in more:
+            await put(data)
+        assert _unit_io.filler.refills == refills + 2
+        got = await client.get("rollout", "trainer", ["tokens"], 24)
+        assert torch.equal(got["tokens"], torch.cat([m["tokens"] for m in more]))
+        await client.ack(got)
     assert segments(ns) == set()  # the pool goes with the queue
+    _unit_io.filler.prune()
+    assert _unit_io.filler.nbytes == 0  # nothing of it stays mapped
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+async def test_big_puts_are_stored_while_their_segment_is_filled_and_read_back_exactly() -> None:
+    """From 1 MiB a put's segment is filled from a worker thread while its ``Store`` travels
+    (``put_columns`` fills first): every row reads back as written, mixed dtypes included."""
+    config = tq.TransferQueueConfig(
+        topics=(SPEC,), units=2, placement="process", shm_min_bytes=64 * 1024
+    )
+    gen = torch.Generator().manual_seed(7)
+    n = 64  # 2 MiB of tokens, 0.5 MiB of bfloat16, and the rewards
+    data = {
+        "tokens": torch.randint(0, 50_000, (n, 4096), generator=gen),
+        "reward": torch.randn(n, generator=gen),
+    }
+    logp = torch.randn(n, 4096, generator=gen).to(torch.bfloat16)
+    tokens = torch.randint(0, 50_000, (n, 4096), generator=gen)  # rewritten: 2.5 MiB in all
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        client = await queue.client()
+        for _ in range(3):  # the later rounds refill segments the first ones freed
+            await client.put("rollout", data, version=0)
+            got = await client.get("rollout", "trainer", ["tokens", "reward"], n)
+            assert torch.equal(got["tokens"], data["tokens"])
+            assert torch.equal(got["reward"], data["reward"])
+            await client.put_columns(got, {"logp": logp, "tokens": tokens})
+            await client.nack(got)
+            again = await client.get("rollout", "trainer", ["tokens", "logp", "reward"], n)
+            assert torch.equal(again["logp"], logp) and torch.equal(again["tokens"], tokens)
+            await client.ack(again)
+            del got, again
+            await client.flush()
+        stats = await client.statistics()
+        assert sum(u.shm_stores for u in stats.units.values() if u) == 6  # 64 rows: one unit

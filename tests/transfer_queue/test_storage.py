@@ -16,6 +16,7 @@ import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import RawTensor
 from asyncflow_actors.transfer_queue import _shm
 from asyncflow_actors.transfer_queue import _unit_messages as S
+from asyncflow_actors.transfer_queue._filler import Filler
 from asyncflow_actors.transfer_queue._storage import StorageUnit
 
 
@@ -80,6 +81,8 @@ async def test_store_fetch_rewrite_delete(as_raw: bool) -> None:
         assert by_index[11].columns == {"tokens": 32, "text": 2, "lp": 16}
         with pytest.raises(S.UnitError, match="holds no samples"):  # columns for gone samples
             await unit.ask(store(me, [99], lp | {"lp": wrap(torch.ones(1, 4))}, create=False))
+        with pytest.raises(S.UnitError, match="indexes repeat"):  # one row per sample
+            await unit.ask(store(me, [11, 11], lp, create=False))
         await unit.ask(S.UnitBatch(me, [S.Delete("t", [10, 11, 12, 13, 14, 15], [])]))
         stats = await unit.ask(S.GetStorageStatistics())
         assert (stats.samples, stats.nbytes, stats.live_nbytes) == (0, 0, 0)
@@ -242,6 +245,7 @@ async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
         (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
         body = S.ShmBody(offset, "float32", (64, 1024))
         await ref.ask(store(me, list(range(64)), {"x": body}, segment=name))
+        await ref.ask(S.UnitBatch(me, [S.Committed("t", list(range(64)))]))
         await ref.ask(fetch(me, [60, 61], ["x"], shm=True))  # a reader may still have to map it
         await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(56)), [])]))  # 8 of 64 live
         stats = await ref.ask(S.GetStorageStatistics())
@@ -251,6 +255,20 @@ async def test_a_segment_just_handed_out_is_compacted_only_after_its_grace(
         assert stats.compactions == 1 and stats.nbytes == stats.live_nbytes == 8 * 4096
         assert name not in segments(namespace)  # the live rows moved to a segment of the unit's
         got = await ref.ask(fetch(me, list(range(56, 64)), ["x"]))
+        assert torch.equal(back(got.columns["x"][0]), rows[56:])
+        # rows not committed yet: their writer may still be filling the segment (a put's store
+        # overlaps its fill), so they are not copied out before their commit
+        name = f"{info.prefix}c1-1"
+        (offset,) = _shm.write_segment(name, [memoryview(rows.numpy()).cast("B")])
+        body = S.ShmBody(offset, "float32", (64, 1024))
+        await ref.ask(store(me, list(range(100, 164)), {"x": body}, segment=name))
+        await ref.ask(S.UnitBatch(me, [S.Delete("t", list(range(100, 156)), [])]))
+        await trio.sleep(31)
+        assert (await ref.ask(S.GetStorageStatistics())).compactions == 1  # waits
+        await ref.ask(S.UnitBatch(me, [S.Committed("t", list(range(156, 164)))]))
+        await trio.sleep(11)
+        assert (await ref.ask(S.GetStorageStatistics())).compactions == 2
+        got = await ref.ask(fetch(me, list(range(156, 164)), ["x"]))
         assert torch.equal(back(got.columns["x"][0]), rows[56:])
 
 
@@ -273,8 +291,68 @@ def test_a_segment_is_recycled_only_when_no_reader_maps_it() -> None:
         with pytest.raises(FileNotFoundError):
             _shm.map_for_reading(name)  # a reader late with its reference finds it gone
         assert _shm.claim(free, mine) and not _shm.claim(free, prefix + "c2")  # one writer wins
+        lock = _shm.hold(mine)  # its writer fills it: not recycled meanwhile, either
+        assert not _shm.recycle(mine, prefix + "f1")
+        os.close(lock)
+        assert _shm.recycle(mine, prefix + "f1") and _shm.claim(prefix + "f1", mine)
         _shm.write_segment(mine, [memoryview(b"b" * 1024)], reuse=True)
         with open(_shm.path(mine), "rb") as f:
             assert f.read(1028) == b"b" * 1024 + b"aaaa"  # the pages that existed, refilled
     finally:
         _shm.sweep(prefix)
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+def test_a_writer_refills_a_claimed_segment_through_the_mapping_it_kept() -> None:
+    prefix = f"afa-test-{os.getpid()}-{os.urandom(4).hex()}-"
+    filler = Filler(budget=3 * 4096, max_kept=2)
+    seq = iter(range(100))
+
+    def cycle(name: str) -> str:
+        """The unit frees ``name`` to its pool, a writer claims it: its new name."""
+        free, mine = f"{prefix}f{next(seq)}", f"{prefix}c{next(seq)}"
+        assert _shm.recycle(name, free) and _shm.claim(free, mine)
+        return mine
+
+    def content(name: str, n: int) -> bytes:
+        with open(_shm.path(name), "rb") as f:
+            return f.read(n)
+
+    try:
+        first = prefix + "c-first"
+        _shm.create(first, 5008)
+        assert filler.write(first, [memoryview(b"a" * 5000)], claimed=False) == [0]
+        assert (filler.refills, filler.nbytes) == (0, 0)  # a new segment: written, not kept
+        again = cycle(first)
+        offsets = filler.write(again, [memoryview(b"b" * 10), [memoryview(b"c" * 7)]], claimed=True)
+        assert offsets == [0, 16] and (filler.refills, filler.nbytes) == (0, 5008)  # kept now
+        assert content(again, 24) == b"b" * 10 + b"a" * 6 + b"c" * 7 + b"a"
+        mapping = _shm.map_for_reading(again)  # a reader maps it: no refill under its view
+        assert not _shm.recycle(again, prefix + "f-no")
+        del mapping
+        gc.collect()
+        third = cycle(again)
+        filler.write(third, [memoryview(b"d" * 4)], claimed=True)
+        assert filler.refills == 1 and content(third, 6) == b"dddd" + b"b" * 2  # same pages
+        # the unit unlinks it: the writer's mapping would pin its pages, and goes
+        _shm.unlink(third)
+        other = prefix + "c-other"
+        _shm.create(other, 8192)
+        filler.write(other, [memoryview(b"e" * 8192)], claimed=False)
+        assert filler.nbytes == 0
+        # at most ``budget`` bytes in ``max_kept`` mappings, the least recently filled go first
+        names = [prefix + f"c-many{k}" for k in range(3)]
+        for name in names:
+            _shm.write_segment(name, [memoryview(b"f" * 4096)])
+            filler.write(cycle(name), [memoryview(b"g")], claimed=True)
+        assert (len(filler._kept), filler.nbytes) == (2, 2 * 4096)
+        filler.write(cycle(other), [memoryview(b"h")], claimed=True)  # 8 KiB more: over budget
+        assert (len(filler._kept), filler.nbytes) == (2, 8192 + 4096)
+        big = prefix + "c-big"
+        _shm.write_segment(big, [memoryview(b"i" * 4 * 4096)])
+        filler.write(cycle(big), [memoryview(b"j" * 4 * 4096)], claimed=True)  # over the budget
+        assert (filler.refills, filler.nbytes) == (1, 8192 + 4096)  # written, not kept
+    finally:
+        _shm.sweep(prefix)
+        filler.prune()
+    assert filler.nbytes == 0

@@ -100,8 +100,11 @@ class Batch:
         return [by_group[g] for g in self.lease.group_ids]
 
 
-def take(value: Any, positions: Sequence[int]) -> Any:
-    """Rows ``positions`` of a batch column: a view for a contiguous run, else a gather."""
+def take(value: Any, positions: Sequence[int] | slice) -> Any:
+    """Rows ``positions`` of a batch column: a view for a slice or a contiguous run, else a
+    gather."""
+    if isinstance(positions, slice):
+        return value[positions]
     first = positions[0]
     if list(positions) == list(range(first, first + len(positions))):
         return value[first : first + len(positions)]

@@ -399,6 +399,7 @@ class TransferQueueClient:
 
     async def aclose(self) -> None:
         """Return every lease this client holds (and drop its writes in progress)."""
+        self.io.close()
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:
                 await self._ask(M.ReleaseHolder(self.holder))

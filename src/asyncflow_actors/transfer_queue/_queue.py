@@ -190,10 +190,12 @@ async def open_transfer_queue(
         controller = await sup.ask(StartChild(ChildSpec(lambda: Controller(shared), "controller")))
         yield TransferQueue(system, controller, shared, namespace, cfg.name)
     finally:
-        with trio.CancelScope(shield=True):
-            await sup.stop()
-        if _shm.available():
-            _shm.sweep(namespace)  # what units killed with their node left behind
+        try:
+            with trio.CancelScope(shield=True):
+                await sup.stop()
+        finally:
+            if _shm.available():
+                _shm.sweep(namespace)  # what units killed with their node left behind
 
 
 async def _start_unit_nodes(

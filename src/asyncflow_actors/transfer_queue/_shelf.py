@@ -86,6 +86,8 @@ class Shelf:
         if create and not len(msg.versions) == len(msg.group_ids) == len(msg.lengths) == n:
             raise UnitError("Store: indexes, versions, group_ids and lengths differ in length")
         samples = self.samples.setdefault(msg.topic, {})
+        if len(set(msg.indexes)) != n:
+            raise UnitError(f"Store: indexes repeat ({msg.indexes[:8]}...)")
         if not create:
             absent = [i for i in msg.indexes if i not in samples]
             if absent:
@@ -114,12 +116,16 @@ class Shelf:
             self.held += block.held
         touched: set[Block] = set()
         for r, sample in enumerate(owners):
+            cells = sample.cells
             for c in columns:
-                old = sample.cells.get(c)
+                old = cells.get(c)
                 if old is not None:
                     self._unref(old[0], c, old[1], touched)
-                sample.cells[c] = (block, r)
-                self._ref(block, c, r)
+                cells[c] = (block, r)
+        for col in columns.values():  # every cell of the new block is live (indexes distinct)
+            col.refs += n
+            block.live += col.held
+        self.live += block.live
         block.initial = block.live
         if not block.refs:
             self._free(block)  # no rows: nothing will ever free it otherwise
@@ -230,12 +236,19 @@ class Shelf:
     def delete(self, msg: Delete) -> None:
         samples = self.samples.get(msg.topic, {})
         touched: set[Block] = set()
+        freed = 0
         for index in msg.indexes:
             sample = samples.pop(index, None)
             if sample is not None:
-                for c, (block, r) in sample.cells.items():
-                    self._unref(block, c, r, touched)
+                for c, (block, r) in sample.cells.items():  # _unref, inlined: the hot loop
+                    col = block.columns[c]
+                    col.refs -= 1
+                    size = col.row_bytes if col.batch else nbytes(col.value[r])
+                    block.live -= size
+                    freed += size
+                    touched.add(block)
                     block.owners[r] = None
+        self.live -= freed
         self._settle(touched)
         blobs = self.blobs.get(msg.topic, {})
         groups = self.groups.get(msg.topic, {})
@@ -334,8 +347,12 @@ class Shelf:
             elif block.held >= COMPACT_MIN and 2 * block.live < block.initial:
                 # half of what it held live is dead: a copy of the rest (same layout) is half
                 segment = block.segment
-                if segment is not None and self.clock() - segment.last_fetch < MAP_GRACE:
-                    self.deferred.add(block)  # a reader may still have to map it
+                if segment is not None and (
+                    self.clock() - segment.last_fetch < MAP_GRACE
+                    or not all(o is None or o.committed for o in block.owners)
+                ):
+                    # a reader may still have to map it, or its writer may still be filling it
+                    self.deferred.add(block)
                 else:
                     self._compact(block)
 

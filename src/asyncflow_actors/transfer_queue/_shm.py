@@ -99,13 +99,26 @@ def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def create(name: str, size: int) -> None:
+    """Create segment ``name`` (exclusively) of ``size`` bytes, to be filled with
+    ``write_segment(..., reuse=True)``."""
+    fd = os.open(path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
 def write_segment(
     name: str, bodies: Sequence[memoryview | Sequence[memoryview]], *, reuse: bool = False
 ) -> list[int]:
     """Write segment ``name`` holding ``bodies`` (each at an :data:`ALIGN`-ed offset; a body
     given as several buffers is written as one, back to back); returns the offsets. The file
-    is created exclusively, or with ``reuse`` it is one this writer claimed (kept at least
-    its size); it is removed again if writing fails."""
+    is created exclusively, or with ``reuse`` it exists (one this writer claimed or
+    made with :func:`create`: kept at least its size); it is removed if writing fails."""
     chunked = [[b] if isinstance(b, memoryview) else list(b) for b in bodies]
     offsets, total = layout([sum(c.nbytes for c in chunks) for chunks in chunked])
     flags = os.O_RDWR if reuse else os.O_CREAT | os.O_EXCL | os.O_RDWR
@@ -175,6 +188,19 @@ def _unmapped(name: str, lock: _Lock) -> None:
         if _locks.get(name) is lock:
             del _locks[name]
         os.close(lock.fd)  # releases the lock: the unit may recycle it now
+
+
+def hold(name: str) -> int:
+    """A shared lock on segment ``name`` while its writer fills it (as a reader's: the unit does
+    not recycle it meanwhile); close the returned descriptor to release it. Nobody else locks
+    a segment a writer just created or claimed: ``BlockingIOError`` if someone does."""
+    fd = os.open(path(name), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def recycle(name: str, free: str) -> bool:

@@ -21,6 +21,7 @@ import trio
 from . import _shm
 from ._batch import dtype_name, is_tensor, take, torch_module
 from ._errors import StorageUnavailable, TransferQueueError
+from ._filler import Filler
 from ._located import Located, locate
 from ._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
 from ._unit_messages import (
@@ -45,6 +46,7 @@ _prefixes: dict[str, str | None] = {}
 _free: dict[str, list[FreeSegment]] = {}
 _hinted: dict[str, tuple[FreeSegment, ...]] = {}  # prefix -> the free segments the controller
 # named last (told stores get no reply: the controller passes on the units' lists)
+filler = Filler()  # writes segments, keeping the mappings of those it refills (shared by clients)
 
 
 class UnitIO:
@@ -66,6 +68,10 @@ class UnitIO:
         self._nonce = os.urandom(4).hex()
         self._seq = itertools.count()
         self.direct = 0  # unit parts of leases mapped without asking their unit
+
+    def close(self) -> None:
+        """The client is closing: drop kept mappings of segments that are gone."""
+        filler.prune()
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -149,34 +155,39 @@ class UnitIO:
 
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> tuple[Located | None, Store | None]:
-                where = positions[unit]
+                where = _span(positions[unit])
                 part = {name: take(value, where) for name, value in columns.items()}
                 msg = Store(
                     topic,
                     incarnations.get(unit, ""),
-                    [indexes[p] for p in where],
-                    [versions[p] for p in where] if create else [],
-                    [group_ids[p] for p in where] if create else [],
-                    [lengths[p] for p in where] if create else [],
+                    _pick(indexes, where),
+                    _pick(versions, where) if create else [],
+                    _pick(group_ids, where) if create else [],
+                    _pick(lengths, where) if create else [],
                     part,
                     create=create,
                 )
                 prefix = await self._prefix(unit, msg.incarnation)
                 segment = ""
                 located = None
-                payload = _payload(part)
-                if prefix is not None and payload >= (self.shm_min_bytes or 0):
-                    segment, part, reused = await self._to_segment(prefix, part)
-                    located = locate(msg.indexes, segment, part) if create else None
-                    msg = Store(
-                        msg.topic, msg.incarnation, msg.indexes, msg.versions, msg.group_ids,
-                        msg.lengths, part, segment, create, reused,
-                    )  # fmt: skip
-                    if tell and create and payload < TELL_BYTES:
-                        return located, msg
+                fill = None
                 try:
-                    stored: Stored = await self._ask(unit, msg)
+                    payload = _payload(part)
+                    if prefix is not None and payload >= (self.shm_min_bytes or 0):
+                        segment, part, reused, fill = self._to_segment(prefix, part)
+                        located = locate(msg.indexes, segment, part) if create else None
+                        msg = Store(
+                            msg.topic, msg.incarnation, msg.indexes, msg.versions,
+                            msg.group_ids, msg.lengths, part, segment, create, reused,
+                        )  # fmt: skip
+                        if tell and create and payload < TELL_BYTES:
+                            fill.write()  # under THREAD_BYTES: in this thread
+                            fill.release()
+                            return located, msg
+                    stored: Stored = await self._ask_filling(unit, msg, fill, create)
                 except BaseException:
+                    if fill is not None:
+                        fill.release()
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)
                     raise
@@ -188,24 +199,27 @@ class UnitIO:
 
         return await self._each({unit: make(unit) for unit in positions})
 
-    async def _to_segment(
+    def _to_segment(
         self, prefix: str, part: dict[str, Any]
-    ) -> tuple[str, dict[str, Any], str]:
-        """Write the part's tensor bodies into a segment (a free one of the unit's pool if one
-        fits, else a new one); the segment, the part with :class:`ShmBody` references instead
-        of the tensors, and the free segment it was claimed from (or ``""``)."""
+    ) -> tuple[str, dict[str, Any], str, Fill]:
+        """Lay the part's tensor bodies out in a segment (a free one of the unit's pool if one
+        fits, else a new one, created at its size); the segment, the part with
+        :class:`ShmBody` references instead of the tensors, the free segment it was claimed
+        from (or ``""``), and what fills it."""
         tensors: list[Any] = []
         for value in part.values():
             tensors.extend([value] if is_tensor(value) else [v for v in value if is_tensor(v)])
         bodies = [_bytes(t) for t in tensors]
         name = f"{prefix}c{self._nonce}-{next(self._seq)}"
-        total = _shm.layout([b.nbytes for b in bodies])[1]
+        offsets, total = _shm.layout([b.nbytes for b in bodies])
         reused = _claim(prefix, total, name)
-        write = functools.partial(_shm.write_segment, name, bodies, reuse=bool(reused))
-        if total >= THREAD_BYTES:
-            offsets = await trio.to_thread.run_sync(write)
-        else:
-            offsets = write()
+        try:
+            if not reused:
+                _shm.create(name, total)
+            lock = _shm.hold(name)  # from now until it is filled: see ``_ask_filling``
+        except BaseException:
+            _shm.unlink(name)
+            raise
         where = iter(offsets)
 
         def ref(t: Any) -> ShmBody:
@@ -215,7 +229,50 @@ class UnitIO:
             c: ref(v) if is_tensor(v) else [ref(x) if is_tensor(x) else x for x in v]
             for c, v in part.items()
         }
-        return name, out, reused
+        fill = functools.partial(filler.write, name, bodies, claimed=bool(reused))
+        return name, out, reused, Fill(fill, total, lock)
+
+    async def _ask_filling(self, unit: str, msg: Store, fill: Fill | None, early: bool) -> Stored:
+        """Ask ``unit`` to store ``msg`` once its segment is filled, or (``early``: new samples
+        in a big segment) while it is filled from a worker thread. The unit takes the segment
+        over at once but reads none of it before the commit, which the writer sends only once
+        both are done; the writer's shared lock keeps the unit from recycling it meanwhile (it
+        may free the rows: an expired allocation), and it compacts no rows before their
+        commit."""
+        if fill is None:
+            stored: Stored = await self._ask(unit, msg)
+            return stored
+        try:
+            if not early or fill.nbytes < THREAD_BYTES:
+                if fill.nbytes < THREAD_BYTES:
+                    fill.write()
+                else:
+                    await trio.to_thread.run_sync(fill.write)
+                fill.release()
+                stored = await self._ask(unit, msg)
+                return stored
+            failed: list[Exception] = []
+
+            async def filling() -> None:
+                try:
+                    await trio.to_thread.run_sync(fill.write)
+                except Exception as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+                finally:
+                    fill.release()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(filling)
+                try:
+                    stored = await self._ask(unit, msg)
+                except Exception as exc:  # the fill runs to its end (a thread is not abandoned)
+                    failed.append(exc)
+            if failed:
+                raise failed[0]
+            return stored
+        finally:
+            fill.release()
 
     async def store_shared(
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
@@ -294,6 +351,21 @@ class UnitIO:
         return await self._each({unit: make(unit) for unit in placement})
 
 
+class Fill:
+    """Filling a segment: ``write()`` copies ``nbytes`` into it; ``lock``: the writer's shared
+    lock on it (a descriptor), until ``release()``."""
+
+    def __init__(self, write: Callable[[], Any], nbytes: int, lock: int) -> None:
+        self.write = write
+        self.nbytes = nbytes
+        self._lock = lock
+
+    def release(self) -> None:
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
+
 def _claim(prefix: str, total: int, name: str) -> str:
     """Claim, as ``name``, a free segment of the unit's pool that holds ``total`` bytes without
     wasting more than as much again; the free name it had (``""``: none, write a new one)."""
@@ -305,6 +377,19 @@ def _claim(prefix: str, total: int, name: str) -> str:
         if _shm.claim(free.name, name):
             return free.name
     return ""
+
+
+def _span(positions: list[int]) -> slice | list[int]:
+    """``positions`` as a slice if they are one run (the usual case: a put's slice for a
+    unit), so that every column and list is cut once, as a view."""
+    first = positions[0]
+    if positions == list(range(first, first + len(positions))):
+        return slice(first, first + len(positions))
+    return positions
+
+
+def _pick(values: Sequence[int], where: slice | list[int]) -> list[int]:
+    return list(values[where]) if isinstance(where, slice) else [values[p] for p in where]
 
 
 def _payload(part: Mapping[str, Any]) -> int:
