@@ -32,6 +32,18 @@ async def test_every_mode_trains_its_steps(mode: str) -> None:
         assert all(len(r.staleness) == 2 for r in result.records)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_an_advantage_station_placed_on_its_own_trains_as_well(mode: str) -> None:
+    """Naming the advantage role in the placement runs it as a station of its own (by default
+    ActorForward computes the advantages); every step still trains a whole batch."""
+    result = await run_pipeline(tiny(mode, placement={"roles": {"advantage": "driver"}}))
+    assert [r.samples for r in result.records] == [BATCH] * 3
+    assert all("advantage" in r.idle for r in result.records)
+    fused = await run_pipeline(tiny(mode))
+    assert [r.samples for r in fused.records] == [BATCH] * 3
+    assert not any("advantage" in r.idle for r in fused.records)
+
+
 async def test_staleness_zero_is_on_policy_by_construction() -> None:
     """Async at staleness 0: every trained sample's oldest token has the trainer's version,
     although stations stream and rollout overlaps the forwards and the advantage."""

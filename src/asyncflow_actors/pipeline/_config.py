@@ -118,6 +118,7 @@ class PipelineConfig:
             staleness=self.effective_staleness,
             stage_barrier=self.mode != "async",
             colocated=self.mode == "colocated",
+            fused_advantage=self.fused_advantage,
             model=self.model,
             task=self.task,
             rollout=self.rollout,
@@ -129,6 +130,12 @@ class PipelineConfig:
             resume_from=resume_from,
         )
 
+    @property
+    def fused_advantage(self) -> bool:
+        """The ActorForward stations compute the advantages too, unless the placement puts the
+        advantage role somewhere of its own."""
+        return "advantage" not in self.placement.roles
+
     def instances(self) -> list[tuple[str, str]]:
         """Every role instance of the run as ``(role, worker name)``, in start order."""
         out = []
@@ -138,7 +145,9 @@ class PipelineConfig:
         out += [("actor_fwd", f"actor_fwd-{i}") for i in range(self.train.forward_workers)]
         if self.algorithm.kl_coef > 0:
             out.append(("ref_fwd", "ref_fwd-0"))
-        out += [("advantage", "advantage-0"), ("trainer", "trainer-0")]
+        if not self.fused_advantage:
+            out.append(("advantage", "advantage-0"))
+        out.append(("trainer", "trainer-0"))
         return out
 
     def placement_of(self, role: str, worker: str) -> str:

@@ -108,7 +108,9 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         count = 1 if spec.colocated else spec.rollout.engines
         await ctx.start(self._serve, count)
         self.target = MultiEngine(self.engines)
-        self.receiver = WeightReceiver(self.target, load="lazy", name=self.worker)
+        self.receiver = WeightReceiver(
+            self.target, load="lazy", name=self.worker, pause=spec.rollout.pauses
+        )
         self.meter.set_version(spec.start_version)
 
     async def _serve(self, count: int, task_status: trio.TaskStatus[None]) -> None:
