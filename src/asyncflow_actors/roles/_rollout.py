@@ -282,7 +282,10 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             span.set(samples=indexes, version=oldest)
         tokens = sum(len(c.token_ids) for c in completions)
         partial = sum(1 for c in completions if c.resumes > 0)
-        self.meter.extra["partial_samples"] = self.meter.extra.get("partial_samples", 0) + partial
+        extra = self.meter.extra
+        extra["partial_samples"] = extra.get("partial_samples", 0) + partial
+        # decode steps of the engines: generated tokens / steps is the batching they achieved
+        extra["engine_steps"] = sum(e.statistics().steps for e in self.engines)
         self.meter.done(len(completions), tokens)
         return True
 
