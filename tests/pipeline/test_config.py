@@ -55,11 +55,13 @@ def test_a_toml_file_loads_into_a_frozen_config(tmp_path: Path) -> None:
     assert not spec.fused_advantage and ("advantage", "advantage-0") in config.instances()
 
 
-def test_by_default_actor_forward_computes_the_advantages() -> None:
+def test_the_advantage_placed_in_actor_forward_runs_no_station_of_its_own() -> None:
     config = PipelineConfig.from_dict({"mode": "sync"})
-    assert config.run_spec().fused_advantage
-    assert [role for role, _ in config.instances()] == ["rollout", "actor_fwd", "trainer"]
+    assert not config.run_spec().fused_advantage
     assert config.rollout.pause_mode == "none" and not config.rollout.pauses
+    fused = PipelineConfig.from_dict({"placement": {"roles": {"advantage": "actor_fwd"}}})
+    assert fused.run_spec().fused_advantage
+    assert [role for role, _ in fused.instances()] == ["rollout", "actor_fwd", "trainer"]
 
 
 @pytest.mark.parametrize(

@@ -33,15 +33,13 @@ async def test_every_mode_trains_its_steps(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-async def test_an_advantage_station_placed_on_its_own_trains_as_well(mode: str) -> None:
-    """Naming the advantage role in the placement runs it as a station of its own (by default
-    ActorForward computes the advantages); every step still trains a whole batch."""
-    result = await run_pipeline(tiny(mode, placement={"roles": {"advantage": "driver"}}))
-    assert [r.samples for r in result.records] == [BATCH] * 3
-    assert all("advantage" in r.idle for r in result.records)
-    fused = await run_pipeline(tiny(mode))
+async def test_advantages_computed_in_actor_forward_train_as_well(mode: str) -> None:
+    """``placement.roles.advantage = "actor_fwd"``: ActorForward computes the advantages, no
+    Advantage station runs, and every step still trains a whole batch."""
+    fused = await run_pipeline(tiny(mode, placement={"roles": {"advantage": "actor_fwd"}}))
     assert [r.samples for r in fused.records] == [BATCH] * 3
     assert not any("advantage" in r.idle for r in fused.records)
+    assert all("actor_fwd" in r.idle for r in fused.records)
 
 
 async def test_staleness_zero_is_on_policy_by_construction() -> None:

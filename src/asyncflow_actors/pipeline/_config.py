@@ -50,6 +50,7 @@ else:  # pragma: no cover
 MODES = ("sync", "colocated", "one_step_off", "async")
 ROLES = ("rollout", "reward", "actor_fwd", "ref_fwd", "advantage", "trainer")
 DRIVER = "driver"  # the placement of a role run in the driver's own process
+FUSED = "actor_fwd"  # the advantage's placement inside the ActorForward stations
 _ADDRESS = re.compile(r"^(tcp://[^:/\s]+:\d+|ipc://\S+)$")
 
 
@@ -132,9 +133,9 @@ class PipelineConfig:
 
     @property
     def fused_advantage(self) -> bool:
-        """The ActorForward stations compute the advantages too, unless the placement puts the
-        advantage role somewhere of its own."""
-        return "advantage" not in self.placement.roles
+        """``placement.roles.advantage = "actor_fwd"``: the ActorForward stations compute the
+        advantages too (no Advantage station)."""
+        return self.placement.roles.get("advantage") == FUSED
 
     def instances(self) -> list[tuple[str, str]]:
         """Every role instance of the run as ``(role, worker name)``, in start order."""

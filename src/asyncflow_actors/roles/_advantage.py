@@ -1,8 +1,9 @@
 """Advantage: whole groups in, group-relative advantages (``rl``) out. CPU only.
 
-By default the ActorForward station computes them on the batch it fetched for the old
-log-probs (``RunSpec.fused_advantage``: one fetch, one write and one ack for both columns instead
-of two of each); a separate ``Advantage`` station runs when the placement names the role.
+A separate ``Advantage`` station by default; with ``RunSpec.fused_advantage``
+(``placement.roles.advantage = "actor_fwd"``) the ActorForward station computes them on the
+batch it fetched for the old log-probs: one fetch, one write and one ack for both columns
+instead of two of each.
 """
 
 from __future__ import annotations
