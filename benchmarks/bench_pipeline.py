@@ -12,6 +12,10 @@
   Target: within 2.
 - ``pipeline_staleness0_offpolicy_samples``: trained samples whose oldest token's version
   differed from the trainer's in async at staleness 0. Target 0.
+- ``pipeline_cpu_per_step`` (no target: what the time-to-reward ratio is made of): CPU seconds
+  per training step over every process of the async run (this one and its node processes,
+  from ``/proc``), against the plain loop's CPU per step. On a shared machine the wall-clock
+  figures move with the load; these move much less.
 
 ``PYTHONPATH=benchmarks python benchmarks/bench_pipeline.py [--rounds N] [--quick]``
 """
@@ -106,14 +110,32 @@ async def throughput(init: str, rounds: int, steps: int) -> None:
     print(f"# samples/s async {rates['async']} sync {rates['sync']}", file=sys.stderr)
 
 
-def plain_grpo_time_to_reward(init: str, max_steps: int) -> tuple[float, int]:
-    """The baseline: one loop, one process: sample groups, score, one PPO update."""
+def process_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and every live descendant (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo += [int(child) for child in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile
+    return total
+
+
+def plain_grpo_time_to_reward(init: str, max_steps: int) -> tuple[float, int, float]:
+    """The baseline: one loop, one process: sample groups, score, one PPO update. Returns
+    the seconds and steps to the target and the CPU seconds per step."""
     model = load_model(init)
     tokenizer = CharTokenizer(ADDITION.alphabet)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     history: list[float] = []
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for step in range(max_steps):
         problems = ADDITION.sample(PROMPTS, seed=10_000 + step)
         groups = sample_groups(model, ADDITION, tokenizer, problems, group_size=GROUP,
@@ -128,25 +150,31 @@ def plain_grpo_time_to_reward(init: str, max_steps: int) -> tuple[float, int]:
         optimizer.step()
         history.append(float(groups.rewards.mean()))
         if statistics.mean(history[-3:]) >= TARGET:
-            return time.perf_counter() - started, step + 1
-    return float("inf"), max_steps
+            return time.perf_counter() - started, step + 1, (time.process_time() - cpu) / (step + 1)
+    return float("inf"), max_steps, (time.process_time() - cpu) / max_steps
 
 
-async def pipeline_time_to_reward(init: str, max_steps: int) -> tuple[float, int]:
+async def pipeline_time_to_reward(init: str, max_steps: int) -> tuple[float, int, float]:
+    """Seconds and steps to the target, and CPU seconds per step over every process from the
+    first step to the last (the start-up of the node processes left out)."""
     cfg = config("async", init, staleness=1, train={"steps": max_steps},
                  placement={"default": "process"})  # fmt: skip
     reached: list[StepRecord] = []
     async with afa.open_actor_system() as system, open_pipeline(system, cfg) as run:
-        seen = 0
+        seen, first = 0, None
         while not reached and seen < max_steps:
             await trio.sleep(0.05)
             seen = len(run.records)
+            if first is None and seen:
+                first = (seen, process_cpu_seconds())
             tail = [r.reward_mean for r in run.records[-3:]]
             if tail and statistics.mean(tail) >= TARGET:
                 reached.append(run.records[-1])
+        assert first is not None
+        cpu = (process_cpu_seconds() - first[1]) / max(1, len(run.records) - first[0])
     if not reached:
-        return float("inf"), max_steps
-    return reached[0].seconds, reached[0].step
+        return float("inf"), max_steps, cpu
+    return reached[0].seconds, reached[0].step, cpu
 
 
 def held_out(path: str) -> list[float]:
@@ -204,13 +232,15 @@ async def main(rounds: int, quick: bool) -> None:
                                                    accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
         await throughput(longtail, rounds, 4 if quick else 8)
         max_steps = 40 if quick else 400
-        base_s, base_steps = await trio.to_thread.run_sync(
+        base_s, base_steps, base_cpu = await trio.to_thread.run_sync(
             plain_grpo_time_to_reward, addition, max_steps
         )
-        subject_s, subject_steps = await pipeline_time_to_reward(addition, max_steps)
+        subject_s, subject_steps, subject_cpu = await pipeline_time_to_reward(addition, max_steps)
         emit("pipeline_time_to_reward", subject_s, "s", base_s)
+        emit("pipeline_cpu_per_step", subject_cpu, "s", base_cpu)
         print(f"# time to reward {TARGET}: async {subject_s:.1f} s ({subject_steps} steps), "
-              f"plain loop {base_s:.1f} s ({base_steps} steps)", file=sys.stderr)  # fmt: skip
+              f"plain loop {base_s:.1f} s ({base_steps} steps); load average "
+              f"{os.getloadavg()[0]:.1f}", file=sys.stderr)  # fmt: skip
         await reward_gap(addition, 6 if quick else 60, workdir)
         await offpolicy_at_staleness_zero(addition, 4 if quick else 10)
 

@@ -257,8 +257,10 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         corrupt_bucket: int | None = None,
         device: str = "cpu",
         world: World | None = None,
+        pause: bool = True,
     ) -> None:
         self.specs = {k: (v[0], list(v[1])) for k, v in (specs or SPECS).items()}
+        self.pause = pause
         self.load = load
         self.tick = tick
         self.batch_tokens = batch_tokens
@@ -283,6 +285,7 @@ class DoubleActor(afa.Actor[DoubleMsg]):
             device=self.device,
             offload=self.offload,
             name=ctx.name,
+            pause=self.pause,
         )
         if f is not None:
             f.engines[self.index] = self.engine

@@ -160,6 +160,52 @@ async def test_eager_load_happens_before_the_resume(autojump_clock: Any) -> None
         check_engines(world, 3)
 
 
+@pytest.mark.parametrize("mode", list(PauseMode))
+async def test_a_lazy_receiver_without_pause_never_stops_its_target(
+    autojump_clock: Any, mode: PauseMode
+) -> None:
+    """``pause=False``: the sync acknowledges the pause without pausing the engine, which keeps
+    decoding on its old weights while the bytes arrive and loads them at its next boundary."""
+    world = World()
+    async with afa.open_actor_system() as system:
+        refs = await spawn(system, world, load="lazy", pause=False)
+        engine = CheckpointEngine(refs, config(pause_mode=mode))
+        await trio.sleep(5.5)  # mid-batch
+        result = await engine.sync(0, weights_of(0))
+        assert [(a.mode, a.version) for a in result.acks] == [(mode, -1)] * 2
+        assert [(r.version, r.pending) for r in result.resumed] == [(-1, 0)] * 2
+        await settle()
+        check_engines(world, 0)
+        for double in world.engines.values():
+            assert double.pauses == [] and ("paused",) not in double.events
+            load = double.events.index(("load", 0))
+            assert double.events[load - 1] == ("boundary",)
+            tokens = [e[1] for e in double.events if e[0] == "token"]
+            assert tokens == sorted(tokens) and tokens[-1] == 0  # old weights up to the load
+
+
+async def test_an_eager_sync_pauses_a_receiver_without_pause_for_the_load_only(
+    autojump_clock: Any,
+) -> None:
+    world = World()
+    async with afa.open_actor_system() as system:
+        refs = await spawn(system, world, n=1, load="lazy", pause=False)
+        result = await CheckpointEngine(refs, config(eager=True)).sync(2, weights_of(2))
+        assert [(r.version, r.pending) for r in result.resumed] == [(2, None)]
+        events = world.engines[0].events
+        assert events.index(("paused",)) < events.index(("load", 2)) < events.index(("resumed",))
+        await settle()
+        check_engines(world, 2)
+
+
+def test_a_receiver_without_pause_must_load_lazily() -> None:
+    from asyncflow_actors.checkpoint import WeightReceiver
+    from tests.checkpoint.doubles import EngineDouble
+
+    with pytest.raises(ValueError, match="pause=False needs load='lazy'"):
+        WeightReceiver(EngineDouble(), load="eager", pause=False)
+
+
 async def test_broadcast_starts_only_after_every_pause_ack(autojump_clock: Any) -> None:
     world = World(slow_pause=5.0, slow_engine=1)  # engine 1 takes 5 s more to pause
     async with afa.open_actor_system() as system:

@@ -51,6 +51,17 @@ def test_a_toml_file_loads_into_a_frozen_config(tmp_path: Path) -> None:
     assert config.placement_of("rollout", "rollout-0") == "rollout-0"  # its own process
     spec = config.run_spec()
     assert spec.batch_size == 8 * 4 and not spec.stage_barrier and spec.staleness == 2
+    # the placement names the advantage role: it runs as a station of its own
+    assert not spec.fused_advantage and ("advantage", "advantage-0") in config.instances()
+
+
+def test_the_advantage_placed_in_actor_forward_runs_no_station_of_its_own() -> None:
+    config = PipelineConfig.from_dict({"mode": "sync"})
+    assert not config.run_spec().fused_advantage
+    assert config.rollout.pause_mode == "none" and not config.rollout.pauses
+    fused = PipelineConfig.from_dict({"placement": {"roles": {"advantage": "actor_fwd"}}})
+    assert fused.run_spec().fused_advantage
+    assert [role for role, _ in fused.instances()] == ["rollout", "actor_fwd", "trainer"]
 
 
 @pytest.mark.parametrize(

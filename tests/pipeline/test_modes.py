@@ -32,6 +32,16 @@ async def test_every_mode_trains_its_steps(mode: str) -> None:
         assert all(len(r.staleness) == 2 for r in result.records)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_advantages_computed_in_actor_forward_train_as_well(mode: str) -> None:
+    """``placement.roles.advantage = "actor_fwd"``: ActorForward computes the advantages, no
+    Advantage station runs, and every step still trains a whole batch."""
+    fused = await run_pipeline(tiny(mode, placement={"roles": {"advantage": "actor_fwd"}}))
+    assert [r.samples for r in fused.records] == [BATCH] * 3
+    assert not any("advantage" in r.idle for r in fused.records)
+    assert all("actor_fwd" in r.idle for r in fused.records)
+
+
 async def test_staleness_zero_is_on_policy_by_construction() -> None:
     """Async at staleness 0: every trained sample's oldest token has the trainer's version,
     although stations stream and rollout overlaps the forwards and the advantage."""

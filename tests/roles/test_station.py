@@ -3,10 +3,12 @@ writes back its own partition; a crashed station's leased samples go back to the
 
 from __future__ import annotations
 
+import attrs
 import torch
 import trio
 
 import asyncflow_actors as afa
+from asyncflow_actors.rl import grpo_advantages
 from asyncflow_actors.roles import ActorForward, GetRoleStats, RunSpec, topic_specs
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._settings import ModelSettings, RolloutSettings, TrainSettings
@@ -23,7 +25,9 @@ SPEC = RunSpec(
 )
 
 
-async def put_groups(client: afa.transfer_queue.TransferQueueClient, groups: int) -> None:
+async def put_groups(
+    client: afa.transfer_queue.TransferQueueClient, groups: int, rewards: bool = False
+) -> None:
     for g in range(groups):
         slot = await client.open_group(S.ROLLOUT, 4, shared={S.PROMPT_IDS: torch.tensor([1, 4, 5])})
         responses = [torch.tensor([3 + g, 4, 2][: 1 + k % 3]) for k in range(4)]
@@ -31,7 +35,7 @@ async def put_groups(client: afa.transfer_queue.TransferQueueClient, groups: int
             S.RESPONSE_IDS: responses,
             S.BEHAVIOUR: [torch.zeros(len(r)) for r in responses],
             S.TOKEN_VERSIONS: [torch.zeros(len(r), dtype=torch.int64) for r in responses],
-            S.REWARDS: torch.zeros(4),
+            S.REWARDS: torch.tensor([1.0, 0.0, float(g % 2), 1.0]) if rewards else torch.zeros(4),
             S.RESUMES: torch.zeros(4, dtype=torch.int64),
         }
         await client.put(S.ROLLOUT, data, version=0, group=slot)
@@ -61,3 +65,39 @@ async def test_two_ranks_share_one_lease_and_write_their_own_partitions() -> Non
         (topic,) = [t for t in view.controller.state.topics if t.topic == S.ROLLOUT]
         (fwd,) = [c for c in topic.consumers if c.consumer == "actor_fwd"]
         assert fwd.consumed == 8 and fwd.leased == 0, "the shared lease completed at the last ack"
+
+
+async def test_fused_forward_writes_old_logprobs_and_advantages_of_whole_groups() -> None:
+    """``fused_advantage``: ActorForward computes the advantages of the whole groups it fetched
+    (two ranks: each rank's partition is made of whole groups, and a lease of one group leaves
+    a rank none, which it acks), in the same write as the old log-probs; the topic has no
+    ``advantage`` consumer to wait for."""
+    spec = attrs.evolve(SPEC, fused_advantage=True)
+    assert "advantage" not in topic_specs(spec)[1].consumers
+    tq = TransferQueueConfig(topics=topic_specs(spec), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("test")
+        ranks = [
+            await system.spawn(
+                lambda r=r: ActorForward(spec, queue.controller, f"fwd-{r}", rank=r, ranks=2),
+                name=f"fwd-{r}",
+            )
+            for r in range(2)
+        ]
+        columns = [S.OLD, S.ADVANTAGES, S.RESPONSE_IDS, S.REWARDS]
+        with trio.fail_after(60):
+            await put_groups(client, 4, rewards=True)
+            batch = await client.get(S.ROLLOUT, "trainer", columns, 16)
+        assert batch is not None
+        rewards = batch[S.REWARDS]
+        responses = batch[S.RESPONSE_IDS]
+        mask = torch.zeros((16, 3), dtype=torch.bool)
+        for i, r in enumerate(responses):
+            mask[i, : len(r)] = True
+        expected = grpo_advantages(rewards, torch.tensor(batch.group_ids), mask).advantages
+        for i, (old, adv) in enumerate(zip(batch[S.OLD], batch[S.ADVANTAGES], strict=True)):
+            assert old.shape == adv.shape == responses[i].shape and bool((old < 0).all())
+            assert torch.allclose(adv, expected[i, : len(responses[i])])
+        assert any(bool(a.abs().sum() > 0) for a in batch[S.ADVANTAGES])
+        stats = [await ref.ask(GetRoleStats()) for ref in ranks]
+        assert sum(s.samples for s in stats) == 16

@@ -14,6 +14,9 @@ What it promises:
 - ``lazy`` receivers keep the committed weights pending until ``apply_pending()`` (the next
   batch boundary); ``eager`` ones (or a sync with ``eager=True``) load before resuming. Pending
   weights of a sync that sent a subset (LoRA) are merged with any still pending before.
+- A lazy receiver built with ``pause=False`` acknowledges a sync's pause without pausing its
+  target: its host loads at its own boundaries, so nothing needs to stop while the bytes
+  arrive (a rollout engine keeps generating on its old weights until its next group).
 - The target is resumed by ``SyncResume`` whatever happened, and on its own once the pause's
   lease runs out (the sender died), so no target stays paused.
 - Bad input is answered with an error (``ctx.reply_error``), never a crash of the host actor.
@@ -48,7 +51,7 @@ from ._messages import (
     SyncPrepare,
     SyncResume,
 )
-from ._target import PauseAck, SyncTarget
+from ._target import PauseAck, PauseMode, SyncTarget
 from ._transport import run_sync
 
 if TYPE_CHECKING:
@@ -84,6 +87,7 @@ class _Sync:
 
     sync_id: str
     paused: bool = False  # the target acknowledged the pause
+    mode: PauseMode = PauseMode.DRAIN  # the pause the sender asked for
     pausing: trio.Event = attrs.Factory(trio.Event)  # set once the pause ended, either way
     version: int = -1
     cache: HostCache | None = None
@@ -101,7 +105,9 @@ class WeightReceiver:
     a sync naming another tensor, dtype or shape is refused before any byte moves (without it,
     the specs of each committed sync are remembered and checked the same way). ``device``: where
     collective transports receive (``"cuda:0"`` for nccl); the host cache is always in host
-    memory. ``offload``: run copies and checksums in worker threads.
+    memory. ``offload``: run copies and checksums in worker threads. ``pause=False`` (lazy
+    only): answer a sync's pause without pausing the target, which keeps running on its old
+    weights until it calls ``apply_pending()`` (the ack reports the version it holds).
     """
 
     def __init__(
@@ -113,11 +119,17 @@ class WeightReceiver:
         device: str = "cpu",
         offload: bool = True,
         name: str = "",
+        pause: bool = True,
     ) -> None:
         if load not in ("lazy", "eager"):
             raise ValueError(f"load must be 'lazy' or 'eager', got {load!r}")
+        if not pause and load == "eager":
+            raise ValueError(
+                "pause=False needs load='lazy': an eager receiver loads while its target is paused"
+            )
         self.target = target
         self.load = load
+        self.pause = pause
         self.device = device
         self.offload = offload
         self.name = name
@@ -259,7 +271,11 @@ class WeightReceiver:
                 scope = trio.CancelScope(deadline=trio.current_time() + msg.lease)
                 sync.scopes.append(scope)
                 ctx.start_soon(self._watch_lease, sync, scope)
+        sync.mode = msg.mode
         try:
+            if not self.pause:
+                await trio.lowlevel.checkpoint()
+                return PauseAck(msg.mode, self.target.version)
             ack = await self.target.pause(msg.mode)
             sync.paused = True
         finally:
@@ -403,6 +419,8 @@ class WeightReceiver:
                     self._known.setdefault(name, spec_of(name, tensor))
                 self._committed += 1
                 if eager or self.load == "eager":
+                    if not self.pause:  # a sync that asks for an eager load
+                        await self.target.pause(sync.mode)  # pauses for the load only
                     await self._apply()
         finally:
             with trio.CancelScope(shield=True):

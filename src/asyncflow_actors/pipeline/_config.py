@@ -50,6 +50,7 @@ else:  # pragma: no cover
 MODES = ("sync", "colocated", "one_step_off", "async")
 ROLES = ("rollout", "reward", "actor_fwd", "ref_fwd", "advantage", "trainer")
 DRIVER = "driver"  # the placement of a role run in the driver's own process
+FUSED = "actor_fwd"  # the advantage's placement inside the ActorForward stations
 _ADDRESS = re.compile(r"^(tcp://[^:/\s]+:\d+|ipc://\S+)$")
 
 
@@ -118,6 +119,7 @@ class PipelineConfig:
             staleness=self.effective_staleness,
             stage_barrier=self.mode != "async",
             colocated=self.mode == "colocated",
+            fused_advantage=self.fused_advantage,
             model=self.model,
             task=self.task,
             rollout=self.rollout,
@@ -129,6 +131,12 @@ class PipelineConfig:
             resume_from=resume_from,
         )
 
+    @property
+    def fused_advantage(self) -> bool:
+        """``placement.roles.advantage = "actor_fwd"``: the ActorForward stations compute the
+        advantages too (no Advantage station)."""
+        return self.placement.roles.get("advantage") == FUSED
+
     def instances(self) -> list[tuple[str, str]]:
         """Every role instance of the run as ``(role, worker name)``, in start order."""
         out = []
@@ -138,7 +146,9 @@ class PipelineConfig:
         out += [("actor_fwd", f"actor_fwd-{i}") for i in range(self.train.forward_workers)]
         if self.algorithm.kl_coef > 0:
             out.append(("ref_fwd", "ref_fwd-0"))
-        out += [("advantage", "advantage-0"), ("trainer", "trainer-0")]
+        if not self.fused_advantage:
+            out.append(("advantage", "advantage-0"))
+        out.append(("trainer", "trainer-0"))
         return out
 
     def placement_of(self, role: str, worker: str) -> str:

@@ -51,12 +51,19 @@ from ._config import PipelineConfig
 from ._placement import Placement, Watcher
 from ._report import Progress, StepRecord, idle_ratios, plot_run
 
-GRAPH = (
-    GraphEdge("rollout", "actor_fwd", "rollout"),
-    GraphEdge("rollout", "advantage", "rollout"),
-    GraphEdge("actor_fwd", "trainer", "rollout"),
-    GraphEdge("advantage", "trainer", "rollout"),
-)
+
+def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
+    """The stations' data flow, for the observer's graph."""
+    edges = [
+        GraphEdge("rollout", "actor_fwd", "rollout"),
+        GraphEdge("actor_fwd", "trainer", "rollout"),
+    ]
+    if not config.fused_advantage:
+        edges += [
+            GraphEdge("rollout", "advantage", "rollout"),
+            GraphEdge("advantage", "trainer", "rollout"),
+        ]
+    return tuple(edges)
 
 
 @attrs.frozen
@@ -240,7 +247,7 @@ async def _observer(system: ActorSystem, config: PipelineConfig) -> AsyncIterato
     if not config.observe:
         yield None
         return
-    observe = ObserveConfig(run_dir=config.run_dir, graph=GRAPH)
+    observe = ObserveConfig(run_dir=config.run_dir, graph=graph(config))
     async with open_observer(system, observe) as observer:
         yield observer
 

@@ -1,7 +1,14 @@
-"""Advantage: whole groups in, group-relative advantages (``rl``) out. CPU only."""
+"""Advantage: whole groups in, group-relative advantages (``rl``) out. CPU only.
+
+A separate ``Advantage`` station by default; with ``RunSpec.fused_advantage``
+(``placement.roles.advantage = "actor_fwd"``) the ActorForward station computes them on the
+batch it fetched for the old log-probs: one fetch, one write and one ack for both columns
+instead of two of each.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..actors import Actor, ActorContext, ActorRef
@@ -12,10 +19,38 @@ from ._settings import RunSpec
 from ._worker import Station, column, in_thread, take
 
 
+class Advantages:
+    """The advantage step of a station: the estimator of ``spec.algorithm`` over whole groups.
+
+    With ``train.shuffle_rewards`` the rewards are permuted across the rows first: the control
+    arm of the learning test (same data, no credit assignment)."""
+
+    def __init__(self, spec: RunSpec, compute: Any) -> None:
+        import torch
+
+        self.spec = spec
+        self.compute = compute
+        self.generator = torch.Generator().manual_seed(spec.train.seed + 17)
+
+    async def __call__(self, batch: Any, rows: Sequence[int], lengths: Sequence[int]) -> Any:
+        """Per-token advantages of ``batch`` at ``rows`` (whole groups), ``lengths`` tokens."""
+        import torch
+
+        rewards = column(batch, S.REWARDS)
+        group_ids = batch.group_ids
+        if len(rows) != len(batch):
+            rewards = rewards[torch.tensor(list(rows), dtype=torch.long)]
+            group_ids = tuple(group_ids[k] for k in rows)
+        if self.spec.train.shuffle_rewards:
+            rewards = rewards[torch.randperm(len(rows), generator=self.generator)]
+        return await in_thread(
+            self.compute.group_advantages, self.spec.algorithm, rewards, group_ids, lengths
+        )
+
+
 class Advantage(Station, Actor[GetRoleStats]):
-    """Takes whole groups only (the estimators compare a group's members), writes per-token
-    advantages. With ``train.shuffle_rewards`` the rewards are permuted across the batch
-    first: the control arm of the learning test (same data, no credit assignment)."""
+    """The advantage step as a station of its own: takes whole groups only (the estimators
+    compare a group's members), writes per-token advantages."""
 
     role = "advantage"
     consumer = "advantage"
@@ -24,14 +59,10 @@ class Advantage(Station, Actor[GetRoleStats]):
         super().__init__(spec, controller, worker)
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
-        import torch
-
         self.columns = S.station_columns(self.spec)["advantage"]
-        self.generator = torch.Generator().manual_seed(self.spec.train.seed + 17)
+        self.advantages = Advantages(self.spec, self.compute)
 
     async def run(self) -> None:
-        import torch
-
         assert self.client is not None
         spec = self.spec
         while True:
@@ -41,20 +72,11 @@ class Advantage(Station, Actor[GetRoleStats]):
                 whole_groups=True,
                 min_count=spec.fetch_size if spec.stage_barrier else spec.rollout.group_size,
             )
-            rows = list(range(len(batch)))
-            rewards = column(batch, S.REWARDS)
-            if spec.train.shuffle_rewards:
-                rewards = rewards[torch.randperm(len(batch), generator=self.generator)]
+            rows = range(len(batch))
             lengths = [int(r.shape[0]) for r in take(batch, rows, S.RESPONSE_IDS)]
             with self.meter.track.span("advantage", samples=batch.indexes):
                 start = clock_ns()
-                advantages = await in_thread(
-                    self.compute.group_advantages,
-                    spec.algorithm,
-                    rewards,
-                    batch.group_ids,
-                    lengths,
-                )
+                advantages = await self.advantages(batch, rows, lengths)
                 self.meter.busy(start)
                 await self.write_back(batch, rows, {S.ADVANTAGES: advantages})
             await self.client.ack(batch)

@@ -84,10 +84,13 @@ def policy_tokenizer(spec: RunSpec, task: Task) -> Any:
 
 def right_pad(rows: Sequence[Tensor], width: int) -> Tensor:
     """Per-token rows [len_i] right-padded with zeros to [B, width] (float32)."""
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : row.shape[0]] = row[:width]
-    return out
+    if not rows:
+        return torch.zeros((0, width), dtype=torch.float32)
+    lengths = torch.tensor([int(r.shape[0]) for r in rows])
+    mask = torch.arange(max(width, int(lengths.max()))) < lengths.unsqueeze(1)
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[mask] = torch.cat(list(rows)).float()  # one scatter instead of a copy per row
+    return out[:, :width]
 
 
 def policy_logprobs(model: Any, batch: Any, temperature: float) -> Tensor:
@@ -124,9 +127,7 @@ def group_advantages(
 ) -> list[Tensor]:
     """Per-token advantages of whole groups (outcome estimators: one value per sequence)."""
     width = max(1, max(lengths))
-    mask = torch.zeros((len(lengths), width), dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = True
+    mask = torch.arange(width) < torch.tensor(list(lengths)).unsqueeze(1)
     estimator = {
         "grpo": grpo_advantages,
         "dr_grpo": dr_grpo_advantages,

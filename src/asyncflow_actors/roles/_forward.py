@@ -6,7 +6,8 @@ two different computations — the engine's incremental decode and a full forwar
 meaningful even at staleness 0 (near 0 and 1, not 0 by construction). Its weights arrive
 through the CheckpointEngine: bytes land in a host cache during the sync and are loaded
 lazily, at the station's next batch boundary. RefForward holds the initial policy and never
-syncs.
+syncs. With ``RunSpec.fused_advantage`` (``placement.roles.advantage = "actor_fwd"``) ActorForward takes whole groups
+and also computes their advantages: one fetch, one write back and one ack for both columns.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..actors import Actor, ActorContext
 from ..checkpoint import SYNC_MESSAGES, PauseAck, PauseMode, SyncMessage, WeightReceiver
 from ..observe import clock_ns
 from . import _schema as S
+from ._advantage import Advantages
 from ._messages import AdoptVersion, GetRoleStats
 from ._shared import load_policy
 from ._worker import Station, in_thread, take
@@ -64,6 +66,7 @@ class PolicyCopy:
 
 class _Forward(Station):
     column: str = S.OLD
+    advantages: Advantages | None = None  # fused: this station computes them too
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
@@ -89,11 +92,15 @@ class _Forward(Station):
             batch = await self.fetch(
                 self.columns,
                 spec.fetch_size,
-                whole_groups=spec.stage_barrier,
+                whole_groups=spec.stage_barrier or self.advantages is not None,
                 min_count=spec.fetch_size if spec.stage_barrier else n,
             )
             await self.boundary()
             rows = self.dp.rows(batch)
+            assert self.client is not None
+            if not rows:  # whole groups: fewer groups than ranks left this rank none
+                await self.client.ack(batch)
+                continue
             prompts = take(batch, rows, S.PROMPT_IDS)
             responses = take(batch, rows, S.RESPONSE_IDS)
             with self.meter.track.span(self.role, samples=batch.indexes, version=self.copy.version):
@@ -109,9 +116,12 @@ class _Forward(Station):
                             temperature=spec.rollout.temperature,
                         )
                     )
+                data = {self.column: logprobs}
+                if self.advantages is not None:
+                    lengths = [int(r.shape[0]) for r in responses]
+                    data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths)
                 self.meter.busy(start)
-                await self.write_back(batch, rows, {self.column: logprobs})
-            assert self.client is not None
+                await self.write_back(batch, rows, data)
             await self.client.ack(batch)
             self.meter.done(len(rows), sum(int(r.shape[0]) for r in responses))
 
@@ -125,7 +135,11 @@ class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         await super().setup(ctx)
-        self.receiver = WeightReceiver(self.copy, load="lazy", name=self.worker)
+        if self.spec.fused_advantage:
+            self.advantages = Advantages(self.spec, self.compute)
+        self.receiver = WeightReceiver(
+            self.copy, load="lazy", name=self.worker, pause=self.spec.rollout.pauses
+        )
 
     async def load_model(self) -> tuple[Any, Any]:
         return await load_policy(self.spec, self.compute, self.task)

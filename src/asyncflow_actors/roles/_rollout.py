@@ -77,6 +77,27 @@ class MultiEngine:
         await self._all(lambda e: e.load_weights(weights, version))
 
 
+class _Slot:
+    """A prompt's hold on one of the worker's generation slots. It is given back as soon as the
+    group is generated (scoring and writing it do not occupy the engines, and slots freed in
+    the same decode step go back together, so the next prompts come in one lease), and taken
+    again to generate the group anew."""
+
+    def __init__(self, free: trio.Semaphore) -> None:
+        self.free = free
+        self.held = True  # the caller acquired it
+
+    async def acquire(self) -> None:
+        if not self.held:
+            await self.free.acquire()
+            self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.free.release()
+
+
 def sample_seed(seed: int, prompt_index: int, attempt: int) -> int:
     """A request's seed: reproducible per (run seed, prompt, attempt)."""
     return ((seed * 1_000_003 + prompt_index) * 131 + attempt) % (1 << 62)
@@ -108,7 +129,9 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         count = 1 if spec.colocated else spec.rollout.engines
         await ctx.start(self._serve, count)
         self.target = MultiEngine(self.engines)
-        self.receiver = WeightReceiver(self.target, load="lazy", name=self.worker)
+        self.receiver = WeightReceiver(
+            self.target, load="lazy", name=self.worker, pause=spec.rollout.pauses
+        )
         self.meter.set_version(spec.start_version)
 
     async def _serve(self, count: int, task_status: trio.TaskStatus[None]) -> None:
@@ -176,7 +199,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def _prompts(self, batch: Any, free: trio.Semaphore) -> None:
         """Generate and write the group of every prompt of ``batch`` concurrently, each freeing
-        its slot when written; then ack the prompts (never before)."""
+        its slot once generated; then ack the prompts (never before)."""
         assert self.client is not None
         async with trio.open_nursery() as nursery:
             for k in range(len(batch)):
@@ -185,23 +208,25 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def _prompt(self, batch: Any, k: int, free: trio.Semaphore) -> None:
         """Generate and write the group of the ``k``-th prompt of ``batch``."""
+        slot = _Slot(free)
         try:
             prompt, answer = batch[S.PROMPT_TEXT][k], batch[S.ANSWER][k]
             gid = int(column(batch, S.GROUP)[k])
             index = int(column(batch, S.PROMPT_INDEX)[k])
             attempt = 0
-            while not await self._generate_and_write(prompt, answer, gid, index, attempt):
+            while not await self._generate_and_write(prompt, answer, gid, index, attempt, slot):
                 attempt += 1
                 # Stale again: this worker's weights are behind the window (a sync is on its
                 # way, or the trainer is gone). Back off instead of spinning.
                 if attempt % 10 == 0:
                     log.warning("%s: group %d went stale %d times", self.worker, gid, attempt)
                 await trio.sleep(min(0.05 * attempt, 2.0))
+                await slot.acquire()
         finally:
-            free.release()
+            slot.release()
 
     async def _generate_and_write(
-        self, prompt: str, answer: str, gid: int, index: int, attempt: int
+        self, prompt: str, answer: str, gid: int, index: int, attempt: int, slot: _Slot
     ) -> bool:
         """One attempt at a group; False: its tokens went stale before it was written."""
         import torch
@@ -226,6 +251,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             self._generating(+1)
             try:
                 completions = await generate_samples(engine, request)
+                slot.release()  # the engines are done with it: the next prompt may start
                 rewards = await self._score(prompt, answer, completions)
             finally:
                 self._generating(-1)
@@ -256,7 +282,10 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             span.set(samples=indexes, version=oldest)
         tokens = sum(len(c.token_ids) for c in completions)
         partial = sum(1 for c in completions if c.resumes > 0)
-        self.meter.extra["partial_samples"] = self.meter.extra.get("partial_samples", 0) + partial
+        extra = self.meter.extra
+        extra["partial_samples"] = extra.get("partial_samples", 0) + partial
+        # decode steps of the engines: generated tokens / steps is the batching they achieved
+        extra["engine_steps"] = sum(e.statistics().steps for e in self.engines)
         self.meter.done(len(completions), tokens)
         return True
 

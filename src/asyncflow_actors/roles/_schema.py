@@ -38,7 +38,8 @@ _NEVER_STALE: Final = 1 << 40  # prompts carry no policy version worth evicting 
 
 def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
     """The ``prompts`` and ``rollout`` topics of a run."""
-    consumers = ["actor_fwd", *(["ref_fwd"] if spec.use_ref else []), "advantage", "trainer"]
+    consumers = ["actor_fwd", *(["ref_fwd"] if spec.use_ref else [])]
+    consumers += [*([] if spec.fused_advantage else ["advantage"]), "trainer"]
     prompts = TopicSpec.from_dict(
         {
             "consumers": ["rollout"],
@@ -81,7 +82,8 @@ def station_columns(spec: RunSpec) -> dict[str, tuple[str, ...]]:
     Streaming (async): each station needs only the rollout's columns, so the forwards and the
     advantage run in parallel on the same samples. With stage barriers (sync, colocated,
     one-step-off) each stage also waits for the previous one's column: the six stages of a
-    synchronous step run in sequence.
+    synchronous step run in sequence. With ``fused_advantage`` ActorForward also reads the
+    rewards (it computes the advantages too) and there is no ``advantage`` station.
     """
     fwd = (PROMPT_IDS, RESPONSE_IDS)
     ref = fwd + ((OLD,) if spec.stage_barrier else ())
@@ -100,4 +102,6 @@ def station_columns(spec: RunSpec) -> dict[str, tuple[str, ...]]:
     )
     if spec.use_ref:
         train += (REF,)
+    if spec.fused_advantage:
+        return {"actor_fwd": (*fwd, REWARDS), "ref_fwd": ref, "trainer": train}
     return {"actor_fwd": fwd, "ref_fwd": ref, "advantage": adv, "trainer": train}

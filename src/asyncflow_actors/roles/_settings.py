@@ -92,7 +92,9 @@ class RolloutSettings:
     kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
     ``vllm_args`` are vLLM's engine arguments, e.g. ``gpu_memory_utilization``); ``reward``
     ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
-    expensive rewards). ``pause_mode``: how engines pause for a weight sync.
+    expensive rewards). ``pause_mode``: how engines pause for a weight sync; ``"none"`` (the
+    default) does not pause them: the stations load new weights lazily, at their next group or
+    batch boundary, so nothing needs to stop while the bytes arrive.
     """
 
     group_size: int = attrs.field(default=8, validator=_positive)
@@ -107,8 +109,13 @@ class RolloutSettings:
     engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
     vllm_args: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     pause_mode: str = attrs.field(
-        default="keep", validator=_one_of("drain", "abort", "keep", "wait_batch")
+        default="none", validator=_one_of("none", "drain", "abort", "keep", "wait_batch")
     )
+
+    @property
+    def pauses(self) -> bool:
+        """Whether a weight sync pauses the engines and forward workers."""
+        return self.pause_mode != "none"
 
 
 @attrs.frozen
@@ -163,13 +170,16 @@ class RunSpec:
 
     ``stage_barrier``: stations take whole global batches and each waits for the previous
     stage's column (sync, colocated, one-step-off); otherwise they stream in ``forward_batch``
-    pieces and run in parallel. ``start_version``/``resume_from``: a resumed run.
+    pieces and run in parallel. ``fused_advantage``: the ActorForward stations also compute the
+    advantages (of whole groups) on the batches they fetch; no Advantage station runs.
+    ``start_version``/``resume_from``: a resumed run.
     """
 
     mode: str
     staleness: int
     stage_barrier: bool
     colocated: bool
+    fused_advantage: bool = False
     model: ModelSettings = attrs.field(factory=ModelSettings)
     task: TaskSettings = attrs.field(factory=TaskSettings)
     rollout: RolloutSettings = attrs.field(factory=RolloutSettings)

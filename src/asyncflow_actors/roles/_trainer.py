@@ -83,9 +83,9 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
         self.learner = await in_thread(
             lambda: self.compute.Learner(spec, task, resume=spec.resume_from, shared=shared)
         )
-        self.sync_engine = CheckpointEngine(
-            self.targets, CheckpointConfig(pause_mode=PauseMode(spec.rollout.pause_mode))
-        )
+        # pause_mode "none": the receivers acknowledge without pausing (the mode is unused)
+        mode = PauseMode(spec.rollout.pause_mode) if spec.rollout.pauses else PauseMode.KEEP
+        self.sync_engine = CheckpointEngine(self.targets, CheckpointConfig(pause_mode=mode))
         self.columns = S.station_columns(spec)["trainer"]
         self.meter.set_version(self.version)
 
