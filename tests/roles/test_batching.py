@@ -19,20 +19,13 @@ from asyncflow_actors.roles import (
     topic_specs,
 )
 from asyncflow_actors.roles import _schema as S
-from asyncflow_actors.roles._settings import ModelSettings, RolloutSettings, TrainSettings
+from asyncflow_actors.roles._settings import TrainSettings
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
+from .test_station import SPEC as STATION_SPEC
 from .test_station import put_groups
 
-SPEC = RunSpec(
-    mode="async",
-    staleness=1,
-    stage_barrier=False,
-    colocated=False,
-    model=ModelSettings(d_model=32, n_layers=1, n_heads=2, max_seq_len=16),
-    rollout=RolloutSettings(group_size=4, max_new_tokens=4),
-    train=TrainSettings(prompts_per_step=8),
-)
+SPEC = attrs.evolve(STATION_SPEC, train=TrainSettings(prompts_per_step=8))
 
 
 def test_a_streaming_station_takes_up_to_a_batch_of_whole_groups() -> None:

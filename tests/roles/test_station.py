@@ -3,6 +3,8 @@ writes back its own partition; a crashed station's leased samples go back to the
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 import trio
@@ -41,17 +43,24 @@ async def put_groups(
         await client.put(S.ROLLOUT, data, version=0, group=slot)
 
 
+async def spawn_ranks(
+    system: afa.ActorSystem, spec: RunSpec, controller: afa.ActorRef[Any]
+) -> list[afa.ActorRef[Any]]:
+    """Two data-parallel ActorForward ranks, ``fwd-0`` and ``fwd-1``."""
+    return [
+        await system.spawn(
+            lambda r=r: ActorForward(spec, controller, f"fwd-{r}", rank=r, ranks=2),
+            name=f"fwd-{r}",
+        )
+        for r in range(2)
+    ]
+
+
 async def test_two_ranks_share_one_lease_and_write_their_own_partitions() -> None:
     tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
     async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
         client = await queue.client("test")
-        ranks = [
-            await system.spawn(
-                lambda r=r: ActorForward(SPEC, queue.controller, f"fwd-{r}", rank=r, ranks=2),
-                name=f"fwd-{r}",
-            )
-            for r in range(2)
-        ]
+        ranks = await spawn_ranks(system, SPEC, queue.controller)
         with trio.fail_after(60):
             await put_groups(client, 2)
             # every sample gets its old log-probs: the trainer's view needs them all
@@ -77,13 +86,7 @@ async def test_fused_forward_writes_old_logprobs_and_advantages_of_whole_groups(
     tq = TransferQueueConfig(topics=topic_specs(spec), units=1)
     async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
         client = await queue.client("test")
-        ranks = [
-            await system.spawn(
-                lambda r=r: ActorForward(spec, queue.controller, f"fwd-{r}", rank=r, ranks=2),
-                name=f"fwd-{r}",
-            )
-            for r in range(2)
-        ]
+        ranks = await spawn_ranks(system, spec, queue.controller)
         columns = [S.OLD, S.ADVANTAGES, S.RESPONSE_IDS, S.REWARDS]
         with trio.fail_after(60):
             await put_groups(client, 4, rewards=True)

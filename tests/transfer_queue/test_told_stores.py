@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -44,6 +46,19 @@ def tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, 50_000, (8, 4096), generator=gen)  # 256 KiB: shared memory
 
 
+@asynccontextmanager
+async def lingering_queue(
+    config: tq.TransferQueueConfig = CONFIG,
+) -> AsyncIterator[tq.TransferQueue]:
+    """A queue whose bookkeeping lingers 30 s (see the module docstring)."""
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        queue.shared.flush_linger = 30.0
+        yield queue
+
+
 async def unit_stores(client: tq.TransferQueueClient) -> int:
     (unit,) = (await client.statistics()).units.values()
     assert unit is not None
@@ -51,11 +66,7 @@ async def unit_stores(client: tq.TransferQueueClient) -> int:
 
 
 async def test_a_reader_that_must_ask_the_unit_is_served_once_the_unit_took_the_put() -> None:
-    async with (
-        afa.open_actor_system() as system,
-        tq.open_transfer_queue(system, CONFIG, options=FAST) as queue,
-    ):
-        queue.shared.flush_linger = 30.0
+    async with lingering_queue() as queue:
         writer, remote = await queue.client(), await queue.client()
         remote.io.shm_min_bytes = None  # as if on another host: it maps no segment
         data = tokens(1)
@@ -70,11 +81,7 @@ async def test_a_reader_that_must_ask_the_unit_is_served_once_the_unit_took_the_
 
 
 async def test_columns_written_to_a_told_put_reach_the_unit_after_the_put() -> None:
-    async with (
-        afa.open_actor_system() as system,
-        tq.open_transfer_queue(system, CONFIG, options=FAST) as queue,
-    ):
-        queue.shared.flush_linger = 30.0
+    async with lingering_queue() as queue:
         client, remote = await queue.client(), await queue.client()
         remote.io.shm_min_bytes = None
         data = tokens(2)
@@ -93,11 +100,7 @@ async def test_columns_written_to_a_told_put_reach_the_unit_after_the_put() -> N
 
 
 async def test_a_told_put_survives_a_controller_restart_before_the_unit_took_it() -> None:
-    async with (
-        afa.open_actor_system() as system,
-        tq.open_transfer_queue(system, CONFIG, options=FAST) as queue,
-    ):
-        queue.shared.flush_linger = 30.0
+    async with lingering_queue() as queue:
         client = await queue.client()
         data = tokens(3)
         indexes = await client.put("rollout", {"tokens": data}, version=0)
@@ -123,11 +126,7 @@ async def test_a_lease_held_for_a_told_put_goes_out_when_its_unit_is_lost() -> N
         unit_check_interval=0.2,
         unit_timeout=1.0,
     )
-    async with (
-        afa.open_actor_system() as system,
-        tq.open_transfer_queue(system, config, options=FAST) as queue,
-    ):
-        queue.shared.flush_linger = 30.0
+    async with lingering_queue(config) as queue:
         writer, remote = await queue.client(), await queue.client()
         remote.io.shm_min_bytes = None
         indexes = await writer.put("rollout", {"tokens": tokens(4)}, version=0)
