@@ -6,8 +6,9 @@ two different computations — the engine's incremental decode and a full forwar
 meaningful even at staleness 0 (near 0 and 1, not 0 by construction). Its weights arrive
 through the CheckpointEngine: bytes land in a host cache during the sync and are loaded
 lazily, at the station's next batch boundary. RefForward holds the initial policy and never
-syncs. With ``RunSpec.fused_advantage`` (``placement.roles.advantage = "actor_fwd"``) ActorForward takes whole groups
-and also computes their advantages: one fetch, one write back and one ack for both columns.
+syncs. With ``RunSpec.fused_advantage`` (``placement.roles.advantage = "actor_fwd"``)
+ActorForward takes whole groups and also computes their advantages: one fetch, one write back
+and one ack for both columns.
 """
 
 from __future__ import annotations
