@@ -19,6 +19,8 @@ puts while one consumer task gets and acks. Prints JSON lines (medians over repe
   groups of 4 (versions advancing) and 512 getting whole groups, units in node processes; and
   ``tq_clients_1024_unit_rss`` (MB): the largest peak RSS of a unit process during that run;
 - ``tq_group_dedup_bytes_saved`` (bytes a batch): 32 groups of 8 sharing their prompt.
+
+``--throughput``: only the data-path figures (the first three).
 """
 
 from __future__ import annotations
@@ -245,6 +247,7 @@ def spread(values: list[float]) -> str:
 
 
 def main() -> None:
+    """All figures; ``--throughput``: only the data-path ones (throughput and latency)."""
     med = statistics.median
     figures: dict[str, Any] = trio.run(data_path)
     print(
@@ -255,6 +258,8 @@ def main() -> None:
     emit("tq_throughput", med(figures["shm"]), "MB/s", med(figures["raw"]))
     emit("tq_throughput_socket", med(figures["socket"]), "MB/s", med(figures["raw"]))
     emit("tq_small_batch_latency", med(figures["latency"]), "ms")
+    if "--throughput" in sys.argv[1:]:
+        return
     emit("tq_startup", med(trio.run(startups)), "s")
     emit("tq_controller_batch_us", controller_batch_us(), "us")
     emit("tq_claims_per_s", bench_claims(), "samples/s")

@@ -303,6 +303,24 @@ def test_a_segment_is_recycled_only_when_no_reader_maps_it() -> None:
 
 
 @pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
+def test_a_claimed_segment_is_young_for_the_orphan_sweep() -> None:
+    # a pooled segment last written long ago, claimed by a writer that refills it through a
+    # kept mapping (no write updates its time) and tells its unit later: the unit's sweep of
+    # what dead writers left must not take it for one of theirs before ``older_than``
+    prefix = f"afa-test-{os.getpid()}-{os.urandom(4).hex()}-"
+    free, mine = prefix + "f0", prefix + "c0"
+    _shm.write_segment(free, [memoryview(b"a" * 4096)])
+    try:
+        long_ago = os.stat(_shm.path(free)).st_mtime - 3600
+        os.utime(_shm.path(free), (long_ago, long_ago))
+        assert _shm.claim(free, mine)
+        assert _shm.sweep(prefix, older_than=60.0) == 0
+        assert os.path.exists(_shm.path(mine))
+    finally:
+        _shm.sweep(prefix)
+
+
+@pytest.mark.skipif(not _shm.available(), reason="no writable /dev/shm here")
 def test_a_writer_refills_a_claimed_segment_through_the_mapping_it_kept() -> None:
     prefix = f"afa-test-{os.getpid()}-{os.urandom(4).hex()}-"
     filler = Filler(budget=3 * 4096, max_kept=2)

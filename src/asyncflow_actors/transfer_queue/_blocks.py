@@ -129,9 +129,10 @@ class Column:
 
 
 class Block:
-    """The columns of one store (or one compaction): ``owners[r]`` is the sample of row r."""
+    """The columns of one store (or one compaction): ``owners[r]`` is the sample of row r;
+    ``row_bytes``: the bytes of one row of all its columns if they are all batches, else -1."""
 
-    __slots__ = ("columns", "held", "initial", "live", "owners", "segment")
+    __slots__ = ("columns", "held", "initial", "live", "owners", "row_bytes", "segment")
 
     def __init__(self, columns: dict[str, Column], owners: list[Any], segment: Segment | None):
         self.columns = columns
@@ -140,6 +141,8 @@ class Block:
         self.held = segment.size if segment is not None else sum(c.held for c in columns.values())
         self.live = 0  # bytes of live cells
         self.initial = 0  # bytes of live cells once filled (compaction compares with it)
+        batches = all(c.batch for c in columns.values())
+        self.row_bytes = sum(c.row_bytes for c in columns.values()) if batches else -1
 
     @property
     def refs(self) -> int:

@@ -40,15 +40,27 @@ MAP_GRACE = 30.0  # seconds a reader has to map a segment it was handed (compact
 
 
 class _Sample:
-    __slots__ = ("cells", "committed", "consumed", "group_id", "length", "version")
+    """A sample's record: ``cells`` maps each of its columns to (block, row); ``home`` is that
+    (block, row) when every cell is that row and the block has no other column (the usual
+    case: one put), so that deleting it touches the block once, not once per column."""
 
-    def __init__(self, version: int, group_id: int, length: int) -> None:
+    __slots__ = ("cells", "committed", "consumed", "group_id", "home", "length", "version")
+
+    def __init__(
+        self,
+        version: int,
+        group_id: int,
+        length: int,
+        cells: dict[str, tuple[Block, int]],
+        home: tuple[Block, int] | None,
+    ) -> None:
         self.version = version
         self.group_id = group_id
         self.length = length
         self.committed = False
         self.consumed: set[str] = set()
-        self.cells: dict[str, tuple[Block, int]] = {}
+        self.cells = cells
+        self.home = home
 
 
 class Shelf:
@@ -105,23 +117,29 @@ class Shelf:
             if segment is not None:
                 self._unlink(segment)
             raise
-        owners: list[Any] = []
-        for i, index in enumerate(msg.indexes):
-            sample = samples.get(index)
-            if sample is None:
-                sample = samples[index] = _Sample(msg.versions[i], msg.group_ids[i], msg.lengths[i])
-            owners.append(sample)
-        block = Block(columns, owners, segment)
+        block = Block(columns, [], segment)
         if segment is None:
             self.held += block.held
+        owners = block.owners
+        names = tuple(columns)
+        versions, group_ids, lengths = msg.versions, msg.group_ids, msg.lengths
         touched: set[Block] = set()
-        for r, sample in enumerate(owners):
-            cells = sample.cells
-            for c in columns:
-                old = cells.get(c)
-                if old is not None:
-                    self._unref(old[0], c, old[1], touched)
-                cells[c] = (block, r)
+        for r, index in enumerate(msg.indexes):
+            cell = (block, r)
+            sample = samples.get(index)
+            if sample is None:  # a new sample (only with ``create``: checked above)
+                sample = samples[index] = _Sample(
+                    versions[r], group_ids[r], lengths[r], dict.fromkeys(names, cell), cell
+                )
+            else:
+                cells = sample.cells
+                for c in names:
+                    old = cells.get(c)
+                    if old is not None:
+                        self._unref(old[0], c, old[1], touched)
+                    cells[c] = cell
+                sample.home = cell if len(cells) == len(names) else None
+            owners.append(sample)
         for col in columns.values():  # every cell of the new block is live (indexes distinct)
             col.refs += n
             block.live += col.held
@@ -236,18 +254,31 @@ class Shelf:
     def delete(self, msg: Delete) -> None:
         samples = self.samples.get(msg.topic, {})
         touched: set[Block] = set()
+        homed: dict[Block, int] = {}  # samples whose whole row of a batch block goes
         freed = 0
         for index in msg.indexes:
             sample = samples.pop(index, None)
-            if sample is not None:
-                for c, (block, r) in sample.cells.items():  # _unref, inlined: the hot loop
-                    col = block.columns[c]
-                    col.refs -= 1
-                    size = col.row_bytes if col.batch else nbytes(col.value[r])
-                    block.live -= size
-                    freed += size
-                    touched.add(block)
-                    block.owners[r] = None
+            if sample is None:
+                continue
+            home = sample.home
+            if home is not None and home[0].row_bytes >= 0:
+                homed[home[0]] = homed.get(home[0], 0) + 1
+                home[0].owners[home[1]] = None
+                continue
+            for c, (block, r) in sample.cells.items():  # _unref, inlined: the hot loop
+                col = block.columns[c]
+                col.refs -= 1
+                size = col.row_bytes if col.batch else nbytes(col.value[r])
+                block.live -= size
+                freed += size
+                touched.add(block)
+                block.owners[r] = None
+        for block, k in homed.items():
+            for col in block.columns.values():
+                col.refs -= k
+            block.live -= k * block.row_bytes
+            freed += k * block.row_bytes
+            touched.add(block)
         self.live -= freed
         self._settle(touched)
         blobs = self.blobs.get(msg.topic, {})
@@ -399,11 +430,15 @@ class Shelf:
             self.held += new.held
         scratch: set[Block] = set()
         for r_new, ((r_old, cols), owner) in enumerate(zip(live, owners, strict=True)):
+            cell = (new, r_new)
             for c in cols:
                 self._unref(block, c, r_old, scratch)
-                owner.cells[c] = (new, r_new)
+                owner.cells[c] = cell
                 self._ref(new, c, r_new)
             block.owners[r_old] = None
+            cells = owner.cells
+            whole = len(cells) == len(new.columns) and all(v is cell for v in cells.values())
+            owner.home = cell if whole else None
         new.initial = new.live
         self._free(block)
         self.compactions += 1

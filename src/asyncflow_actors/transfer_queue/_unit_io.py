@@ -38,7 +38,6 @@ from ._unit_messages import (
 )
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
-TELL_BYTES = THREAD_BYTES  # smaller new puts through shared memory are told, not asked
 
 # unit incarnation token -> its segment prefix if this process can map it (shared by clients)
 _prefixes: dict[str, str | None] = {}
@@ -149,9 +148,9 @@ class UnitIO:
     ) -> dict[str, tuple[Located | None, Store | None]]:
         """Store rows ``positions[unit]`` of ``columns`` (as samples ``indexes``) on each unit;
         per unit, where new samples stored through shared memory lie (``None``: not there),
-        and, with ``tell``, the ``Store`` of a segment under ``TELL_BYTES`` written for the
-        unit but not sent: the caller's commit hands it to the controller, which tells the
-        unit (one round trip less; ``None``: the unit was asked)."""
+        and, with ``tell``, the ``Store`` of new samples whose segment was written for the unit
+        but not sent: the caller's commit hands it to the controller, which tells the unit (no
+        round trip to the unit on the put's path; ``None``: the unit was asked)."""
 
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> tuple[Located | None, Store | None]:
@@ -174,17 +173,22 @@ class UnitIO:
                 try:
                     payload = _payload(part)
                     if prefix is not None and payload >= (self.shm_min_bytes or 0):
-                        segment, part, reused, fill = self._to_segment(prefix, part)
-                        located = locate(msg.indexes, segment, part) if create else None
-                        msg = Store(
-                            msg.topic, msg.incarnation, msg.indexes, msg.versions,
-                            msg.group_ids, msg.lengths, part, segment, create, reused,
-                        )  # fmt: skip
-                        if tell and create and payload < TELL_BYTES:
-                            fill.write()  # under THREAD_BYTES: in this thread
-                            fill.release()
+                        try:
+                            segment, part, reused, fill = self._to_segment(prefix, part)
+                            located = locate(msg.indexes, segment, part) if create else None
+                            msg = Store(
+                                msg.topic, msg.incarnation, msg.indexes, msg.versions,
+                                msg.group_ids, msg.lengths, part, segment, create, reused,
+                            )  # fmt: skip
+                            await fill.run()
+                        except FileNotFoundError as exc:  # the unit removed it: it restarted
+                            self.on_failure()
+                            raise StorageUnavailable(
+                                f"storage unit {unit!r}: a segment of this put went away ({exc})"
+                            ) from exc
+                        if tell and create:
                             return located, msg
-                    stored: Stored = await self._ask_filling(unit, msg, fill, create)
+                    stored: Stored = await self._ask(unit, msg)
                 except BaseException:
                     if fill is not None:
                         fill.release()
@@ -216,7 +220,7 @@ class UnitIO:
         try:
             if not reused:
                 _shm.create(name, total)
-            lock = _shm.hold(name)  # from now until it is filled: see ``_ask_filling``
+            lock = _shm.hold(name)  # from now until it is filled: see ``Fill``
         except BaseException:
             _shm.unlink(name)
             raise
@@ -231,48 +235,6 @@ class UnitIO:
         }
         fill = functools.partial(filler.write, name, bodies, claimed=bool(reused))
         return name, out, reused, Fill(fill, total, lock)
-
-    async def _ask_filling(self, unit: str, msg: Store, fill: Fill | None, early: bool) -> Stored:
-        """Ask ``unit`` to store ``msg`` once its segment is filled, or (``early``: new samples
-        in a big segment) while it is filled from a worker thread. The unit takes the segment
-        over at once but reads none of it before the commit, which the writer sends only once
-        both are done; the writer's shared lock keeps the unit from recycling it meanwhile (it
-        may free the rows: an expired allocation), and it compacts no rows before their
-        commit."""
-        if fill is None:
-            stored: Stored = await self._ask(unit, msg)
-            return stored
-        try:
-            if not early or fill.nbytes < THREAD_BYTES:
-                if fill.nbytes < THREAD_BYTES:
-                    fill.write()
-                else:
-                    await trio.to_thread.run_sync(fill.write)
-                fill.release()
-                stored = await self._ask(unit, msg)
-                return stored
-            failed: list[Exception] = []
-
-            async def filling() -> None:
-                try:
-                    await trio.to_thread.run_sync(fill.write)
-                except Exception as exc:
-                    failed.append(exc)
-                    nursery.cancel_scope.cancel()
-                finally:
-                    fill.release()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(filling)
-                try:
-                    stored = await self._ask(unit, msg)
-                except Exception as exc:  # the fill runs to its end (a thread is not abandoned)
-                    failed.append(exc)
-            if failed:
-                raise failed[0]
-            return stored
-        finally:
-            fill.release()
 
     async def store_shared(
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
@@ -353,12 +315,24 @@ class UnitIO:
 
 class Fill:
     """Filling a segment: ``write()`` copies ``nbytes`` into it; ``lock``: the writer's shared
-    lock on it (a descriptor), until ``release()``."""
+    lock on it (a descriptor, so that the unit cannot recycle it while it is written), until
+    ``release()``."""
 
     def __init__(self, write: Callable[[], Any], nbytes: int, lock: int) -> None:
         self.write = write
         self.nbytes = nbytes
         self._lock = lock
+
+    async def run(self) -> None:
+        """Fill it (from a worker thread from ``THREAD_BYTES`` on: the copy releases the GIL,
+        so the event loop serves other tasks meanwhile), then release the lock."""
+        try:
+            if self.nbytes < THREAD_BYTES:
+                self.write()
+            else:  # not abandoned if cancelled: the segment is unlinked only once written
+                await trio.to_thread.run_sync(self.write)
+        finally:
+            self.release()
 
     def release(self) -> None:
         if self._lock >= 0:
