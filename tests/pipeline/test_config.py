@@ -71,12 +71,14 @@ def test_the_forward_and_the_advantage_folded_into_the_trainer_run_no_station() 
     spec = config.run_spec()
     assert spec.trainer_forward and spec.trainer_advantage and not spec.advantage_station
     assert [role for role, _ in config.instances()] == ["rollout", "trainer"]
-    prompts, rollout = topic_specs(spec)
+    _, rollout = topic_specs(spec)
     assert list(rollout.consumers) == ["trainer"]
     assert "old_logprobs" not in station_columns(spec)["trainer"]
     assert "advantages" not in station_columns(spec)["trainer"]
     # sync: the stages that remain do not wait for a column nobody writes
-    sync = PipelineConfig.from_dict({"mode": "sync", "placement": {"roles": {"actor_fwd": "trainer"}}})
+    sync = PipelineConfig.from_dict(
+        {"mode": "sync", "placement": {"roles": {"actor_fwd": "trainer"}}}
+    )
     columns = station_columns(sync.run_spec())
     assert "old_logprobs" not in columns["advantage"] + columns["trainer"]
     assert "advantages" in columns["trainer"]

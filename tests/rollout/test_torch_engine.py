@@ -482,7 +482,9 @@ def test_a_prompt_shared_by_a_group_is_prefilled_once() -> None:
         nxt = backend.decode([(slot, 7) for slot in range(4)])
     hook.remove()
     for row, prompt in enumerate([[1, 4, 5], [1, 6], [1, 4, 5], [1, 4, 5]]):
-        torch.testing.assert_close(first[row], model(torch.tensor([prompt]))[0, -1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            first[row], model(torch.tensor([prompt]))[0, -1], atol=1e-4, rtol=0
+        )
     for slot, prompt in enumerate([[1, 4, 5], [1, 4, 5], [1, 6], [1, 4, 5]]):
-        alone = model(torch.tensor([prompt + [7]]))[0, -1]
+        alone = model(torch.tensor([[*prompt, 7]]))[0, -1]
         torch.testing.assert_close(nxt[slot], alone, atol=1e-4, rtol=0)

@@ -197,9 +197,7 @@ class KVCache:
         self.num_tokens[row] = count
         self.length = max(self.length, count)
 
-    def insert_rows(
-        self, rows: Sequence[int], source: KVCache, source_rows: Sequence[int]
-    ) -> None:
+    def insert_rows(self, rows: Sequence[int], source: KVCache, source_rows: Sequence[int]) -> None:
         """Copy each ``source_rows[i]`` of ``source`` into the empty ``rows[i]`` of this cache,
         all in one copy per layer (``insert`` row by row costs a copy per row and layer).
 
@@ -217,9 +215,7 @@ class KVCache:
         target = torch.tensor(list(rows), dtype=torch.long, device=self.valid.device)
         busy = self.num_tokens[target] != 0
         if bool(busy.any()):
-            raise KVCacheError(
-                f"row {int(target[busy][0])} still holds tokens; reset_rows first"
-            )
+            raise KVCacheError(f"row {int(target[busy][0])} still holds tokens; reset_rows first")
         src_shape, own_shape = source.keys[0].shape, self.keys[0].shape
         if source.n_layers != self.n_layers or (src_shape[1], src_shape[3]) != (
             own_shape[1],

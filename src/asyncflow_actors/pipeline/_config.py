@@ -256,7 +256,11 @@ def _check(config: PipelineConfig) -> None:
             )
         if config.train.forward_workers != 1:
             raise PipelineConfigError("train.forward_workers: colocated mode needs exactly 1")
-        shared = ("rollout", "trainer") if config.trainer_forward else ("rollout", "actor_fwd", "trainer")
+        shared = (
+            ("rollout", "trainer")
+            if config.trainer_forward
+            else ("rollout", "actor_fwd", "trainer")
+        )
         homes = {r: config.placement_of(r, f"{r}-0") for r in shared}
         if len(set(homes.values())) != 1:
             role = next(r for r in shared[1:] if homes[r] != homes["rollout"])

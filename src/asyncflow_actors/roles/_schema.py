@@ -38,7 +38,9 @@ _NEVER_STALE: Final = 1 << 40  # prompts carry no policy version worth evicting 
 
 def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
     """The ``prompts`` and ``rollout`` topics of a run."""
-    consumers = ([] if spec.trainer_forward else ["actor_fwd"]) + (["ref_fwd"] if spec.use_ref else [])
+    consumers = ([] if spec.trainer_forward else ["actor_fwd"]) + (
+        ["ref_fwd"] if spec.use_ref else []
+    )
     consumers += (["advantage"] if spec.advantage_station else []) + ["trainer"]
     prompts = TopicSpec.from_dict(
         {
