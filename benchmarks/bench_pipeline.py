@@ -6,7 +6,10 @@
 - ``pipeline_time_to_reward``: seconds of training until the mean batch reward (over the last 3
   batches) reaches 0.8 on addition, for async (value) against a plain single-loop synchronous
   GRPO written below (generate, score, update; no actors; baseline), from the same warmed-up
-  policy with the same batch and learning rate. Target ratio < 1.
+  policy with the same batch and learning rate; the mean over ``--seeds`` task seeds (one
+  seed moves the steps needed by about 1.4x). The async run folds the old log-probs and the
+  advantages into the trainer (``placement.roles``), the placement ``docs/pipeline.md``
+  recommends for small models. Target ratio < 1.
 - ``pipeline_final_reward_gap_s1`` / ``_s2``: held-out reward (512 problems) after the same
   number of trained samples, async at staleness 1 and 2 minus sync, in percentage points.
   Target: within 2.
@@ -17,7 +20,8 @@
   from ``/proc``), against the plain loop's CPU per step. On a shared machine the wall-clock
   figures move with the load; these move much less.
 
-``PYTHONPATH=benchmarks python benchmarks/bench_pipeline.py [--rounds N] [--quick]``
+``PYTHONPATH=benchmarks python benchmarks/bench_pipeline.py [--rounds N] [--seeds N] [--quick]
+[--only throughput|time_to_reward|gap|staleness0 ...]``
 """
 
 from __future__ import annotations
@@ -131,17 +135,17 @@ def process_cpu_seconds() -> float:
     return total
 
 
-def plain_grpo_time_to_reward(init: str, max_steps: int) -> tuple[float, int, float]:
+def plain_grpo_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[float, int, float]:
     """The baseline: one loop, one process: sample groups, score, one PPO update. Returns
     the seconds and steps to the target and the CPU seconds per step."""
     model = load_model(init)
     tokenizer = CharTokenizer(ADDITION.alphabet)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     history: list[float] = []
     started, cpu = time.perf_counter(), time.process_time()
     for step in range(max_steps):
-        problems = ADDITION.sample(PROMPTS, seed=10_000 + step)
+        problems = ADDITION.sample(PROMPTS, seed=10_000 * seed + step)
         groups = sample_groups(model, ADDITION, tokenizer, problems, group_size=GROUP,
                                params=SamplingParams(4), generator=generator)  # fmt: skip
         batch = groups.batch
@@ -158,11 +162,14 @@ def plain_grpo_time_to_reward(init: str, max_steps: int) -> tuple[float, int, fl
     return float("inf"), max_steps, (time.process_time() - cpu) / max_steps
 
 
-async def pipeline_time_to_reward(init: str, max_steps: int) -> tuple[float, int, float]:
+FOLDED = {"actor_fwd": "trainer", "advantage": "trainer"}
+
+
+async def pipeline_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[float, int, float]:
     """Seconds and steps to the target, and CPU seconds per step over every process from the
     first step to the last (the start-up of the node processes left out)."""
-    cfg = config("async", init, staleness=1, train={"steps": max_steps},
-                 placement={"default": "process"})  # fmt: skip
+    cfg = config("async", init, staleness=1, train={"steps": max_steps, "seed": seed},
+                 task={"seed": seed}, placement={"default": "process", "roles": FOLDED})  # fmt: skip
     reached: list[StepRecord] = []
     async with afa.open_actor_system() as system, open_pipeline(system, cfg) as run:
         seen, first = 0, None
@@ -225,33 +232,50 @@ async def offpolicy_at_staleness_zero(init: str, steps: int) -> None:
     print(f"# staleness 0: {result.samples} samples trained over {steps} steps", file=sys.stderr)
 
 
-async def main(rounds: int, quick: bool) -> None:
+PARTS = ("throughput", "time_to_reward", "gap", "staleness0")
+
+
+async def main(rounds: int, quick: bool, seeds: int, parts: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as workdir:
         addition = os.path.join(workdir, "addition.safetensors")
         longtail = os.path.join(workdir, "longtail.safetensors")
-        await trio.to_thread.run_sync(lambda: warm(ADDITION, addition, max_seq_len=16,
-                                                   accuracy=0.75, steps=3000))  # fmt: skip
-        await trio.to_thread.run_sync(lambda: warm(LONGTAIL, longtail, max_seq_len=96,
-                                                   accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
-        await throughput(longtail, rounds, 4 if quick else 8)
-        max_steps = 40 if quick else 400
-        base_s, base_steps, base_cpu = await trio.to_thread.run_sync(
-            plain_grpo_time_to_reward, addition, max_steps
-        )
-        subject_s, subject_steps, subject_cpu = await pipeline_time_to_reward(addition, max_steps)
-        emit("pipeline_time_to_reward", subject_s, "s", base_s)
-        emit("pipeline_cpu_per_step", subject_cpu, "s", base_cpu)
-        print(f"# time to reward {TARGET}: async {subject_s:.1f} s ({subject_steps} steps), "
-              f"plain loop {base_s:.1f} s ({base_steps} steps); load average "
-              f"{os.getloadavg()[0]:.1f}", file=sys.stderr)  # fmt: skip
-        await reward_gap(addition, 6 if quick else 60, workdir)
-        await offpolicy_at_staleness_zero(addition, 4 if quick else 10)
+        if parts != ("throughput",):
+            await trio.to_thread.run_sync(lambda: warm(ADDITION, addition, max_seq_len=16,
+                                                       accuracy=0.75, steps=3000))  # fmt: skip
+        if "throughput" in parts:
+            await trio.to_thread.run_sync(lambda: warm(LONGTAIL, longtail, max_seq_len=96,
+                                                       accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
+            await throughput(longtail, rounds, 4 if quick else 8)
+        if "time_to_reward" in parts:
+            await time_to_reward(addition, 40 if quick else 400, seeds)
+        if "gap" in parts:
+            await reward_gap(addition, 6 if quick else 60, workdir)
+        if "staleness0" in parts:
+            await offpolicy_at_staleness_zero(addition, 4 if quick else 10)
+
+
+async def time_to_reward(addition: str, max_steps: int, seeds: int) -> None:
+    plain, folded = [], []
+    for seed in range(1, seeds + 1):
+        plain.append(await trio.to_thread.run_sync(
+            plain_grpo_time_to_reward, addition, max_steps, seed))  # fmt: skip
+        folded.append(await pipeline_time_to_reward(addition, max_steps, seed))
+    emit("pipeline_time_to_reward", statistics.mean(r[0] for r in folded), "s",
+         statistics.mean(r[0] for r in plain))  # fmt: skip
+    emit("pipeline_cpu_per_step", statistics.median(r[2] for r in folded), "s",
+         statistics.median(r[2] for r in plain))  # fmt: skip
+    print(f"# time to reward {TARGET} per task seed (s, steps): async "
+          f"{[(round(r[0], 1), r[1]) for r in folded]}, plain loop "
+          f"{[(round(r[0], 1), r[1]) for r in plain]}; load average "
+          f"{os.getloadavg()[0]:.1f}", file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="task seeds of the time to reward")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    parser.add_argument("--only", choices=PARTS, action="append", help="run only these parts")
     args = parser.parse_args()
-    trio.run(main, args.rounds, args.quick)
+    trio.run(main, args.rounds, args.quick, args.seeds, tuple(args.only or PARTS))

@@ -193,3 +193,26 @@ def test_kv_cache_insert_and_view_for_continuous_batching() -> None:
         view.compact()
     cache.compact()
     assert cache.length == 8
+
+
+def test_kv_cache_insert_rows_places_a_prefilled_batch_as_inserting_row_by_row_would() -> None:
+    """``insert_rows`` copies a batch prefilled together (padding columns stay invalid), one
+    source row possibly into several rows: decoding continues exactly as from scratch."""
+    model = _model()
+    scratch = KVCache.allocate(model.config, 2, 5)
+    prompts = [[10, 11, 12], [6, 5, 4, 3, 2]]
+    ids, mask = left_pad(prompts, pad_id=0)
+    model(ids, attention_mask=mask, kv_cache=scratch)
+    cache = KVCache.allocate(model.config, 4, 16)
+    model(torch.tensor([[3, 4]]), kv_cache=cache.view(1))  # row 0 runs; the pointer is at 2
+    cache.insert_rows([3, 1, 2], scratch, [0, 1, 0])
+    assert cache.length == 5 and cache.num_tokens.tolist() == [2, 5, 3, 3]
+    nxt = model(torch.tensor([[9], [9], [9], [9]]), kv_cache=cache)[:, -1]
+    for row, seq in enumerate([[3, 4, 9], prompts[1] + [9], prompts[0] + [9], prompts[0] + [9]]):
+        torch.testing.assert_close(nxt[row], model(torch.tensor([seq]))[0, -1], atol=1e-4, rtol=0)
+    with pytest.raises(KVCacheError, match="reset_rows"):
+        cache.insert_rows([2], scratch, [0])
+    with pytest.raises(KVCacheError, match="not distinct"):
+        cache.insert_rows([0, 0], scratch, [0, 1])
+    with pytest.raises(KVCacheError, match="2 rows given for 1"):
+        cache.insert_rows([0, 3], scratch, [0])

@@ -112,3 +112,54 @@ def test_flows_are_capped_by_an_even_sample_of_ids() -> None:
     assert starts == list(range(0, 100, 10))
     listed = next(e for e in trace["traceEvents"] if e["ph"] == "X")["args"]
     assert listed["n_samples"] == 100 and len(listed["samples"]) == 32
+
+
+async def test_spans_are_placed_with_the_best_clock_offset_the_observer_knows() -> None:
+    """A node whose first answer was slow gave a poor clock-offset estimate; its spans from
+    that pull are placed with the better estimate of later pulls, within the error bound the
+    observer reports (they once stayed where the poor estimate put them, outside it)."""
+    import trio
+
+    import asyncflow_actors as afa
+    from asyncflow_actors.observe import clock_ns
+    from asyncflow_actors.observe._agent import Collect, Collected, ProcessInfo
+    from asyncflow_actors.observe._metrics import MetricsSnapshot
+
+    read: dict[str, int] = {}  # each agent's tick, on the observer's (this process's) clock
+
+    class Agent(afa.Actor[Collect]):
+        """A process whose clock reads ``skew`` ahead; its first answer takes ``delay``."""
+
+        def __init__(self, name: str, skew: int, delay: float) -> None:
+            self.name, self.skew, self.delay, self.calls = name, skew, delay, 0
+
+        async def receive(self, msg: Collect, ctx: afa.ActorContext[Collect]) -> Collected:
+            true = clock_ns()
+            now = true + self.skew
+            self.calls += 1
+            spans: tuple[tuple[object, ...], ...] = ()
+            if self.calls == 1:
+                read[self.name] = true
+                spans = (("tick", self.name, f"{self.name}-0", now, now, None, None, None, None),)
+                await trio.sleep(self.delay)
+            info = ProcessInfo(self.name, "host", 1, f"token-{self.name}")
+            return Collected(info, now, spans, 0, MetricsSnapshot(0.0))
+
+    config = observe.ObserveConfig(interval=3600, trace=False)
+    async with afa.open_actor_system() as system, observe.open_observer(system, config) as obs:
+        obs.attach(await system.spawn(lambda: Agent("steady", 0, 0.0), name="a"), name="a")
+        obs.attach(await system.spawn(lambda: Agent("skewed", 5 * 10**9, 1.0), name="b"), name="b")
+        for _ in range(3):
+            await obs.collect()
+        errors = obs.statistics().clock_error_ns
+        ticks = {e["args"]["name"].split("-")[0]: e["ts"] for e in _thread_events(obs.trace())}
+    assert errors["skewed"] < 500_000_000  # a faster answer came after the slow one
+    placed = (ticks["skewed"] - ticks["steady"]) * 1000  # µs -> ns
+    assert abs(placed - (read["skewed"] - read["steady"])) <= errors["skewed"] + errors["steady"]
+
+
+def _thread_events(trace: dict[str, object]) -> list[dict[str, object]]:
+    events = trace["traceEvents"]
+    assert isinstance(events, list)
+    names = {(e["pid"], e["tid"]): e for e in events if e["name"] == "thread_name"}
+    return [{**e, "args": names[(e["pid"], e["tid"])]["args"]} for e in events if e["ph"] == "X"]

@@ -9,6 +9,7 @@ import pytest
 
 from asyncflow_actors import cli
 from asyncflow_actors.pipeline import PipelineConfig, PipelineConfigError
+from asyncflow_actors.roles._schema import station_columns, topic_specs
 
 GOOD = """
 mode = "async"
@@ -64,6 +65,25 @@ def test_the_advantage_placed_in_actor_forward_runs_no_station_of_its_own() -> N
     assert [role for role, _ in fused.instances()] == ["rollout", "actor_fwd", "trainer"]
 
 
+def test_the_forward_and_the_advantage_folded_into_the_trainer_run_no_station() -> None:
+    roles = {"actor_fwd": "trainer", "advantage": "trainer"}
+    config = PipelineConfig.from_dict({"placement": {"roles": roles}})
+    spec = config.run_spec()
+    assert spec.trainer_forward and spec.trainer_advantage and not spec.advantage_station
+    assert [role for role, _ in config.instances()] == ["rollout", "trainer"]
+    _, rollout = topic_specs(spec)
+    assert list(rollout.consumers) == ["trainer"]
+    assert "old_logprobs" not in station_columns(spec)["trainer"]
+    assert "advantages" not in station_columns(spec)["trainer"]
+    # sync: the stages that remain do not wait for a column nobody writes
+    sync = PipelineConfig.from_dict(
+        {"mode": "sync", "placement": {"roles": {"actor_fwd": "trainer"}}}
+    )
+    columns = station_columns(sync.run_spec())
+    assert "old_logprobs" not in columns["advantage"] + columns["trainer"]
+    assert "advantages" in columns["trainer"]
+
+
 @pytest.mark.parametrize(
     ("table", "named"),
     [
@@ -77,6 +97,11 @@ def test_the_advantage_placed_in_actor_forward_runs_no_station_of_its_own() -> N
         ({"mode": "turbo"}, "mode: expected one of"),
         ({"placement": {"roles": {"trainr": "x"}}}, "placement.roles.trainr: unknown role"),
         ({"placement": {"roles": {"ref_fwd": "x"}}}, "placement.roles.ref_fwd: this run has no"),
+        ({"placement": {"roles": {"ref_fwd": "trainer"}}}, "placement.roles.ref_fwd: only"),
+        (
+            {"placement": {"roles": {"actor_fwd": "trainer", "advantage": "actor_fwd"}}},
+            "placement.roles.advantage: 'actor_fwd' runs inside the trainer",
+        ),
         ({"placement": {"nodes": {"gpu": "10.0.0.1"}}}, "placement.nodes.gpu: expected an address"),
         (
             {"mode": "colocated", "placement": {"roles": {"trainer": "elsewhere"}}},

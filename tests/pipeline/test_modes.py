@@ -42,6 +42,22 @@ async def test_advantages_computed_in_actor_forward_train_as_well(mode: str) -> 
     assert all("actor_fwd" in r.idle for r in fused.records)
 
 
+@pytest.mark.parametrize("mode", ["sync", "colocated", "async"])
+async def test_forward_and_advantage_folded_into_the_trainer_train_as_well(mode: str) -> None:
+    """``placement.roles.actor_fwd = advantage = "trainer"``: only rollout and the trainer run;
+    the trainer's old log-probs are its policy's before the update, so its single update per
+    batch has a PPO ratio of exactly 1, and at staleness 0 every sample is on-policy."""
+    roles = {"actor_fwd": "trainer", "advantage": "trainer"}
+    extra = {"staleness": 0} if mode == "async" else {}
+    result = await run_pipeline(tiny(mode, placement={"roles": roles}, **extra))
+    assert [r.samples for r in result.records] == [BATCH] * 3
+    assert result.offpolicy_samples == 0
+    assert all(set(r.idle) == {"rollout", "trainer"} for r in result.records)
+    for record in result.records:
+        assert record.metrics["ratio_mean"] == 1.0 and record.metrics["clip_frac"] == 0.0
+        assert record.metrics["updates"] == 1.0
+
+
 async def test_staleness_zero_is_on_policy_by_construction() -> None:
     """Async at staleness 0: every trained sample's oldest token has the trainer's version,
     although stations stream and rollout overlaps the forwards and the advantage."""

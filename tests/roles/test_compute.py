@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,3 +28,38 @@ def test_group_advantages_are_one_value_per_sequence_over_its_tokens() -> None:
     assert [t.shape[0] for t in out] == [2, 1, 3, 0]
     assert out[0][0] > 0 > out[1][0] and torch.all(out[0] == out[0][0])
     assert not out[2].any()  # equal rewards in a group: no advantage
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_the_trainer_computing_old_logprobs_updates_as_an_actor_forward_would(
+    mini_batches: int,
+) -> None:
+    """``trainer_forward``: the old log-probs are the trainer's policy before the batch's first
+    update (the update's own forward, detached, or one no-grad forward first with several
+    updates): the same update as with old log-probs recomputed by an ActorForward station on
+    the same weights."""
+    import attrs
+
+    from asyncflow_actors.roles._compute import Learner, sequence_logprobs
+    from asyncflow_actors.roles._settings import RunSpec, TrainSettings
+
+    base = RunSpec(mode="async", staleness=1, stage_barrier=False, colocated=False,
+                   train=TrainSettings(mini_batches=mini_batches, lr=1e-2))  # fmt: skip
+    task = base.task.build()
+    learners = [Learner(base, task), Learner(attrs.evolve(base, trainer_forward=True), task)]
+    torch.manual_seed(0)
+    prompts = [torch.tensor([1, 3 + k % 5, 4]) for k in range(8)]
+    responses = [torch.randint(3, 12, (1 + k % 4,)) for k in range(8)]
+    old = sequence_logprobs(learners[0].model, prompts, responses, pad_id=0, temperature=1.0)
+    data = {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "behaviour_logprobs": [o + 0.01 for o in old],
+        "advantages": [torch.full((len(r),), 1.0 - 2 * (k % 2)) for k, r in enumerate(responses)],
+    }
+    metrics = [learners[0].step({**data, "old_logprobs": old}), learners[1].step(data)]
+    assert metrics[0]["updates"] == metrics[1]["updates"] == mini_batches
+    assert metrics[0]["pg_loss"] == pytest.approx(metrics[1]["pg_loss"], abs=1e-6)
+    for a, b in zip(learners[0].model.parameters(), learners[1].model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert (metrics[1]["approx_kl"] > 0) == (mini_batches > 1)  # the second update moved away

@@ -465,3 +465,26 @@ async def test_event_loop_stays_responsive_while_decoding() -> None:
     assert decode_cpu > 0.3  # the decoding outlasted one stretch, in another thread
     assert steps.longest < 0.05, (steps.longest, steps.task)  # no step of the loop did the work
     assert ticks > 10  # and the loop kept running meanwhile
+
+
+def test_a_prompt_shared_by_a_group_is_prefilled_once() -> None:
+    """The admissions of a step that share a prompt (a group's samples) cost one prefill row,
+    and each of their rows then decodes as if prefilled alone."""
+    from asyncflow_actors.rollout._torch_engine import _TinyBackend
+
+    model = tiny_model()
+    backend = _TinyBackend(model, EngineConfig(max_batch=4, eos_id=EOS))
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        first = backend.prefill([(0, [1, 4, 5]), (2, [1, 6]), (3, [1, 4, 5]), (1, [1, 4, 5])])
+        assert shapes == [(2, 3)]  # two distinct prompts, three columns
+        nxt = backend.decode([(slot, 7) for slot in range(4)])
+    hook.remove()
+    for row, prompt in enumerate([[1, 4, 5], [1, 6], [1, 4, 5], [1, 4, 5]]):
+        torch.testing.assert_close(
+            first[row], model(torch.tensor([prompt]))[0, -1], atol=1e-4, rtol=0
+        )
+    for slot, prompt in enumerate([[1, 4, 5], [1, 4, 5], [1, 6], [1, 4, 5]]):
+        alone = model(torch.tensor([[*prompt, 7]]))[0, -1]
+        torch.testing.assert_close(nxt[slot], alone, atol=1e-4, rtol=0)

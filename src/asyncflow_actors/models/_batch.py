@@ -42,6 +42,15 @@ class PackedBatch:
         return self.input_ids[:, self.prompt_length :]
 
 
+def _flat(rows: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    """All ids of ``rows`` in one int64 tensor, and each row's length (one copy, no per-row
+    tensor op: packing a batch of 128 rows row by row cost milliseconds)."""
+    flat: list[int] = []
+    for row in rows:
+        flat.extend(row.tolist() if isinstance(row, Tensor) else row)
+    return torch.tensor(flat, dtype=torch.long), torch.tensor([len(r) for r in rows])
+
+
 def left_pad(
     rows: Sequence[Sequence[int]], *, pad_id: int, device: torch.device | str | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -51,12 +60,11 @@ def left_pad(
     for i, row in enumerate(rows):
         if len(row) == 0:
             raise BatchLayoutError(f"prompt {i} is empty; every prompt needs at least one token")
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.as_tensor(list(row), dtype=torch.long)
-        mask[i, width - len(row) :] = True
+    flat, lengths = _flat(rows)
+    width = int(lengths.max())
+    mask = torch.arange(width) >= (width - lengths).unsqueeze(1)
+    ids = torch.full(mask.shape, pad_id, dtype=torch.long)
+    ids[mask] = flat  # row-major: each row's ids land left to right in its last columns
     return ids.to(device), mask.to(device)
 
 
@@ -76,13 +84,11 @@ def pack_batch(
             f"got {len(prompts)} prompts and {len(responses)} responses; expected equal counts"
         )
     prompt_ids, prompt_mask = left_pad(prompts, pad_id=pad_id)
-    width = max(1, max(len(r) for r in responses))
-    response_ids = torch.full((len(responses), width), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((len(responses), width), dtype=torch.bool)
-    for i, row in enumerate(responses):
-        if row:
-            response_ids[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
-            response_mask[i, : len(row)] = True
+    flat, lengths = _flat(responses)
+    width = max(1, int(lengths.max()) if len(responses) else 0)
+    response_mask = torch.arange(width) < lengths.unsqueeze(1)
+    response_ids = torch.full(response_mask.shape, pad_id, dtype=torch.long)
+    response_ids[response_mask] = flat
     return PackedBatch(
         input_ids=torch.cat((prompt_ids, response_ids), dim=1).to(device),
         attention_mask=torch.cat((prompt_mask, response_mask), dim=1).to(device),

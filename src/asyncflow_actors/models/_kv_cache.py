@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -194,6 +196,46 @@ class KVCache:
         self.valid[row, :count] = True
         self.num_tokens[row] = count
         self.length = max(self.length, count)
+
+    def insert_rows(self, rows: Sequence[int], source: KVCache, source_rows: Sequence[int]) -> None:
+        """Copy each ``source_rows[i]`` of ``source`` into the empty ``rows[i]`` of this cache,
+        all in one copy per layer (``insert`` row by row costs a copy per row and layer).
+
+        The source's columns ``[0, source.length)`` land in the same columns, padding columns
+        included (they stay invalid), so a batch prefilled together joins as it is; a source
+        row may go to several rows (a prompt prefilled once for every sample of its group).
+        Raises ``KVCacheError`` as ``insert`` does.
+        """
+        if len(rows) != len(source_rows):
+            raise KVCacheError(f"{len(rows)} rows given for {len(source_rows)} source rows")
+        if not rows:
+            return
+        if len(set(rows)) != len(rows) or not all(0 <= r < self.batch_size for r in rows):
+            raise KVCacheError(f"rows {list(rows)} are not distinct rows of {self.batch_size}")
+        target = torch.tensor(list(rows), dtype=torch.long, device=self.valid.device)
+        busy = self.num_tokens[target] != 0
+        if bool(busy.any()):
+            raise KVCacheError(f"row {int(target[busy][0])} still holds tokens; reset_rows first")
+        src_shape, own_shape = source.keys[0].shape, self.keys[0].shape
+        if source.n_layers != self.n_layers or (src_shape[1], src_shape[3]) != (
+            own_shape[1],
+            own_shape[3],
+        ):
+            raise KVCacheError(
+                f"source cache of {source.n_layers} layers x {tuple(source.keys[0].shape)} does "
+                f"not match this cache of {self.n_layers} layers x {tuple(self.keys[0].shape)}"
+            )
+        width = source.length
+        if width > self.capacity:
+            raise KVCacheError(f"{width} columns do not fit in a capacity of {self.capacity}")
+        origin = torch.tensor(list(source_rows), dtype=torch.long, device=self.valid.device)
+        for store, other in ((self.keys, source.keys), (self.values, source.values)):
+            for layer, tensor in enumerate(store):
+                tensor[target, :, :width] = other[layer][origin, :, :width].to(tensor.dtype)
+        self.valid[target] = False
+        self.valid[target, :width] = source.valid[origin, :width]
+        self.num_tokens[target] = source.num_tokens[origin]
+        self.length = max(self.length, width)
 
     def reset_rows(self, rows: Tensor) -> None:
         """Forget the tokens of `rows` so new sequences can start there (continuous batching)."""

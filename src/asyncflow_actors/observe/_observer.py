@@ -77,7 +77,11 @@ class Observer:
         self._agents: dict[str, ActorRef[Collect]] = {}
         self._queues: list[TransferQueueClient] = []
         self._flows: list[tuple[str, FlowControl]] = []
-        self._chunks: collections.deque[SpanChunk] = collections.deque()
+        # (process token, process name, spans): placed on the trace with the process's best
+        # clock-offset estimate when the trace is built, so every span of a process carries the
+        # error bound ``statistics().clock_error_ns`` reports, not that of its own pull
+        self._chunks: collections.deque[tuple[str, str, Sequence[Any]]] = collections.deque()
+        self._best: dict[str, int] = {}  # token -> offset of its fastest kept round trip
         self._span_count = 0
         self._counters: collections.deque[CounterPoint] = collections.deque(maxlen=100_000)
         self._offsets: dict[str, collections.deque[tuple[int, int]]] = {}
@@ -149,9 +153,7 @@ class Observer:
             for name, flow in self._flows:
                 record_flow_control(registry, flow.statistics(), name)
             cap = self.config.trace_capacity
-            self._accept(
-                "", collect_local(self.config.process_name, self.system.statistics(), cap), 0
-            )
+            self._accept("", collect_local(self.config.process_name, self.system.statistics(), cap))
             async with trio.open_nursery() as nursery:
                 for label, ref in list(self._agents.items()):
                     nursery.start_soon(self._pull, label, ref)
@@ -185,12 +187,13 @@ class Observer:
         )
         estimates.append((end - start, got.now_ns - (start + end) // 2))
         self._names[got.process.token] = got.process.name
-        self._accept(label, got, min(estimates)[1])
+        self._best[got.process.token] = min(estimates)[1]
+        self._accept(label, got)
 
-    def _accept(self, label: str, got: Collected, offset: int) -> None:
+    def _accept(self, label: str, got: Collected) -> None:
         token = got.process.token
         if got.spans:
-            self._chunks.append((got.process.name, offset, got.spans))
+            self._chunks.append((token, got.process.name, got.spans))
             self._span_count += len(got.spans)
             while self._span_count > self.config.max_spans and len(self._chunks) > 1:
                 dropped = self._chunks.popleft()
@@ -234,11 +237,17 @@ class Observer:
             },
         )
 
+    def _placed(self) -> list[SpanChunk]:
+        """The span chunks so far, each with its process's current best clock offset (copies
+        of a deque and a dict run in C under the GIL: safe from a worker thread)."""
+        chunks, best = list(self._chunks), dict(self._best)
+        return [(name, best.get(token, 0), spans) for token, name, spans in chunks]
+
     def trace(self, last: float | None = None) -> dict[str, Any]:
         """The trace of the spans collected so far (Chrome trace-event JSON object), or of
         those that ended in the ``last`` seconds. Safe to call from a worker thread."""
         # Copying a deque of tuples runs in C under the GIL: atomic against the event loop.
-        chunks = list(self._chunks)
+        chunks = self._placed()
         counters = list(self._counters)
         if last is not None:
             cutoff = clock_ns() - int(last * 1e9)
@@ -265,7 +274,7 @@ class Observer:
 
     async def write_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the trace so far to ``path`` (built and written in a worker thread)."""
-        chunks, counters = list(self._chunks), list(self._counters)
+        chunks, counters = self._placed(), list(self._counters)
         order, flows = self.config.role_order(), self.config.max_flows
 
         def build_and_write() -> None:

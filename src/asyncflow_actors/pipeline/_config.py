@@ -51,6 +51,7 @@ MODES = ("sync", "colocated", "one_step_off", "async")
 ROLES = ("rollout", "reward", "actor_fwd", "ref_fwd", "advantage", "trainer")
 DRIVER = "driver"  # the placement of a role run in the driver's own process
 FUSED = "actor_fwd"  # the advantage's placement inside the ActorForward stations
+TRAINER = "trainer"  # a station's placement inside the trainer (ActorForward, Advantage)
 _ADDRESS = re.compile(r"^(tcp://[^:/\s]+:\d+|ipc://\S+)$")
 
 
@@ -69,6 +70,12 @@ class PlacementConfig:
     started by hand (``python -m asyncflow_actors.node``) at that address, any other name a
     local node process of that name (roles placed on one name share that process).
     ``tq_units`` storage units, in this process or (``tq_placement = "process"``) their own.
+
+    Two stations can also be folded into another role instead of running on their own:
+    ``roles.advantage = "actor_fwd"`` or ``"trainer"``, and ``roles.actor_fwd = "trainer"`` (the
+    trainer computes the old log-probs itself, as verl's colocated actor does). A folded
+    station costs no queue traffic and no process; on small models that traffic costs more
+    than the station's compute (``docs/pipeline.md`` §4).
     """
 
     default: Literal["local", "process"] = "process"
@@ -120,6 +127,8 @@ class PipelineConfig:
             stage_barrier=self.mode != "async",
             colocated=self.mode == "colocated",
             fused_advantage=self.fused_advantage,
+            trainer_forward=self.trainer_forward,
+            trainer_advantage=self.trainer_advantage,
             model=self.model,
             task=self.task,
             rollout=self.rollout,
@@ -137,16 +146,29 @@ class PipelineConfig:
         advantages too (no Advantage station)."""
         return self.placement.roles.get("advantage") == FUSED
 
+    @property
+    def trainer_forward(self) -> bool:
+        """``placement.roles.actor_fwd = "trainer"``: the trainer computes the old log-probs
+        (no ActorForward station)."""
+        return self.placement.roles.get("actor_fwd") == TRAINER
+
+    @property
+    def trainer_advantage(self) -> bool:
+        """``placement.roles.advantage = "trainer"``: the trainer computes the advantages of
+        the whole groups it takes (no Advantage station)."""
+        return self.placement.roles.get("advantage") == TRAINER
+
     def instances(self) -> list[tuple[str, str]]:
         """Every role instance of the run as ``(role, worker name)``, in start order."""
         out = []
         if self.rollout.reward == "actor":
             out.append(("reward", "reward-0"))
         out += [("rollout", f"rollout-{i}") for i in range(self.rollout.workers)]
-        out += [("actor_fwd", f"actor_fwd-{i}") for i in range(self.train.forward_workers)]
+        if not self.trainer_forward:
+            out += [("actor_fwd", f"actor_fwd-{i}") for i in range(self.train.forward_workers)]
         if self.algorithm.kl_coef > 0:
             out.append(("ref_fwd", "ref_fwd-0"))
-        if not self.fused_advantage:
+        if not (self.fused_advantage or self.trainer_advantage):
             out.append(("advantage", "advantage-0"))
         out.append(("trainer", "trainer-0"))
         return out
@@ -208,6 +230,16 @@ def _check(config: PipelineConfig) -> None:
                 f"placement.nodes.{name}: expected an address like 'tcp://host:5555' or "
                 f"'ipc:///path', got {address!r}"
             )
+    if place.roles.get("reward") == TRAINER or place.roles.get("ref_fwd") == TRAINER:
+        role = "reward" if place.roles.get("reward") == TRAINER else "ref_fwd"
+        raise PipelineConfigError(
+            f"placement.roles.{role}: only actor_fwd and advantage fold into the trainer"
+        )
+    if config.fused_advantage and config.trainer_forward:
+        raise PipelineConfigError(
+            "placement.roles.advantage: 'actor_fwd' runs inside the trainer "
+            "(placement.roles.actor_fwd = 'trainer'): fold the advantage into 'trainer'"
+        )
     if config.algorithm.kl_coef == 0 and "ref_fwd" in place.roles:
         raise PipelineConfigError(
             "placement.roles.ref_fwd: this run has no RefForward (algorithm.kl_coef = 0)"
@@ -224,9 +256,14 @@ def _check(config: PipelineConfig) -> None:
             )
         if config.train.forward_workers != 1:
             raise PipelineConfigError("train.forward_workers: colocated mode needs exactly 1")
-        homes = {r: config.placement_of(r, f"{r}-0") for r in ("rollout", "actor_fwd", "trainer")}
+        shared = (
+            ("rollout", "trainer")
+            if config.trainer_forward
+            else ("rollout", "actor_fwd", "trainer")
+        )
+        homes = {r: config.placement_of(r, f"{r}-0") for r in shared}
         if len(set(homes.values())) != 1:
-            role = next(r for r in ("actor_fwd", "trainer") if homes[r] != homes["rollout"])
+            role = next(r for r in shared[1:] if homes[r] != homes["rollout"])
             raise PipelineConfigError(
                 f"placement.roles.{role}: colocated mode shares one model, so rollout, "
                 f"actor_fwd and trainer must run in one process (got {homes})"

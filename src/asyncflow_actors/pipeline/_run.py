@@ -54,11 +54,15 @@ from ._report import Progress, StepRecord, idle_ratios, plot_run
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
     """The stations' data flow, for the observer's graph."""
-    edges = [
-        GraphEdge("rollout", "actor_fwd", "rollout"),
-        GraphEdge("actor_fwd", "trainer", "rollout"),
-    ]
-    if not config.fused_advantage:
+    edges = []
+    if not config.trainer_forward:
+        edges += [
+            GraphEdge("rollout", "actor_fwd", "rollout"),
+            GraphEdge("actor_fwd", "trainer", "rollout"),
+        ]
+    if config.trainer_forward and config.trainer_advantage:
+        edges.append(GraphEdge("rollout", "trainer", "rollout"))
+    elif not (config.fused_advantage or config.trainer_advantage):
         edges += [
             GraphEdge("rollout", "advantage", "rollout"),
             GraphEdge("advantage", "trainer", "rollout"),

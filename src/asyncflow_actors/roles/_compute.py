@@ -191,6 +191,12 @@ class Learner:
         sums: dict[str, float] = {}
         updates = 0
         chunks = max(1, min(train.mini_batches, n))
+        # ``trainer_forward``: the old log-probs are this policy's before the batch's first
+        # update. With one update they are the update's own forward, detached (no second
+        # forward); with several, one no-grad forward over the batch fixes them first.
+        reuse = self.spec.trainer_forward and chunks * train.epochs == 1
+        if self.spec.trainer_forward and not reuse:
+            data = {**data, "old_logprobs": self._logprobs(prompts, responses)}
         for _ in range(train.epochs):
             order = torch.randperm(n, generator=self.generator).tolist()
             for k in range(chunks):
@@ -208,7 +214,7 @@ class Learner:
                 logprobs = policy_logprobs(self.model, batch, temperature)
                 result = policy_loss(
                     logprobs,
-                    column("old_logprobs"),
+                    logprobs.detach() if reuse else column("old_logprobs"),
                     column("advantages"),
                     batch.response_mask,
                     self.loss,
@@ -226,6 +232,12 @@ class Learner:
         metrics = {key: value / updates for key, value in sums.items()}
         metrics["updates"] = float(updates)
         return metrics
+
+    def _logprobs(self, prompts: list[list[int]], responses: list[Tensor]) -> list[Tensor]:
+        batch = pack_batch(prompts, [r.tolist() for r in responses], pad_id=self.tokenizer.pad_id)
+        with torch.no_grad():
+            logp = policy_logprobs(self.model, batch, self.spec.rollout.temperature)
+        return [logp[i, : r.shape[0]] for i, r in enumerate(responses)]
 
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
         """Model (with tokenizer), optimizer state, RNG and ``meta`` (JSON) under ``directory``."""

@@ -38,8 +38,10 @@ _NEVER_STALE: Final = 1 << 40  # prompts carry no policy version worth evicting 
 
 def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
     """The ``prompts`` and ``rollout`` topics of a run."""
-    consumers = ["actor_fwd", *(["ref_fwd"] if spec.use_ref else [])]
-    consumers += [*([] if spec.fused_advantage else ["advantage"]), "trainer"]
+    consumers = ([] if spec.trainer_forward else ["actor_fwd"]) + (
+        ["ref_fwd"] if spec.use_ref else []
+    )
+    consumers += (["advantage"] if spec.advantage_station else []) + ["trainer"]
     prompts = TopicSpec.from_dict(
         {
             "consumers": ["rollout"],
@@ -83,23 +85,17 @@ def station_columns(spec: RunSpec) -> dict[str, tuple[str, ...]]:
     advantage run in parallel on the same samples. With stage barriers (sync, colocated,
     one-step-off) each stage also waits for the previous one's column: the six stages of a
     synchronous step run in sequence. With ``fused_advantage`` ActorForward also reads the
-    rewards (it computes the advantages too) and there is no ``advantage`` station.
+    rewards (it computes the advantages too) and there is no ``advantage`` station. What the
+    trainer computes itself (``trainer_forward``, ``trainer_advantage``) it does not wait for.
     """
     fwd = (PROMPT_IDS, RESPONSE_IDS)
-    ref = fwd + ((OLD,) if spec.stage_barrier else ())
+    old = () if spec.trainer_forward else (OLD,)
+    ref = fwd + (old if spec.stage_barrier else ())
     adv: tuple[str, ...] = (REWARDS, RESPONSE_IDS)
     if spec.stage_barrier:
-        adv += (REF,) if spec.use_ref else (OLD,)
-    train: tuple[str, ...] = (
-        PROMPT_IDS,
-        RESPONSE_IDS,
-        BEHAVIOUR,
-        TOKEN_VERSIONS,
-        REWARDS,
-        RESUMES,
-        OLD,
-        ADVANTAGES,
-    )
+        adv += (REF,) if spec.use_ref else old
+    train: tuple[str, ...] = (PROMPT_IDS, RESPONSE_IDS, BEHAVIOUR, TOKEN_VERSIONS, REWARDS, RESUMES)
+    train += old + (() if spec.trainer_advantage else (ADVANTAGES,))
     if spec.use_ref:
         train += (REF,)
     if spec.fused_advantage:

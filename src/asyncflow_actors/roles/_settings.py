@@ -172,6 +172,9 @@ class RunSpec:
     stage's column (sync, colocated, one-step-off); otherwise they stream in ``forward_batch``
     pieces and run in parallel. ``fused_advantage``: the ActorForward stations also compute the
     advantages (of whole groups) on the batches they fetch; no Advantage station runs.
+    ``trainer_forward``: no ActorForward station; the trainer takes its own policy's log-probs
+    before its first update of a batch as the old log-probs. ``trainer_advantage``: no
+    Advantage station; the trainer computes the advantages of the whole groups it takes.
     ``start_version``/``resume_from``: a resumed run.
     """
 
@@ -180,6 +183,8 @@ class RunSpec:
     stage_barrier: bool
     colocated: bool
     fused_advantage: bool = False
+    trainer_forward: bool = False
+    trainer_advantage: bool = False
     model: ModelSettings = attrs.field(factory=ModelSettings)
     task: TaskSettings = attrs.field(factory=TaskSettings)
     rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
@@ -194,6 +199,11 @@ class RunSpec:
     def batch_size(self) -> int:
         """Samples in a global batch (one policy version)."""
         return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def advantage_station(self) -> bool:
+        """Whether an Advantage station of its own computes the advantages."""
+        return not (self.fused_advantage or self.trainer_advantage)
 
     @property
     def use_ref(self) -> bool:

@@ -1,7 +1,9 @@
 """Trainer: complete, fresh samples in; PPO updates; a new policy version per global batch.
 
 Each step: take a global batch of whole groups that have every column (rollout, old and — with
-a KL penalty — reference log-probs, advantages) and are inside the staleness window; check each
+a KL penalty — reference log-probs, advantages) and are inside the staleness window (with
+``trainer_forward`` / ``trainer_advantage`` it computes the old log-probs / the advantages
+itself and does not wait for them); check each
 sample's staleness (trainer version - its oldest token's version: it must lie in
 ``[0, staleness]``, and at staleness 0 it is 0 for every sample, by construction); run
 ``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
@@ -22,6 +24,7 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFailed
 from ..observe import MetricInfo, clock_ns, get_registry
 from . import _schema as S
+from ._advantage import Advantages
 from ._messages import (
     AdoptVersion,
     GetRoleStats,
@@ -87,6 +90,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
         mode = PauseMode(spec.rollout.pause_mode) if spec.rollout.pauses else PauseMode.KEEP
         self.sync_engine = CheckpointEngine(self.targets, CheckpointConfig(pause_mode=mode))
         self.columns = S.station_columns(spec)["trainer"]
+        self.advantages = Advantages(spec, self.compute) if spec.trainer_advantage else None
         self.meter.set_version(self.version)
 
     async def run(self) -> None:
@@ -101,6 +105,9 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             histogram = self._check_staleness(data[S.TOKEN_VERSIONS], batch.versions)
             with self.meter.track.span("train", samples=batch.indexes, version=self.version):
                 start = clock_ns()
+                if self.advantages is not None:
+                    lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
+                    data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths)
                 async with self._model_lock:
                     metrics = await in_thread(self.learner.step, data)
                 self.meter.busy(start)

@@ -1,8 +1,9 @@
 """The built-in engine: continuous batching of a ``TinyDecoder`` on its KV cache.
 
-Each request owns a row (slot) of one ``KVCache``. A new request is prefilled on its own (in
-a small cache of its prompt's width) and its keys and values are copied into its empty row
-(``KVCache.insert``), so joining costs no forward over the other rows; then every decode step
+Each request owns a row (slot) of one ``KVCache``. The requests admitted in one step are
+prefilled together in a small cache of their prompts' width, each distinct prompt once (the
+samples of a group share it), and the keys and values are copied into their empty rows
+(``KVCache.insert_rows``), so joining costs no forward over the other rows; then every decode step
 feeds one token to each busy row, through a ``view`` of the rows up to the highest busy one.
 Free rows are reused lowest first; when the shared write pointer reaches the capacity the
 cache is compacted. ``kv_cache=False`` recomputes every sequence each step instead.
@@ -57,19 +58,24 @@ class _TinyBackend:
         return self._max_batch - running
 
     def prefill(self, rows: Sequence[tuple[int, Sequence[int]]]) -> Tensor:
-        ids, mask = left_pad([r for _, r in rows], pad_id=self.pad_id, device=self.device)
+        # The samples of a group share their prompt: each distinct sequence is prefilled once
+        # and its keys and values go to every row that starts with it (a prefix cache of the
+        # admissions of one step). Each row still samples with its own generator.
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(r), len(distinct)) for _, r in rows]
+        ids, mask = left_pad(list(distinct), pad_id=self.pad_id, device=self.device)
+        index = torch.tensor(which, device=self.device)
         if self.cache is None:
             for slot, row in rows:
                 self.history[slot] = list(row)
             full: Tensor = self.model(ids, attention_mask=mask)[:, -1]
-            return full
+            return full[index]
         scratch = KVCache.allocate(
-            self.model.config, len(rows), ids.shape[1], dtype=self.dtype, device=self.device
+            self.model.config, len(distinct), ids.shape[1], dtype=self.dtype, device=self.device
         )
         logits: Tensor = self.model(ids, attention_mask=mask, kv_cache=scratch)[:, -1]
-        for i, (slot, _) in enumerate(rows):
-            self.cache.insert(slot, scratch, i)
-        return logits
+        self.cache.insert_rows([slot for slot, _ in rows], scratch, which)
+        return logits[index]
 
     def decode(self, rows: Sequence[tuple[int, int]]) -> Tensor:
         if self.cache is None:
