@@ -21,8 +21,10 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
+from asyncflow_actors.transfer_queue import _table
 from asyncflow_actors.transfer_queue import (
     Balanced,
     CapacityError,
@@ -616,7 +618,7 @@ class TQMachine(Model, RuleBasedStateMachine):
         )
 
 
-TQMachine.TestCase.settings = settings(
+MACHINE_SETTINGS = settings(
     max_examples=200,
     stateful_step_count=50,
     deadline=None,
@@ -625,4 +627,11 @@ TQMachine.TestCase.settings = settings(
     report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-test_controller_state_machine = TQMachine.TestCase
+
+
+@pytest.mark.parametrize("small", [0, _table.SMALL], ids=["numpy", "lists"])
+def test_controller_state_machine(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both branches of the table helpers: every index array inspected with numpy (``SMALL``
+    0), and the small batches of this machine inspected as Python lists (the default)."""
+    monkeypatch.setattr(_table, "SMALL", small)
+    run_state_machine_as_test(TQMachine, settings=MACHINE_SETTINGS)

@@ -366,8 +366,16 @@ class Topic:
         scatter_add(g.alloc, where, 1)
         scatter_add(g.nmem, where, 1)
         scatter_add(g.unacked, where, 1)
-        np.minimum.at(g.first, gslots, ids)
-        np.maximum.at(g.last, gslots, ids)
+        at, _ = where
+        if isinstance(at, int):  # members of one group (ids ascending)
+            g.first[at] = min(int(g.first[at]), int(ids[0]))
+            g.last[at] = max(int(g.last[at]), int(ids[-1]))
+        elif isinstance(at, slice):  # one member per group
+            np.minimum(g.first[at], ids, out=g.first[at])
+            np.maximum(g.last[at], ids, out=g.last[at])
+        else:
+            np.minimum.at(g.first, gslots, ids)
+            np.maximum.at(g.last, gslots, ids)
         self.reserved -= k  # the reserved slots become live samples: load unchanged
         self.allocated_total += k
         befores = [(v, np.zeros(k, np.bool_)) for v in self.views.values() if v.smask == 0]
