@@ -35,6 +35,7 @@ from ._results import Allocation, GroupSlot, Lease, Loss, Update
 from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from ._spec import TopicSpec
 from ._stats import StateStatistics, topic_statistics
+from . import _table
 from ._table import Ints, rows_of
 from ._topic import Effects, Topic
 from ._writes import Writes
@@ -349,7 +350,11 @@ class ControllerState:
             raise InvalidArgument(f"indexes must be ints, got {indexes!r}") from None
         if not wanted.size:
             raise InvalidArgument("indexes must not be empty")
-        ascending = bool((wanted[1:] > wanted[:-1]).all())
+        if wanted.size <= _table.SMALL:
+            v = wanted.tolist()
+            ascending = all(a < b for a, b in zip(v, v[1:]))
+        else:
+            ascending = bool((wanted[1:] > wanted[:-1]).all())
         if not ascending and np.unique(wanted).size != wanted.size:
             raise InvalidArgument(
                 f"indexes must be distinct, got duplicates in {wanted[:16].tolist()}"

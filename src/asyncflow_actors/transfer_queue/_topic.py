@@ -302,12 +302,15 @@ class Topic:
         s = self.s
         for v, was in befores:
             now = self.cand(v, rows)
-            if np.array_equal(now, was):
-                continue
-            gs = s.gs[rows]
-            gained = now & ~was
-            self._count(v, gs[was & ~now], -1)
+            if was is _NONE:  # none was a candidate before: only gains (new samples)
+                gained = now
+            else:
+                if np.array_equal(now, was):
+                    continue
+                gained = now & ~was
+                self._count(v, s.gs[rows][was & ~now], -1)
             if gained.any():
+                gs = s.gs[rows]
                 self._count(v, gs[gained], 1)
                 v.lo = min(v.lo, int(s.ids[rows][gained].min()))
                 v.glo = min(v.glo, int(s.gid[rows][gained].min()))
