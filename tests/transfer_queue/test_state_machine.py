@@ -24,7 +24,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from asyncflow_actors.transfer_queue import _table
 from asyncflow_actors.transfer_queue import (
     Balanced,
     CapacityError,
@@ -40,6 +39,7 @@ from asyncflow_actors.transfer_queue import (
     UnknownLease,
     UnknownSample,
     Update,
+    _table,
 )
 
 from .model import (

@@ -9,6 +9,7 @@ change at compaction, ids never do: callers keep ids across calls and look slots
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -147,7 +148,7 @@ def distinct(a: Ints) -> Ints:
         return a
     if len(a) <= SMALL:
         v = a.tolist()
-        if all(x < y for x, y in zip(v, v[1:])):
+        if all(x < y for x, y in itertools.pairwise(v)):
             return a
         return np.unique(a)
     if bool((a[1:] > a[:-1]).all()):
