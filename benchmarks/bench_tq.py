@@ -19,10 +19,13 @@ puts while one consumer task gets and acks. Prints JSON lines (medians over repe
   groups of 4 (versions advancing) and 512 getting whole groups, units in node processes; and
   ``tq_clients_1024_unit_rss`` (MB): the largest peak RSS of a unit process during that run;
 - ``tq_group_dedup_bytes_saved`` (bytes a batch): 32 groups of 8 sharing their prompt.
+
+``--only latency,controller`` (say) measures only those figures (names: ``FIGURES``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -244,24 +247,57 @@ def spread(values: list[float]) -> str:
     return f"[{min(values):.3g}, {max(values):.3g}]"
 
 
-def main() -> None:
-    med = statistics.median
-    figures: dict[str, Any] = trio.run(data_path)
-    print(
-        f"# raw {spread(figures['raw'])} shm {spread(figures['shm'])} socket "
-        f"{spread(figures['socket'])} MB/s; latency {spread(figures['latency'])} ms",
-        file=sys.stderr,
+async def latency_rounds() -> list[float]:
+    """Only the small-batch rounds (``--only latency``): one warm queue, no throughput rounds."""
+    data, small = make_batch(), make_batch(8)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config()) as q:
+        client = await q.client()
+        for _ in range(WARMUP):
+            await client.put("rollout", data, version=0)
+            await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
+        return [await latency(client, small) for _ in range(REPEATS)]
+
+
+FIGURES = ("throughput", "latency", "startup", "controller", "claims", "clients", "dedup")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--only",
+        default=",".join(FIGURES),
+        help=f"comma-separated figures to measure, of {','.join(FIGURES)} (default: all)",
     )
-    emit("tq_throughput", med(figures["shm"]), "MB/s", med(figures["raw"]))
-    emit("tq_throughput_socket", med(figures["socket"]), "MB/s", med(figures["raw"]))
-    emit("tq_small_batch_latency", med(figures["latency"]), "ms")
-    emit("tq_startup", med(trio.run(startups)), "s")
-    emit("tq_controller_batch_us", controller_batch_us(), "us")
-    emit("tq_claims_per_s", bench_claims(), "samples/s")
-    rate, rss = trio.run(clients_1024)
-    emit("tq_clients_1024", rate, "samples/s")
-    emit("tq_clients_1024_unit_rss", rss, "MB")
-    emit("tq_group_dedup_bytes_saved", trio.run(dedup_saved), "bytes")
+    only = set(parser.parse_args(argv).only.split(","))
+    if not only <= set(FIGURES):
+        parser.error(f"unknown figures {sorted(only - set(FIGURES))}; known: {FIGURES}")
+    med = statistics.median
+    if "throughput" in only:
+        figures: dict[str, Any] = trio.run(data_path)
+        print(
+            f"# raw {spread(figures['raw'])} shm {spread(figures['shm'])} socket "
+            f"{spread(figures['socket'])} MB/s; latency {spread(figures['latency'])} ms",
+            file=sys.stderr,
+        )
+        emit("tq_throughput", med(figures["shm"]), "MB/s", med(figures["raw"]))
+        emit("tq_throughput_socket", med(figures["socket"]), "MB/s", med(figures["raw"]))
+    elif "latency" in only:
+        figures = {"latency": trio.run(latency_rounds)}
+        print(f"# latency {spread(figures['latency'])} ms", file=sys.stderr)
+    if "latency" in only:
+        emit("tq_small_batch_latency", med(figures["latency"]), "ms")
+    if "startup" in only:
+        emit("tq_startup", med(trio.run(startups)), "s")
+    if "controller" in only:
+        emit("tq_controller_batch_us", controller_batch_us(), "us")
+    if "claims" in only:
+        emit("tq_claims_per_s", bench_claims(), "samples/s")
+    if "clients" in only:
+        rate, rss = trio.run(clients_1024)
+        emit("tq_clients_1024", rate, "samples/s")
+        emit("tq_clients_1024_unit_rss", rss, "MB")
+    if "dedup" in only:
+        emit("tq_group_dedup_bytes_saved", trio.run(dedup_saved), "bytes")
 
 
 if __name__ == "__main__":

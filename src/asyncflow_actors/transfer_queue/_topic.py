@@ -429,14 +429,16 @@ class Topic:
             return
         g = self.g
         pending = g.size[gslots] - g.alloc[gslots]
-        self.reserved -= int(pending.sum())
+        reserved = int(pending.sum())
         units = g.unit[gslots]
-        scatter_add(self.load, units, -pending)
+        if reserved:  # (groups freed once complete, the common case, reserve nothing)
+            self.reserved -= reserved
+            scatter_add(self.load, units, -pending)
         nbytes = g.nbytes[gslots]
         self.shared_total -= int(nbytes.sum())
-        doomed = int(np.count_nonzero(g.doomed[gslots]))
-        self.ndoomed -= doomed
-        g.doomed[gslots] = False
+        if self.ndoomed:
+            self.ndoomed -= int(np.count_nonzero(g.doomed[gslots]))
+            g.doomed[gslots] = False
         g.kill(gslots, len(gslots))
         if fx is not None:
             fx.free(self, units, g.ids[gslots], nbytes, groups=True)
@@ -446,12 +448,13 @@ class Topic:
         g = self.g
         gslots = distinct(gslots)
         gslots = gslots[g.live[gslots]]
-        for x in gslots[g.doomed[gslots]].tolist():
-            if not self.is_stale(x):
-                self.undoom(x)  # its stale members were freed or discarded: back in the pool
-            elif g.held[x] == 0:
-                self.evict(np.array([x], np.int64), fx)
-        gslots = gslots[g.live[gslots]]
+        if self.ndoomed:
+            for x in gslots[g.doomed[gslots]].tolist():
+                if not self.is_stale(x):
+                    self.undoom(x)  # its stale members were freed or discarded: back in the pool
+                elif g.held[x] == 0:
+                    self.evict(np.array([x], np.int64), fx)
+            gslots = gslots[g.live[gslots]]
         done = (g.nmem[gslots] == 0) & (g.alloc[gslots] == g.size[gslots])
         self.drop_groups(gslots[done], fx)
 
