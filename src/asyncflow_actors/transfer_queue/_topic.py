@@ -35,6 +35,7 @@ from ._table import (
     Bools,
     Index,
     Ints,
+    Runs,
     Table,
     distinct,
     groups_of,
@@ -296,6 +297,12 @@ class Topic:
         """The candidates of :meth:`before` (on rows of groups ``gs``) are no longer any."""
         for v, was in befores:
             self._count(v, gs[was], -1)
+
+    def uncount_all(self, v: View, gs: Runs) -> None:
+        """Every row of groups ``gs`` (see :func:`runs`) was a candidate of ``v`` and is no
+        longer one."""
+        scatter_add(getattr(self.g, v.field), gs, -1)
+        v.nready -= gs[1]
 
     def after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
         """Apply the candidacy changes of ``rows`` since :meth:`before` to the views' counts."""
