@@ -13,7 +13,8 @@ puts while one consumer task gets and acks. Prints JSON lines (medians over repe
 - ``tq_small_batch_latency`` (ms): 8 samples put + get + ack, median of 200 rounds a repeat;
 - ``tq_startup`` (s): ``open_transfer_queue`` (two node processes) to the first put done;
 - ``tq_controller_batch_us`` (µs): ``ControllerState`` alone, one 256-sample put (allocate +
-  commit) + get (claim) + ack cycle, one consumer, median of 500 cycles;
+  commit) + get (claim) + ack cycle, one consumer, median of 500 cycles; and
+  ``tq_controller_small_us``: the same for the small batch's 8 samples (2,000 cycles);
 - ``tq_claims_per_s``: controller selections per second with 100k ready samples;
 - ``tq_clients_1024`` (samples/s): 1024 concurrent client tasks in this process, 512 putting
   groups of 4 (versions advancing) and 512 getting whole groups, units in node processes; and
@@ -151,7 +152,7 @@ async def data_path() -> dict[str, list[float]]:
     return out
 
 
-def controller_batch_us(cycles: int = 500) -> float:
+def controller_batch_us(cycles: int = 500, n: int = N) -> float:
     state = tq.ControllerState([spec()], ["unit-0", "unit-1"])
     columns = frozenset(COLUMNS)
     sizes = {"prompt_ids": 2048 * 8, "response_ids": 4096 * 8, "old_logprobs": 4096 * 4}
@@ -159,9 +160,9 @@ def controller_batch_us(cycles: int = 500) -> float:
     times = []
     for k in range(cycles + 50):
         t0 = time.perf_counter()
-        allocation = state.allocate("rollout", N, 0, holder="producer", now=float(k))
+        allocation = state.allocate("rollout", n, 0, holder="producer", now=float(k))
         state.commit_write("rollout", allocation.indexes, sizes)
-        lease = state.claim("rollout", "trainer", columns, N, holder="consumer", now=float(k))
+        lease = state.claim("rollout", "trainer", columns, n, holder="consumer", now=float(k))
         assert lease is not None
         state.ack(lease.id)
         times.append((time.perf_counter() - t0) * 1e6)
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         emit("tq_startup", med(trio.run(startups)), "s")
     if "controller" in only:
         emit("tq_controller_batch_us", controller_batch_us(), "us")
+        emit("tq_controller_small_us", controller_batch_us(2000, 8), "us")
     if "claims" in only:
         emit("tq_claims_per_s", bench_claims(), "samples/s")
     if "clients" in only:
