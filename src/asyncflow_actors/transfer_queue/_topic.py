@@ -486,7 +486,18 @@ class Topic:
         fresh = not s.cols[rows].any()  # the first write of new samples: the common put
         # a view over per-sample columns counts none of them yet: nothing to compute before
         befores = self.before(rows, [v for v in self.views.values() if not fresh or not v.smask])
-        if fresh:
+        if fresh and all(isinstance(new, int) for new in sizes.values()):
+            # one size per column (the common put): every row gets the same sizes, and their
+            # other columns' sizes are still 0
+            self.written += len(slots)
+            per_row = np.zeros(s.cbytes.shape[1], np.int64)
+            for col, new in sizes.items():
+                per_row[self.col_ix[col]] = new
+            s.cbytes[rows] = per_row
+            total = int(per_row.sum())
+            s.nbytes[rows] = total
+            self.live_bytes += total * len(slots)
+        elif fresh:
             self.written += len(slots)
             for col, new in sizes.items():
                 s.cbytes[rows, self.col_ix[col]] = new
