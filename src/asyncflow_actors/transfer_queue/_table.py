@@ -23,8 +23,9 @@ Index = slice | Ints  # rows of a table: a contiguous run (a view) or a gather
 _MIN_CAPACITY = 256
 _COMPACT_AT = 4096  # dead rows tolerated whatever the live count (compaction copies every field)
 #: Index arrays up to this length are inspected as Python lists by the helpers below: for a
-#: small batch that costs a fraction of the numpy calls' fixed cost. Tests set it to 0 (numpy
-#: only) and to a huge value (lists only) to check that both branches agree.
+#: small batch that costs a fraction of the numpy calls' fixed cost. The controller state
+#: machine runs with 0 (numpy only) and with the default (its small batches as lists), so both
+#: branches are checked against one model.
 SMALL = 32
 
 
