@@ -8,6 +8,8 @@ to storage units, and acts on the values each call returns (:class:`Update`, :cl
 Every call checks all its arguments before it mutates anything, so a call that raises leaves the
 state unchanged. Time is an argument (``now``). Bookkeeping is vectorized (numpy, see
 ``_topic``): a put, a claim or an ack of n samples costs a few array operations, not n steps.
+The writer side (capacity, allocation, groups, discards, commits) is the base class
+:class:`Writing` in ``_writing``.
 """
 
 from __future__ import annotations
