@@ -299,8 +299,7 @@ class Topic:
             self._count(v, gs[was], -1)
 
     def uncount_all(self, v: View, gs: Runs) -> None:
-        """Every row of groups ``gs`` (see :func:`runs`) was a candidate of ``v`` and is no
-        longer one."""
+        """Rows of groups ``gs`` (a :func:`runs`) were all candidates of ``v``, and are not."""
         scatter_add(getattr(self.g, v.field), gs, -1)
         v.nready -= gs[1]
 
@@ -487,8 +486,7 @@ class Topic:
         # a view over per-sample columns counts none of them yet: nothing to compute before
         befores = self.before(rows, [v for v in self.views.values() if not fresh or not v.smask])
         if fresh and all(isinstance(new, int) for new in sizes.values()):
-            # one size per column (the common put): every row gets the same sizes, and their
-            # other columns' sizes are still 0
+            # one size per column (the common put): the same sizes for every row, others still 0
             self.written += len(slots)
             per_row = np.zeros(s.cbytes.shape[1], np.int64)
             for col, new in sizes.items():
