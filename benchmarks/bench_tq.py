@@ -13,18 +13,20 @@ puts while one consumer task gets and acks. Prints JSON lines (medians over repe
 - ``tq_small_batch_latency`` (ms): 8 samples put + get + ack, median of 200 rounds a repeat;
 - ``tq_startup`` (s): ``open_transfer_queue`` (two node processes) to the first put done;
 - ``tq_controller_batch_us`` (µs): ``ControllerState`` alone, one 256-sample put (allocate +
-  commit) + get (claim) + ack cycle, one consumer, median of 500 cycles;
+  commit) + get (claim) + ack cycle, one consumer, median of 500 cycles; and
+  ``tq_controller_small_us``: the same for the small batch's 8 samples (2,000 cycles);
 - ``tq_claims_per_s``: controller selections per second with 100k ready samples;
 - ``tq_clients_1024`` (samples/s): 1024 concurrent client tasks in this process, 512 putting
   groups of 4 (versions advancing) and 512 getting whole groups, units in node processes; and
   ``tq_clients_1024_unit_rss`` (MB): the largest peak RSS of a unit process during that run;
 - ``tq_group_dedup_bytes_saved`` (bytes a batch): 32 groups of 8 sharing their prompt.
 
-``--throughput``: only the data-path figures (the first three).
+``--only latency,controller`` (say) measures only those figures (names: ``FIGURES``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -150,7 +152,7 @@ async def data_path() -> dict[str, list[float]]:
     return out
 
 
-def controller_batch_us(cycles: int = 500) -> float:
+def controller_batch_us(cycles: int = 500, n: int = N) -> float:
     state = tq.ControllerState([spec()], ["unit-0", "unit-1"])
     columns = frozenset(COLUMNS)
     sizes = {"prompt_ids": 2048 * 8, "response_ids": 4096 * 8, "old_logprobs": 4096 * 4}
@@ -158,9 +160,9 @@ def controller_batch_us(cycles: int = 500) -> float:
     times = []
     for k in range(cycles + 50):
         t0 = time.perf_counter()
-        allocation = state.allocate("rollout", N, 0, holder="producer", now=float(k))
+        allocation = state.allocate("rollout", n, 0, holder="producer", now=float(k))
         state.commit_write("rollout", allocation.indexes, sizes)
-        lease = state.claim("rollout", "trainer", columns, N, holder="consumer", now=float(k))
+        lease = state.claim("rollout", "trainer", columns, n, holder="consumer", now=float(k))
         assert lease is not None
         state.ack(lease.id)
         times.append((time.perf_counter() - t0) * 1e6)
@@ -246,27 +248,58 @@ def spread(values: list[float]) -> str:
     return f"[{min(values):.3g}, {max(values):.3g}]"
 
 
-def main() -> None:
-    """All figures; ``--throughput``: only the data-path ones (throughput and latency)."""
-    med = statistics.median
-    figures: dict[str, Any] = trio.run(data_path)
-    print(
-        f"# raw {spread(figures['raw'])} shm {spread(figures['shm'])} socket "
-        f"{spread(figures['socket'])} MB/s; latency {spread(figures['latency'])} ms",
-        file=sys.stderr,
+async def latency_rounds() -> list[float]:
+    """Only the small-batch rounds (``--only latency``): one warm queue, no throughput rounds."""
+    data, small = make_batch(), make_batch(8)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config()) as q:
+        client = await q.client()
+        for _ in range(WARMUP):
+            await client.put("rollout", data, version=0)
+            await client.ack(await client.get("rollout", "trainer", COLUMNS, N))
+        return [await latency(client, small) for _ in range(REPEATS)]
+
+
+FIGURES = ("throughput", "latency", "startup", "controller", "claims", "clients", "dedup")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--only",
+        default=",".join(FIGURES),
+        help=f"comma-separated figures to measure, of {','.join(FIGURES)} (default: all)",
     )
-    emit("tq_throughput", med(figures["shm"]), "MB/s", med(figures["raw"]))
-    emit("tq_throughput_socket", med(figures["socket"]), "MB/s", med(figures["raw"]))
-    emit("tq_small_batch_latency", med(figures["latency"]), "ms")
-    if "--throughput" in sys.argv[1:]:
-        return
-    emit("tq_startup", med(trio.run(startups)), "s")
-    emit("tq_controller_batch_us", controller_batch_us(), "us")
-    emit("tq_claims_per_s", bench_claims(), "samples/s")
-    rate, rss = trio.run(clients_1024)
-    emit("tq_clients_1024", rate, "samples/s")
-    emit("tq_clients_1024_unit_rss", rss, "MB")
-    emit("tq_group_dedup_bytes_saved", trio.run(dedup_saved), "bytes")
+    only = set(parser.parse_args(argv).only.split(","))
+    if not only <= set(FIGURES):
+        parser.error(f"unknown figures {sorted(only - set(FIGURES))}; known: {FIGURES}")
+    med = statistics.median
+    if "throughput" in only:
+        figures: dict[str, Any] = trio.run(data_path)
+        print(
+            f"# raw {spread(figures['raw'])} shm {spread(figures['shm'])} socket "
+            f"{spread(figures['socket'])} MB/s; latency {spread(figures['latency'])} ms",
+            file=sys.stderr,
+        )
+        emit("tq_throughput", med(figures["shm"]), "MB/s", med(figures["raw"]))
+        emit("tq_throughput_socket", med(figures["socket"]), "MB/s", med(figures["raw"]))
+    elif "latency" in only:
+        figures = {"latency": trio.run(latency_rounds)}
+        print(f"# latency {spread(figures['latency'])} ms", file=sys.stderr)
+    if "latency" in only:
+        emit("tq_small_batch_latency", med(figures["latency"]), "ms")
+    if "startup" in only:
+        emit("tq_startup", med(trio.run(startups)), "s")
+    if "controller" in only:
+        emit("tq_controller_batch_us", controller_batch_us(), "us")
+        emit("tq_controller_small_us", controller_batch_us(2000, 8), "us")
+    if "claims" in only:
+        emit("tq_claims_per_s", bench_claims(), "samples/s")
+    if "clients" in only:
+        rate, rss = trio.run(clients_1024)
+        emit("tq_clients_1024", rate, "samples/s")
+        emit("tq_clients_1024_unit_rss", rss, "MB")
+    if "dedup" in only:
+        emit("tq_group_dedup_bytes_saved", trio.run(dedup_saved), "bytes")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ class MSample:
     committed: bool = False
     deadline: float = math.inf  # abandoned at this time unless committed
     writer: str | None = None
+    nbytes: dict[str, int] = field(default_factory=dict)  # per written column
 
 
 @dataclass

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from asyncflow_actors.transfer_queue import (
@@ -38,6 +39,7 @@ from asyncflow_actors.transfer_queue import (
     UnknownLease,
     UnknownSample,
     Update,
+    _table,
 )
 
 from .model import (
@@ -163,10 +165,19 @@ class TQMachine(Model, RuleBasedStateMachine):
             self.group_of[i] = gid
 
     def _write(self, indexes: tuple[int, ...], cols: tuple[str, ...]) -> None:
-        self.state.commit_write(T, indexes, dict.fromkeys(cols, 8))
-        for i in indexes:
+        # sizes vary (rewrites change them): one per column, or one per sample every other write
+        self.writes = getattr(self, "writes", 0) + 1
+        k = self.writes
+        if k % 2:
+            sizes: dict[str, int | list[int]] = {c: 8 + k % 5 for c in cols}
+        else:
+            sizes = {c: [8 + (7 * i + k + len(c)) % 5 for i in indexes] for c in cols}
+        self.state.commit_write(T, indexes, sizes)
+        for r, i in enumerate(indexes):
             self.samples[i].cols |= set(cols)
             self.samples[i].committed = True
+            for c, v in sizes.items():
+                self.samples[i].nbytes[c] = v if isinstance(v, int) else v[r]
 
     @rule(
         n=st.integers(1, 4),
@@ -554,6 +565,7 @@ class TQMachine(Model, RuleBasedStateMachine):
         stats = self.state.statistics()
         (ts,) = stats.topics
         assert ts.live == len(self.samples)
+        assert ts.live_bytes == sum(sum(s.nbytes.values()) for s in self.samples.values())
         assert ts.occupied == self.occupied()
         if self.spec.capacity is not None:
             assert ts.occupied <= self.spec.capacity
@@ -616,7 +628,7 @@ class TQMachine(Model, RuleBasedStateMachine):
         )
 
 
-TQMachine.TestCase.settings = settings(
+MACHINE_SETTINGS = settings(
     max_examples=200,
     stateful_step_count=50,
     deadline=None,
@@ -625,4 +637,11 @@ TQMachine.TestCase.settings = settings(
     report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-test_controller_state_machine = TQMachine.TestCase
+
+
+@pytest.mark.parametrize("small", [0, _table.SMALL], ids=["numpy", "lists"])
+def test_controller_state_machine(small: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both branches of the table helpers: every index array inspected with numpy (``SMALL``
+    0), and the small batches of this machine inspected as Python lists (the default)."""
+    monkeypatch.setattr(_table, "SMALL", small)
+    run_state_machine_as_test(TQMachine, settings=MACHINE_SETTINGS)

@@ -520,6 +520,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
     def _group_infos(self, topic: str, gids: Any) -> None:
         """Send explicit groups' records (absolute values) to their units."""
         assert self.state is not None
+        if not gids:
+            return  # implicit groups only (a plain put): they have no record
         for rec in self.state.group_records(topic, gids):
             self._to_unit(rec.unit, U.GroupInfo(topic, rec.group_id, rec.size, rec.allocated))
 

@@ -199,12 +199,16 @@ class LeaseTable:
         """``rows`` are candidates of ``v``: lease them to its consumer."""
         s = t.s
         index = rows_of(rows, ascending=True)  # set semantics: a permuted run is that run
-        befores = t.before(index, t.views_of[v.ci])
+        # every row is a candidate of ``v`` (no need to compute it); its other views may differ
+        others = [w for w in t.views_of[v.ci] if w is not v]
+        befores = t.before(index, others) if others else []
         s.leased[index] |= v.bit
         gs = s.gs[index]
-        scatter_add(t.g.held, gs, 1)
+        where = runs(gs)
+        scatter_add(t.g.held, where, 1)
         t.leased_count[v.ci] += len(rows)
         t.uncount(befores, gs)  # leased: no view of this consumer counts them any more
+        t.uncount_all(v, where)
 
     def _new_lease(
         self,

@@ -6,6 +6,8 @@ these names from here only, so that it follows with a change to this file.
 
 from __future__ import annotations
 
+import functools
+
 from ..actors import Actor as Actor
 from ..actors import ActorContext as ActorContext
 from ..actors import ActorCrashed as ActorCrashed
@@ -25,6 +27,8 @@ from ..actors.remote import SubprocessLauncher as SubprocessLauncher
 from ..actors.remote import node_spec as node_spec
 
 
+@functools.cache
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a wire dtype name; raises ``KeyError`` for an unknown one."""
+    """Bytes per element of a wire dtype name; raises ``KeyError`` for an unknown one (cached:
+    building the probe costs microseconds, and every shared-memory body asks)."""
     return RawTensor(dtype, (0, 1), memoryview(b"")).row_bytes

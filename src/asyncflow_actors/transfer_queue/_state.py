@@ -8,39 +8,36 @@ to storage units, and acts on the values each call returns (:class:`Update`, :cl
 Every call checks all its arguments before it mutates anything, so a call that raises leaves the
 state unchanged. Time is an argument (``now``). Bookkeeping is vectorized (numpy, see
 ``_topic``): a put, a claim or an ack of n samples costs a few array operations, not n steps.
+The writer side (capacity, allocation, groups, discards, commits) is the base class
+:class:`Writing` in ``_writing``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-from ._check import byte_sizes, finite_time, holder_name, int_at_least
+from ._check import finite_time, holder_name, int_at_least
 from ._errors import (
-    CapacityError,
-    GroupError,
     InvalidArgument,
     SchemaError,
     StaleVersionError,
-    UnknownSample,
-    UnknownTopic,
     UnknownUnit,
 )
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
-from ._placement import least_loaded
-from ._results import Allocation, GroupSlot, Lease, Loss, Update
+from ._results import Lease, Loss, Update
 from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from ._spec import TopicSpec
 from ._stats import StateStatistics, topic_statistics
-from ._table import Ints, rows_of
+from ._table import Ints
 from ._topic import Effects, Topic
 from ._writes import Writes
+from ._writing import Writing
 
 
-class ControllerState:
+class ControllerState(Writing):
     """Control plane of a TransferQueue over ``specs`` and storage units ``units``.
 
     ``epoch`` numbers the controller incarnation: lease ids of different epochs never collide,
@@ -101,12 +98,6 @@ class ControllerState:
     def spec(self, topic: str) -> TopicSpec:
         return self._topic(topic).spec
 
-    def _topic(self, name: str) -> Topic:
-        try:
-            return self._topics[name]
-        except (KeyError, TypeError):
-            raise UnknownTopic(f"no topic {name!r} (declared: {sorted(self._topics)})") from None
-
     # -- versions ------------------------------------------------------------------------------
 
     def latest_version(self, topic: str) -> int:
@@ -140,193 +131,6 @@ class ControllerState:
         t.tidy()
         return fx.update()
 
-    # -- capacity and allocation ---------------------------------------------------------------
-
-    def can_allocate(self, topic: str, n: int) -> bool:
-        """Whether ``n`` more slots (samples or a group of ``n``) fit under the capacity now.
-
-        ``False`` means wait (slots free as samples are freed, evicted, lost or discarded; watch
-        :meth:`changes` or the returned :class:`Update` values). Raises :class:`CapacityError` if
-        ``n`` exceeds the capacity, so that waiting would be forever.
-        """
-        t = self._topic(topic)
-        int_at_least("n", n, 1)
-        return self._fits(t, n, raise_full=False)
-
-    def free_slots(self, topic: str) -> int | None:
-        """Capacity minus occupied slots (live samples + reserved group slots); ``None``: unbounded."""
-        t = self._topic(topic)
-        cap = t.spec.capacity
-        return None if cap is None else cap - t.occupied
-
-    @staticmethod
-    def _fits(t: Topic, n: int, *, raise_full: bool) -> bool:
-        cap = t.spec.capacity
-        if cap is None:
-            return True
-        if n > cap:
-            raise CapacityError(f"topic {t.name!r}: {n} slots can never fit in capacity {cap}")
-        fits = t.occupied + n <= cap
-        if not fits and raise_full:
-            raise CapacityError(
-                f"topic {t.name!r}: {n} slots do not fit now ({t.occupied} of {cap} occupied); "
-                "wait until can_allocate() is true"
-            )
-        return fits
-
-    def _least_loaded(self, n: int) -> Ints:
-        """Units (as numbers) for ``n`` new groups (see :func:`least_loaded`)."""
-        return least_loaded(self._load.tolist(), self._down, n, self._min_block)
-
-    def _deadline(self, t: Topic, now: float | None) -> float:
-        ttl = t.spec.write_ttl
-        return math.inf if now is None or ttl is None else finite_time(now) + ttl
-
-    def open_group(
-        self, topic: str, size: int, *, holder: str | None = None, now: float | None = None
-    ) -> GroupSlot:
-        """Open a group of ``size`` members (e.g. n responses of one prompt) on one storage unit.
-
-        The group reserves ``size`` slots of capacity at once (so a group being streamed member
-        by member can always complete). It is *complete* once ``size`` members are allocated;
-        ``shrink_group`` and ``discard`` lower ``size``. With ``now`` and a topic ``write_ttl``,
-        slots still unfilled ``write_ttl`` seconds after the last allocation into the group are
-        given up by :meth:`expire` (a writer that died); ``holder`` owns the group, and
-        :meth:`release_holder` gives up its unfilled slots at once. Raises
-        :class:`CapacityError` if it does not fit now (check :meth:`can_allocate` first).
-        """
-        t = self._topic(topic)
-        int_at_least("size", size, 1)
-        deadline = self._deadline(t, now)
-        if holder is not None:
-            holder_name(holder)
-        self._fits(t, size, raise_full=True)
-        rows = t.new_groups(self._least_loaded(1), size, explicit=True, deadline=deadline)
-        gid = int(t.g.ids[rows][0])
-        t.g.owner[rows] = self._writes.holder_id(holder)
-        self._writes.group_deadline(topic, gid, deadline)
-        t.changes += 1
-        return GroupSlot(
-            topic=topic, group_id=gid, unit=self._units[int(t.g.unit[rows][0])], size=size
-        )
-
-    def allocate(
-        self,
-        topic: str,
-        n: int,
-        version: int,
-        *,
-        group: int | None = None,
-        lengths: Sequence[int] | None = None,
-        holder: str | None = None,
-        now: float | None = None,
-    ) -> Allocation:
-        """Assign ``n`` new indexes (monotonic per topic) written with policy ``version``.
-
-        With ``group``, the samples become members of that open group (on its unit; they use its
-        reserved slots). Without, each sample is its own implicit group of size 1, placed on the
-        least-loaded unit. ``lengths`` (default 1 each) feed the length-balanced sampler. With
-        ``now`` and a topic ``write_ttl``, samples not committed within ``write_ttl`` seconds are
-        dropped by :meth:`expire` (reported in :attr:`Update.abandoned`); ``holder`` names the
-        writer, and :meth:`release_holder` drops its uncommitted samples at once.
-        Raises :class:`StaleVersionError` if ``version`` is outside the window (or the group is
-        stale), :class:`GroupError` if the group has fewer than ``n`` free slots,
-        :class:`UnknownGroup`, :class:`CapacityError` if ungrouped samples do not fit now.
-        """
-        t = self._topic(topic)
-        int_at_least("n", n, 1)
-        int_at_least("version", version, 0)
-        if lengths is None:
-            lens = np.ones(n, np.int64)
-        else:
-            lens = np.array([int_at_least("length", x, 0) for x in lengths], np.int64)
-            if len(lens) != n:
-                raise InvalidArgument(f"lengths has {len(lens)} entries, expected n={n}")
-        deadline = self._deadline(t, now)
-        if holder is not None:
-            holder_name(holder)
-        if version < t.threshold:
-            raise StaleVersionError(
-                f"topic {topic!r}: version {version} is outside the window (oldest fresh version "
-                f"{t.threshold}: latest {t.latest}, staleness {t.spec.staleness})"
-            )
-        g = t.g
-        if group is not None:
-            gslot = t.group(group)
-            if g.doomed[gslot]:
-                raise StaleVersionError(f"topic {topic!r}: group {group} is stale (being evicted)")
-            pending = int(g.size[gslot] - g.alloc[gslot])
-            if n > pending:
-                raise GroupError(
-                    f"topic {topic!r}: group {group} has {pending} free slots, asked for {n}"
-                )
-            gslots = np.full(n, gslot, np.int64)
-            if g.deadline[gslot] != math.inf and deadline != math.inf:
-                g.deadline[gslot] = deadline  # the writer is alive: its open group lives on
-                self._writes.group_deadline(topic, group, deadline)
-            t.lower_group_hints(group)
-        else:
-            self._fits(t, n, raise_full=True)
-            rows = t.new_groups(self._least_loaded(n), 1, explicit=False, deadline=math.inf)
-            gslots = np.arange(rows.start, rows.stop, dtype=np.int64)
-        rows = t.new_samples(gslots, version, lens)
-        ids = t.s.ids[rows]
-        self._writes.allocated(topic, ids, holder, deadline)
-        t.changes += 1
-        return Allocation(
-            topic=topic,
-            version=version,
-            indexes=tuple(ids.tolist()),
-            units=tuple(self._unit_names[t.s.unit[rows]].tolist()),
-            group_ids=tuple(t.s.gid[rows].tolist()),
-        )
-
-    def shrink_group(self, topic: str, group_id: int, slots: int) -> Update:
-        """Give up ``slots`` not-yet-allocated member slots of a group (a writer that will not
-        produce them). The reservation is released; a group left with no members and no slots is
-        freed (its shared blob in ``releases``). Raises :class:`GroupError` if fewer are free."""
-        t = self._topic(topic)
-        gslot = t.group(group_id)
-        int_at_least("slots", slots, 1)
-        pending = int(t.g.size[gslot] - t.g.alloc[gslot])
-        if slots > pending:
-            raise GroupError(
-                f"topic {topic!r}: group {group_id} has {pending} free slots, cannot shrink by {slots}"
-            )
-        fx = Effects()
-        t.shrink(np.array([gslot], np.int64), np.array([slots], np.int64), fx)
-        t.changes += 1
-        t.tidy()
-        return fx.update()
-
-    def discard(self, topic: str, indexes: Iterable[int]) -> Update:
-        """Drop allocated samples on purpose (failed generation, filtered group): they leave
-        every consumer, their groups shrink by as many members, and their data is released.
-        Leases holding them skip them on ack (listed in ``missing``). Counted as discarded,
-        not evicted. Raises :class:`UnknownSample` if any index is not live."""
-        t = self._topic(topic)
-        rows, _ = self._live(t, indexes)
-        fx = Effects()
-        t.discard(rows, fx)
-        t.changes += 1
-        t.tidy()
-        return fx.update()
-
-    def locate(self, topic: str, indexes: Iterable[int]) -> dict[int, tuple[int, str]]:
-        """``index -> (group id, unit)`` of live samples; raises :class:`UnknownSample`."""
-        t = self._topic(topic)
-        rows, _ = self._live(t, indexes)
-        units = t.s.unit[rows].tolist()
-        return {
-            i: (gid, self._units[u])
-            for i, gid, u in zip(t.s.ids[rows].tolist(), t.s.gid[rows].tolist(), units, strict=True)
-        }
-
-    def group_unit(self, topic: str, group_id: int) -> str:
-        """The unit holding a live group; raises :class:`UnknownGroup`."""
-        t = self._topic(topic)
-        return self._units[int(t.g.unit[t.group(group_id)])]
-
     def group_records(self, topic: str, group_ids: Iterable[int]) -> tuple[GroupRecord, ...]:
         """Records of the live *explicit* groups among ``group_ids`` (opened with
         :meth:`open_group`) as storage units keep them: ``allocated`` counts committed members
@@ -339,73 +143,6 @@ class ControllerState:
         """The topic's latest version and id watermarks (what units keep for a rebuild)."""
         t = self._topic(topic)
         return TopicRecord(t.name, t.latest, t.next_index, t.next_gid)
-
-    @staticmethod
-    def _live(t: Topic, indexes: Iterable[int]) -> tuple[Ints, bool]:
-        """Slots of live samples ``indexes`` (distinct), and whether they are ascending."""
-        try:
-            wanted = np.fromiter(indexes, np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise InvalidArgument(f"indexes must be ints, got {indexes!r}") from None
-        if not wanted.size:
-            raise InvalidArgument("indexes must not be empty")
-        ascending = bool((wanted[1:] > wanted[:-1]).all())
-        if not ascending and np.unique(wanted).size != wanted.size:
-            raise InvalidArgument(
-                f"indexes must be distinct, got duplicates in {wanted[:16].tolist()}"
-            )
-        slots, ok = t.s.find(wanted)
-        if not ok.all():
-            raise UnknownSample(t.name, wanted[~ok].tolist())
-        return slots, ascending
-
-    # -- writes --------------------------------------------------------------------------------
-
-    def commit_write(
-        self, topic: str, indexes: Sequence[int], columns: Mapping[str, int | Sequence[int]]
-    ) -> None:
-        """Record that per-sample ``columns`` of ``indexes`` are now stored (after the unit stored
-        them): ``columns`` maps each column to its byte size per sample (one int for every index,
-        or a sequence aligned with ``indexes``). Rewriting a present column replaces its bytes.
-        The first write of a sample *commits* it (its allocation no longer expires).
-
-        Raises :class:`UnknownColumn`, :class:`SchemaError` (a group-shared column: use
-        :meth:`commit_shared`), :class:`UnknownSample` (not live: freed, evicted, lost), and
-        :class:`InvalidArgument` for empty/duplicate indexes or bad sizes.
-        """
-        t = self._topic(topic)
-        if not columns:
-            raise InvalidArgument("columns must name at least one column")
-        mask, shared = t.masks(columns)
-        if shared:
-            names = sorted(c for c in columns if c in t.shared_bit)
-            raise SchemaError(
-                f"topic {topic!r}: columns {names} are group-shared; write them with commit_shared"
-            )
-        slots, ascending = self._live(t, indexes)
-        sizes = {c: byte_sizes(c, v, len(slots)) for c, v in columns.items()}
-        if t.write(slots, ascending, sizes, mask):
-            rows_are_one_run = ascending and isinstance(rows_of(slots), slice)
-            self._writes.committed(t, int(t.s.ids[slots[0]]), len(slots), whole=rows_are_one_run)
-
-    def commit_shared(self, topic: str, group_id: int, columns: Mapping[str, int]) -> None:
-        """Record that group-shared ``columns`` (name -> bytes, stored once) of a group are stored.
-
-        Raises :class:`UnknownGroup`, :class:`UnknownColumn`, :class:`SchemaError` (a per-sample
-        column: use :meth:`commit_write`), :class:`InvalidArgument` for bad sizes.
-        """
-        t = self._topic(topic)
-        gslot = t.group(group_id)
-        if not columns:
-            raise InvalidArgument("columns must name at least one column")
-        per_sample, mask = t.masks(columns)
-        if per_sample:
-            names = sorted(c for c in columns if c in t.col_bit)
-            raise SchemaError(
-                f"topic {topic!r}: columns {names} are per-sample; write them with commit_write"
-            )
-        sizes = {c: int_at_least(f"nbytes of {c!r}", v, 0) for c, v in columns.items()}
-        t.write_shared(gslot, sizes, mask)
 
     # -- claims --------------------------------------------------------------------------------
 

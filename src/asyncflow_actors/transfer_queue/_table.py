@@ -9,6 +9,7 @@ change at compaction, ids never do: callers keep ids across calls and look slots
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,11 @@ Index = slice | Ints  # rows of a table: a contiguous run (a view) or a gather
 
 _MIN_CAPACITY = 256
 _COMPACT_AT = 4096  # dead rows tolerated whatever the live count (compaction copies every field)
+#: Index arrays up to this length are inspected as Python lists by the helpers below: for a
+#: small batch that costs a fraction of the numpy calls' fixed cost. The controller state
+#: machine runs with 0 (numpy only) and with the default (its small batches as lists), so both
+#: branches are checked against one model.
+SMALL = 32
 
 
 class Table:
@@ -123,25 +129,51 @@ def rows_of(slots: Ints, *, ascending: bool = False) -> Index:
     """``slots`` as a slice when they are one ascending contiguous run (cheaper to index);
     ``ascending``: the caller knows they are strictly increasing (skips that check)."""
     k = len(slots)
-    if not k or int(slots[-1]) - int(slots[0]) != k - 1:
+    if not k:
         return slots
-    if ascending or k < 3 or bool((slots[1:] > slots[:-1]).all()):
+    if k <= SMALL:
+        v = slots.tolist()
+        if v[-1] - v[0] == k - 1 and (ascending or v == list(range(v[0], v[0] + k))):
+            return slice(v[0], v[0] + k)
+        return slots
+    if int(slots[-1]) - int(slots[0]) != k - 1:
+        return slots
+    if ascending or bool((slots[1:] > slots[:-1]).all()):
         return slice(int(slots[0]), int(slots[-1]) + 1)
     return slots
 
 
 def distinct(a: Ints) -> Ints:
     """The distinct values of ``a``, ascending (skips the sort when ``a`` already is)."""
-    if len(a) < 2 or bool((a[1:] > a[:-1]).all()):
+    if len(a) < 2:
+        return a
+    if len(a) <= SMALL:
+        v = a.tolist()
+        if all(x < y for x, y in itertools.pairwise(v)):
+            return a
+        return np.unique(a)
+    if bool((a[1:] > a[:-1]).all()):
         return a
     return np.unique(a)
 
 
-def groups_of(keys: Ints) -> list[tuple[int, Ints]]:
-    """``(key, mask)`` for each distinct key of ``keys`` (one pass when all are equal)."""
-    first = int(keys[0])
-    if bool((keys == first).all()):
-        return [(first, np.ones(len(keys), np.bool_))]
+ALL = slice(None)  # every row: the mask of the only key in :func:`groups_of`
+
+
+def groups_of(keys: Ints) -> list[tuple[int, Bools | slice]]:
+    """``(key, rows)`` for each distinct key of ``keys``: a mask, or :data:`ALL` when every
+    key is equal (the common case, found in one pass)."""
+    n = len(keys)
+    if not n:
+        return []
+    if n <= SMALL:
+        v = keys.tolist()
+        if v.count(v[0]) == n:
+            return [(v[0], ALL)]
+    else:
+        first = int(keys[0])
+        if bool((keys == first).all()):
+            return [(first, ALL)]
     return [(k, keys == k) for k in np.unique(keys).tolist()]
 
 
@@ -155,10 +187,18 @@ def runs(idx: Ints) -> Runs:
     n = len(idx)
     if not n:
         return idx, 0
+    if n <= SMALL:
+        v = idx.tolist()
+        first = v[0]
+        if v.count(first) == n:
+            return first, n
+        if v[-1] - first == n - 1 and v == list(range(first, first + n)):
+            return slice(first, first + n), n
+        return idx, n
     first, last = int(idx[0]), int(idx[-1])
-    if first == last and (n == 1 or bool((idx == first).all())):
+    if first == last and bool((idx == first).all()):
         return first, n
-    if last - first == n - 1 and (n < 3 or bool((idx[1:] > idx[:-1]).all())):
+    if last - first == n - 1 and bool((idx[1:] > idx[:-1]).all()):
         return slice(first, last + 1), n
     return idx, n
 
@@ -170,7 +210,7 @@ def scatter_add(a: npt.NDArray[Any], idx: Ints | Runs, value: Any) -> None:
     if not n:
         return
     if isinstance(where, int):
-        a[where] += value.sum(axis=0) if np.ndim(value) else value * n
+        a[where] += value.sum(axis=0) if getattr(value, "ndim", 0) else value * n
     elif isinstance(where, slice):
         a[where] += value
     else:

@@ -35,6 +35,7 @@ from ._table import (
     Bools,
     Index,
     Ints,
+    Runs,
     Table,
     distinct,
     groups_of,
@@ -297,17 +298,25 @@ class Topic:
         for v, was in befores:
             self._count(v, gs[was], -1)
 
+    def uncount_all(self, v: View, gs: Runs) -> None:
+        """Rows of groups ``gs`` (a :func:`runs`) were all candidates of ``v``, and are not."""
+        scatter_add(getattr(self.g, v.field), gs, -1)
+        v.nready -= gs[1]
+
     def after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
         """Apply the candidacy changes of ``rows`` since :meth:`before` to the views' counts."""
         s = self.s
         for v, was in befores:
             now = self.cand(v, rows)
-            if np.array_equal(now, was):
-                continue
-            gs = s.gs[rows]
-            gained = now & ~was
-            self._count(v, gs[was & ~now], -1)
+            if was is _NONE:  # none was a candidate before: only gains (new samples)
+                gained = now
+            else:
+                if np.array_equal(now, was):
+                    continue
+                gained = now & ~was
+                self._count(v, s.gs[rows][was & ~now], -1)
             if gained.any():
+                gs = s.gs[rows]
                 self._count(v, gs[gained], 1)
                 v.lo = min(v.lo, int(s.ids[rows][gained].min()))
                 v.glo = min(v.glo, int(s.gid[rows][gained].min()))
@@ -366,8 +375,16 @@ class Topic:
         scatter_add(g.alloc, where, 1)
         scatter_add(g.nmem, where, 1)
         scatter_add(g.unacked, where, 1)
-        np.minimum.at(g.first, gslots, ids)
-        np.maximum.at(g.last, gslots, ids)
+        at, _ = where
+        if isinstance(at, int):  # members of one group (ids ascending)
+            g.first[at] = min(int(g.first[at]), int(ids[0]))
+            g.last[at] = max(int(g.last[at]), int(ids[-1]))
+        elif isinstance(at, slice):  # one member per group
+            np.minimum(g.first[at], ids, out=g.first[at])
+            np.maximum(g.last[at], ids, out=g.last[at])
+        else:
+            np.minimum.at(g.first, gslots, ids)
+            np.maximum.at(g.last, gslots, ids)
         self.reserved -= k  # the reserved slots become live samples: load unchanged
         self.allocated_total += k
         befores = [(v, np.zeros(k, np.bool_)) for v in self.views.values() if v.smask == 0]
@@ -418,14 +435,16 @@ class Topic:
             return
         g = self.g
         pending = g.size[gslots] - g.alloc[gslots]
-        self.reserved -= int(pending.sum())
+        reserved = int(pending.sum())
         units = g.unit[gslots]
-        scatter_add(self.load, units, -pending)
+        if reserved:  # (groups freed once complete, the common case, reserve nothing)
+            self.reserved -= reserved
+            scatter_add(self.load, units, -pending)
         nbytes = g.nbytes[gslots]
         self.shared_total -= int(nbytes.sum())
-        doomed = int(np.count_nonzero(g.doomed[gslots]))
-        self.ndoomed -= doomed
-        g.doomed[gslots] = False
+        if self.ndoomed:
+            self.ndoomed -= int(np.count_nonzero(g.doomed[gslots]))
+            g.doomed[gslots] = False
         g.kill(gslots, len(gslots))
         if fx is not None:
             fx.free(self, units, g.ids[gslots], nbytes, groups=True)
@@ -435,12 +454,13 @@ class Topic:
         g = self.g
         gslots = distinct(gslots)
         gslots = gslots[g.live[gslots]]
-        for x in gslots[g.doomed[gslots]].tolist():
-            if not self.is_stale(x):
-                self.undoom(x)  # its stale members were freed or discarded: back in the pool
-            elif g.held[x] == 0:
-                self.evict(np.array([x], np.int64), fx)
-        gslots = gslots[g.live[gslots]]
+        if self.ndoomed:
+            for x in gslots[g.doomed[gslots]].tolist():
+                if not self.is_stale(x):
+                    self.undoom(x)  # its stale members were freed or discarded: back in the pool
+                elif g.held[x] == 0:
+                    self.evict(np.array([x], np.int64), fx)
+            gslots = gslots[g.live[gslots]]
         done = (g.nmem[gslots] == 0) & (g.alloc[gslots] == g.size[gslots])
         self.drop_groups(gslots[done], fx)
 
@@ -465,7 +485,17 @@ class Topic:
         fresh = not s.cols[rows].any()  # the first write of new samples: the common put
         # a view over per-sample columns counts none of them yet: nothing to compute before
         befores = self.before(rows, [v for v in self.views.values() if not fresh or not v.smask])
-        if fresh:
+        if fresh and all(isinstance(new, int) for new in sizes.values()):
+            # one size per column (the common put): the same sizes for every row, others still 0
+            self.written += len(slots)
+            per_row = np.zeros(s.cbytes.shape[1], np.int64)
+            for col, new in sizes.items():
+                per_row[self.col_ix[col]] = new
+            s.cbytes[rows] = per_row
+            total = int(per_row.sum())
+            s.nbytes[rows] = total
+            self.live_bytes += total * len(slots)
+        elif fresh:
             self.written += len(slots)
             for col, new in sizes.items():
                 s.cbytes[rows, self.col_ix[col]] = new
