@@ -9,7 +9,9 @@
   policy with the same batch and learning rate; the mean over ``--seeds`` task seeds (one
   seed moves the steps needed by about 1.4x). The async run folds the old log-probs and the
   advantages into the trainer (``placement.roles``), the placement ``docs/pipeline.md``
-  recommends for small models. Target ratio < 1.
+  recommends for small models, and corrects its one-version-stale samples with token-level
+  importance weights (``algorithm.is_level = "token"``): with the old log-probs the trainer's
+  own, nothing else does. Target ratio < 1.
 - ``pipeline_final_reward_gap_s1`` / ``_s2``: held-out reward (512 problems) after the same
   number of trained samples, async at staleness 1 and 2 minus sync, in percentage points.
   Target: within 2.
@@ -93,7 +95,7 @@ def config(mode: str, init: str, **over: Any) -> PipelineConfig:
         "placement": {"default": "local"},
     }
     for key, value in over.items():
-        table[key] = {**table[key], **value} if isinstance(value, dict) else value
+        table[key] = {**table.get(key, {}), **value} if isinstance(value, dict) else value
     return PipelineConfig.from_dict(table)
 
 
@@ -169,7 +171,8 @@ async def pipeline_time_to_reward(init: str, max_steps: int, seed: int) -> tuple
     """Seconds and steps to the target, and CPU seconds per step over every process from the
     first step to the last (the start-up of the node processes left out)."""
     cfg = config("async", init, staleness=1, train={"steps": max_steps, "seed": seed},
-                 task={"seed": seed}, placement={"default": "process", "roles": FOLDED})  # fmt: skip
+                 task={"seed": seed}, placement={"default": "process", "roles": FOLDED},
+                 algorithm={"is_level": "token"})  # fmt: skip
     reached: list[StepRecord] = []
     async with afa.open_actor_system() as system, open_pipeline(system, cfg) as run:
         seen, first = 0, None
