@@ -159,6 +159,18 @@ class KVCache:
         new._is_view = True
         return new
 
+    def _check_source(self, source: KVCache) -> None:
+        """``source`` holds keys and values of this cache's layers, heads and head size."""
+        src_shape, own_shape = source.keys[0].shape, self.keys[0].shape
+        if source.n_layers != self.n_layers or (src_shape[1], src_shape[3]) != (
+            own_shape[1],
+            own_shape[3],
+        ):
+            raise KVCacheError(
+                f"source cache of {source.n_layers} layers x {tuple(source.keys[0].shape)} does "
+                f"not match this cache of {self.n_layers} layers x {tuple(self.keys[0].shape)}"
+            )
+
     def insert(self, row: int, source: KVCache, source_row: int = 0) -> None:
         """Copy the cached tokens of `source_row` of `source` into the empty `row` of this cache.
 
@@ -174,15 +186,7 @@ class KVCache:
             raise KVCacheError(
                 f"row {row} still holds {int(self.num_tokens[row])} tokens; reset_rows first"
             )
-        src_shape, own_shape = source.keys[0].shape, self.keys[0].shape
-        if source.n_layers != self.n_layers or (src_shape[1], src_shape[3]) != (
-            own_shape[1],
-            own_shape[3],
-        ):
-            raise KVCacheError(
-                f"source cache of {source.n_layers} layers x {tuple(source.keys[0].shape)} does "
-                f"not match this cache of {self.n_layers} layers x {tuple(self.keys[0].shape)}"
-            )
+        self._check_source(source)
         cols = source.valid[source_row, : source.length].nonzero().squeeze(1)
         count = int(cols.numel())
         if count > self.capacity:
@@ -216,15 +220,7 @@ class KVCache:
         busy = self.num_tokens[target] != 0
         if bool(busy.any()):
             raise KVCacheError(f"row {int(target[busy][0])} still holds tokens; reset_rows first")
-        src_shape, own_shape = source.keys[0].shape, self.keys[0].shape
-        if source.n_layers != self.n_layers or (src_shape[1], src_shape[3]) != (
-            own_shape[1],
-            own_shape[3],
-        ):
-            raise KVCacheError(
-                f"source cache of {source.n_layers} layers x {tuple(source.keys[0].shape)} does "
-                f"not match this cache of {self.n_layers} layers x {tuple(self.keys[0].shape)}"
-            )
+        self._check_source(source)
         width = source.length
         if width > self.capacity:
             raise KVCacheError(f"{width} columns do not fit in a capacity of {self.capacity}")

@@ -196,7 +196,9 @@ class Learner:
         # forward); with several, one no-grad forward over the batch fixes them first.
         reuse = self.spec.trainer_forward and chunks * train.epochs == 1
         if self.spec.trainer_forward and not reuse:
-            data = {**data, "old_logprobs": self._logprobs(prompts, responses)}
+            old = sequence_logprobs(self.model, data["prompt_ids"], responses,
+                                    pad_id=self.tokenizer.pad_id, temperature=temperature)  # fmt: skip
+            data = {**data, "old_logprobs": old}
         for _ in range(train.epochs):
             order = torch.randperm(n, generator=self.generator).tolist()
             for k in range(chunks):
@@ -232,12 +234,6 @@ class Learner:
         metrics = {key: value / updates for key, value in sums.items()}
         metrics["updates"] = float(updates)
         return metrics
-
-    def _logprobs(self, prompts: list[list[int]], responses: list[Tensor]) -> list[Tensor]:
-        batch = pack_batch(prompts, [r.tolist() for r in responses], pad_id=self.tokenizer.pad_id)
-        with torch.no_grad():
-            logp = policy_logprobs(self.model, batch, self.spec.rollout.temperature)
-        return [logp[i, : r.shape[0]] for i, r in enumerate(responses)]
 
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
         """Model (with tokenizer), optimizer state, RNG and ``meta`` (JSON) under ``directory``."""
