@@ -8,10 +8,14 @@ from asyncflow_actors.transfer_queue import (
     FIFO,
     WHOLE_GROUPS,
     Balanced,
+    ControllerState,
     InvalidArgument,
+    Lease,
+    Sampler,
     ShareMismatch,
     UnknownLease,
     Update,
+    WholeGroups,
 )
 from asyncflow_actors.transfer_queue._samplers import partition_lpt
 
@@ -145,3 +149,104 @@ def test_a_dead_rank_returns_the_shared_lease_for_all() -> None:
     with pytest.raises(UnknownLease):
         state.ack(r0.id, holder="rank0")
     assert state.ready_count(T, "train", ALL) == 2
+
+
+
+EXPIRING = WholeGroups(wait_expiring=True)
+
+
+def _claim(state: ControllerState, count: int, sampler: Sampler) -> Lease | None:
+    return state.claim(T, "train", ALL, count, holder="h", now=0, sampler=sampler, min_count=count)
+
+
+def _slow_group_scenario() -> tuple[ControllerState, int, list[tuple[int, ...]]]:
+    """Staleness 1: a group opened at version 0 is still being generated at version 1 (it goes
+    stale at version 2) while two groups opened at version 1 are written at once."""
+    state = make(staleness=1)
+    slow = state.open_group(T, 2).group_id
+    state.set_latest_version(T, 1)
+    later = [put_group(state, 2, version=1)[1] for _ in range(2)]
+    return state, slow, later
+
+
+def _finish(state: ControllerState, group: int, version: int) -> tuple[int, ...]:
+    state.commit_shared(T, group, {"prompt": 1000})
+    alloc = state.allocate(T, 2, version, group=group)
+    state.commit_write(T, alloc.indexes, {"resp": 1, "lp": 1})
+    return alloc.indexes
+
+
+def test_a_plain_whole_group_claim_passes_a_slow_group_which_then_goes_stale() -> None:
+    state, slow, later = _slow_group_scenario()
+    lease = _claim(state, 4, WHOLE_GROUPS)
+    assert lease is not None and lease.indexes == (*later[0], *later[1])
+    _finish(state, slow, 0)
+    state.ack(lease.id)
+    update = state.set_latest_version(T, 2)
+    assert [e.group_ids for e in update.evictions] == [(slow,)]  # generated for nothing
+
+
+def test_wait_expiring_waits_for_a_group_the_next_version_makes_stale() -> None:
+    state, slow, later = _slow_group_scenario()
+    assert _claim(state, 4, EXPIRING) is None  # it would have to pass the slow group
+    state.commit_shared(T, slow, {"prompt": 1000})
+    alloc = state.allocate(T, 2, 0, group=slow)
+    assert _claim(state, 4, EXPIRING) is None  # allocated, not written yet
+    state.commit_write(T, alloc.indexes, {"resp": 1, "lp": 1})
+    lease = _claim(state, 4, EXPIRING)
+    assert lease is not None and lease.indexes == (*alloc.indexes, *later[0])  # in order
+    # the same with length-balanced whole groups for data-parallel ranks
+    state, slow, later = _slow_group_scenario()
+    balanced = Balanced(dp_size=2, whole_groups=True, wait_expiring=True)
+    assert _claim(state, 4, balanced) is None
+    written = _finish(state, slow, 0)
+    lease = _claim(state, 4, balanced)
+    assert lease is not None and set(lease.indexes) == {*written, *later[0]}
+
+
+def test_wait_expiring_passes_groups_that_stay_fresh_and_groups_it_holds() -> None:
+    state = make(staleness=1)
+    state.set_latest_version(T, 1)
+    state.open_group(T, 2)  # opened at 1: still fresh at 2, so it may be passed over
+    done = put_group(state, 2, version=1)[1]
+    lease = _claim(state, 2, EXPIRING)
+    assert lease is not None and lease.indexes == done
+    # a group of which this consumer already holds a member (a FIFO lease) does not block
+    state = make(staleness=1)
+    slow = state.open_group(T, 2).group_id
+    state.commit_shared(T, slow, {"prompt": 1000})
+    alloc = state.allocate(T, 2, 0, group=slow)
+    state.commit_write(T, alloc.indexes[:1], {"resp": 1, "lp": 1})
+    held = state.claim(T, "train", ALL, 1, holder="h", now=0, sampler=FIFO)
+    assert held is not None and held.indexes == alloc.indexes[:1]
+    state.set_latest_version(T, 1)
+    _, later = put_group(state, 2, version=1)
+    lease = _claim(state, 2, EXPIRING)
+    assert lease is not None and lease.indexes == later
+
+
+def test_a_whole_group_lease_marks_exactly_its_rows_when_groups_are_out_of_index_order() -> None:
+    """Groups are taken in group order; when a later group's member has the lower index, the
+    rows [0, 1, 4, 3] run from 0 to 3 first to last without being that run: the lease must hold
+    rows 0, 1, 3, 4, not row 2 (a sample not yet written) in place of row 4. (Found by the
+    controller state machine.)"""
+    state = make(staleness=1)
+    g0 = state.open_group(T, 1).group_id
+    state.commit_shared(T, g0, {"prompt": 1000})
+    (i0,) = state.allocate(T, 1, 0, group=g0).indexes
+    ungrouped = state.allocate(T, 2, 0).indexes  # two single-sample groups
+    g3 = state.open_group(T, 1).group_id
+    state.commit_shared(T, g3, {"prompt": 1000})
+    (i3,) = state.allocate(T, 1, 0).indexes  # a single-sample group opened after g3
+    (i4,) = state.allocate(T, 1, 0, group=g3).indexes
+    resp = frozenset({"resp"})
+    state.commit_write(T, (i0, ungrouped[0], i3, i4), {"resp": 1})
+    lease = state.claim(T, "train", resp, 4, holder="h", now=0, sampler=WHOLE_GROUPS)
+    assert lease is not None and sorted(lease.indexes) == sorted((i0, ungrouped[0], i3, i4))
+    state.commit_write(T, (ungrouped[1],), {"resp": 1})
+    nxt = state.claim(T, "train", resp, 4, holder="h", now=0, sampler=FIFO, min_count=1)
+    assert nxt is not None and nxt.indexes == (ungrouped[1],)  # not i4 a second time
+    state.ack(lease.id)
+    state.ack(nxt.id)
+    (topic,) = state.statistics().topics
+    assert [c.leased for c in topic.consumers if c.consumer == "train"] == [0]

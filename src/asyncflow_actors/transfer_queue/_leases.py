@@ -16,7 +16,14 @@ import numpy as np
 
 from ._errors import ShareMismatch, UnknownLease
 from ._results import Lease
-from ._samplers import MAX_SKIPPED_GROUPS, Balanced, Sampler, partition_lpt, uses_groups
+from ._samplers import (
+    MAX_SKIPPED_GROUPS,
+    Balanced,
+    Sampler,
+    partition_lpt,
+    uses_groups,
+    waits_expiring,
+)
 from ._table import Ints, groups_of, rows_of, runs, scatter_add
 from ._topic import Effects, Topic, View
 
@@ -87,7 +94,7 @@ class LeaseTable:
         v = t.view(ci, cols)
         chunks: list[Ints] | None = None
         if uses_groups(sampler):
-            picked = self._pick_groups(t, v, count, low)
+            picked = self._pick_groups(t, v, count, low, waits_expiring(sampler))
             if picked is None:
                 return None
             rows, chunks = picked
@@ -125,12 +132,18 @@ class LeaseTable:
         return lease
 
     @staticmethod
-    def _pick_groups(t: Topic, v: View, count: int, low: int) -> tuple[Ints, list[Ints]] | None:
+    def _pick_groups(
+        t: Topic, v: View, count: int, low: int, wait_expiring: bool = False
+    ) -> tuple[Ints, list[Ints]] | None:
         """Oldest eligible groups, first fit up to ``count`` samples: their unacked members,
-        group by group (the rows, and each group's rows), or ``None`` below ``low``."""
+        group by group (the rows, and each group's rows), or ``None`` below ``low``. With
+        ``wait_expiring``, only groups before the first one about to expire that is not
+        eligible yet (see ``WholeGroups``)."""
         g = t.g
         n = g.n
         pos = g.first_at_or_after(v.glo)
+        if wait_expiring:  # from the oldest group: the view's hint may be past the barrier
+            n = _expiring_barrier(t, v, 0, n)
         chosen: list[int] = []
         total = skipped = 0
         first = -1
@@ -198,7 +211,9 @@ class LeaseTable:
     def _mark_leased(t: Topic, v: View, rows: Ints) -> None:
         """``rows`` are candidates of ``v``: lease them to its consumer."""
         s = t.s
-        index = rows_of(rows, ascending=True)  # set semantics: a permuted run is that run
+        # Whole groups come group by group, not always ascending: [0, 1, 4, 3] spans 0..3 from
+        # its first to its last row but is not that run (a slice would lease row 2).
+        index = rows_of(rows)
         # every row is a candidate of ``v`` (no need to compute it); its other views may differ
         others = [w for w in t.views_of[v.ci] if w is not v]
         befores = t.before(index, others) if others else []
@@ -354,6 +369,27 @@ class LeaseTable:
         rec.topic.changes += 1
         rec.topic.tidy()
         fx.ended.append(lease.id)
+
+
+def _expiring_barrier(t: Topic, v: View, lo: int, hi: int) -> int:
+    """The first group slot in ``lo:hi`` that the next version makes stale and that ``v``
+    cannot claim yet although its consumer still needs it (``hi`` if none): incomplete, or
+    members not yet ready for the view's columns, and none of them leased by the consumer."""
+    g = t.g
+    if hi <= lo:
+        return hi
+    limit = t.latest - t.spec.staleness  # born at or below it: stale at the next version
+    m = g.live[lo:hi] & ~g.doomed[lo:hi] & (g.born[lo:hi] <= limit)
+    m &= (g.alloc[lo:hi] < g.size[lo:hi]) | (g.unacked[lo:hi, v.ci] > 0)
+    if not m.any():
+        return hi
+    m &= ~t.eligible(v, lo, hi)
+    s = t.s
+    for slot in (lo + np.flatnonzero(m)).tolist():
+        rows = t.members_of(np.array([slot], np.int64))
+        if not (s.leased[rows] & v.bit).any():
+            return int(slot)
+    return hi
 
 
 def _pick_fifo(t: Topic, v: View, count: int, low: int) -> Ints | None:

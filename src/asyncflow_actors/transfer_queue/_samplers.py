@@ -35,7 +35,15 @@ class Fifo:
 
 @attrs.frozen
 class WholeGroups:
-    """Whole complete groups, oldest first, first fit up to ``count`` samples."""
+    """Whole complete groups, oldest first, first fit up to ``count`` samples.
+
+    ``wait_expiring``: never pass over a group that the next version would make stale (opened
+    ``staleness`` or more versions ago and not complete yet): the claim takes only groups
+    before it, and waits for it rather than take fewer than ``min_count``. Slow groups (the
+    long tail of generation) are then trained instead of being overtaken and evicted.
+    """
+
+    wait_expiring: bool = False
 
 
 @attrs.frozen
@@ -44,6 +52,7 @@ class Balanced:
 
     dp_size: int = attrs.field()
     whole_groups: bool = False
+    wait_expiring: bool = False  # with whole_groups: as ``WholeGroups.wait_expiring``
 
     @dp_size.validator
     def _check_dp(self, _attr: attrs.Attribute[int], value: int) -> None:
@@ -62,6 +71,11 @@ def uses_groups(sampler: Sampler) -> bool:
     return isinstance(sampler, WholeGroups) or (
         isinstance(sampler, Balanced) and sampler.whole_groups
     )
+
+
+def waits_expiring(sampler: Sampler) -> bool:
+    """Whether ``sampler`` waits for whole groups about to expire instead of passing them."""
+    return uses_groups(sampler) and bool(getattr(sampler, "wait_expiring", False))
 
 
 def partition_lpt(

@@ -152,6 +152,7 @@ class Topic:
         g.add("first", np.int64)
         g.add("last", np.int64)
         g.add("owner", np.int64)
+        g.add("born", np.int64)  # the topic's latest version when the group opened
         g.add("sbytes", np.int64, max(1, len(self.shared_bit)))
         g.add("unacked", np.int64, len(spec.consumers))
         g.add("doomed", np.bool_)
@@ -355,6 +356,7 @@ class Topic:
         g.owner[rows] = -1
         g.explicit[rows] = explicit
         g.deadline[rows] = deadline
+        g.born[rows] = self.latest
         self.reserved += k * size
         scatter_add(self.load, unit_ix, size)
         return rows
