@@ -467,3 +467,31 @@ async def test_copies_and_checksums_run_off_the_event_loop(monkeypatch: Any) -> 
         refs = await spawn(system, World(), n=1, tick=0, offload=True)
         await CheckpointEngine(refs, config(offload=True)).sync(0, random_weights(0))
     assert set(threads) == {"digest False", "pack False"}
+
+
+async def test_apply_pending_waits_for_a_load_another_task_started(autojump_clock: Any) -> None:
+    """Two groups start at one boundary: the first takes the pending weights and loads them;
+    the second must not start on the old weights meanwhile (it waits for that load)."""
+    from asyncflow_actors.checkpoint import WeightReceiver
+    from tests.checkpoint.doubles import EngineDouble
+
+    class SlowLoad(EngineDouble):
+        async def load_weights(self, weights: Any, version: int) -> None:
+            await trio.sleep(1.0)
+            await super().load_weights(weights, version)
+
+    engine = SlowLoad()
+    receiver = WeightReceiver(engine, load="lazy")
+    # what a committed lazy sync leaves behind (the protocol tests above drive real syncs)
+    receiver._pending, receiver._pending_version = weights_of(4), 4
+    seen: dict[str, int] = {}
+
+    async def group(name: str) -> None:
+        await receiver.apply_pending()
+        seen[name] = engine.version  # the weights this group would start on
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(group, "first")
+        await trio.sleep(0.1)  # the first is loading
+        nursery.start_soon(group, "second")
+    assert seen == {"first": 4, "second": 4}

@@ -160,8 +160,10 @@ class WeightReceiver:
         keeps its old weights, the pending ones are dropped and the error is raised.
         """
         await trio.lowlevel.checkpoint()
-        if self._pending is None:
+        if self._pending is None and not self._load_lock.locked():
             return None
+        # A load under way (another task took the pending weights): wait for it, so that
+        # whatever the caller starts next runs on the new weights.
         return await self._apply()
 
     async def _apply(self) -> int | None:
