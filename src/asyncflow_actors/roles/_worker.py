@@ -39,7 +39,7 @@ from ..actors import Actor, ActorContext, ActorCrashed, ActorRef
 from ..observe import Track, clock_ns, get_registry, get_tracer
 from ..transfer_queue import (
     FIFO,
-    WHOLE_GROUPS,
+    WholeGroups,
     Balanced,
     Batch,
     Lease,
@@ -119,8 +119,8 @@ class DataParallel:
 
     def sampler(self, whole_groups: bool) -> Sampler:
         if self.size > 1 and self.dispatch == "split":
-            return Balanced(self.size, whole_groups=whole_groups)
-        return WHOLE_GROUPS if whole_groups else FIFO
+            return Balanced(self.size, whole_groups=whole_groups, wait_expiring=whole_groups)
+        return WholeGroups(wait_expiring=True) if whole_groups else FIFO
 
     def rows(self, batch: Batch) -> list[int]:
         """Positions in ``batch`` of this rank's samples."""
