@@ -151,7 +151,6 @@ def test_a_dead_rank_returns_the_shared_lease_for_all() -> None:
     assert state.ready_count(T, "train", ALL) == 2
 
 
-
 EXPIRING = WholeGroups(wait_expiring=True)
 
 

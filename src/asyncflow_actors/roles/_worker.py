@@ -39,12 +39,12 @@ from ..actors import Actor, ActorContext, ActorCrashed, ActorRef
 from ..observe import Track, clock_ns, get_registry, get_tracer
 from ..transfer_queue import (
     FIFO,
-    WholeGroups,
     Balanced,
     Batch,
     Lease,
     Sampler,
     TransferQueueClient,
+    WholeGroups,
 )
 from ._messages import GetRoleStats, RoleStatistics
 from ._schema import ROLLOUT
