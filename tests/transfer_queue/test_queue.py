@@ -194,6 +194,26 @@ async def test_bookkeeping_travels_in_batches_and_arrives_on_time(
         assert stats.units["unit-0"] is not None and stats.units["unit-0"].samples == 0
 
 
+@pytest.mark.parametrize("put", [2, 5])
+async def test_deletes_go_at_once_once_the_topic_runs_short_of_capacity(
+    put: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A freed slot stays occupied until its unit took the delete; so while less than half the
+    capacity (8) is free, deletes do not linger: a streaming writer would soon wait for them."""
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
+        client = await queue.client("a")
+        await client.put("plain", {"x": torch.zeros(put, 3)}, version=0)
+        await client.ack(await client.get("plain", "trainer", ["x"], put))
+        await trio.sleep(0.1 * queue.shared.flush_linger)
+        stats = await client.statistics()
+        assert stats.units["unit-0"] is not None
+        assert stats.units["unit-0"].samples == (put if put == 2 else 0)  # 5 freed: 3 free
+        await trio.sleep(queue.shared.flush_linger)
+        stats = await client.statistics()
+        assert stats.units["unit-0"] is not None and stats.units["unit-0"].samples == 0
+
+
 async def test_a_cancelled_get_loses_nothing(queue: Any) -> None:
     _, client = queue
     with trio.move_on_after(0.05):
