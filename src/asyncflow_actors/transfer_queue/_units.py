@@ -37,16 +37,23 @@ MAX_BATCH = 4096  # bookkeeping items per UnitBatch
 
 def _coalesce(items: list[Any]) -> list[Any]:
     """Drop consumption marks of samples deleted in the same batch (they are gone anyway)."""
-    deleted = {(m.topic, i) for m in items if isinstance(m, Delete) for i in m.indexes}
+    if not any(isinstance(m, MarkConsumed) for m in items):
+        return items
+    deleted: dict[str, set[int]] = {}
+    for m in items:
+        if isinstance(m, Delete):
+            deleted.setdefault(m.topic, set()).update(m.indexes)
     if not deleted:
         return items
     out = []
     for m in items:
-        if isinstance(m, MarkConsumed):
-            keep = [i for i in m.indexes if (m.topic, i) not in deleted]
+        if isinstance(m, MarkConsumed) and m.topic in deleted:
+            gone = deleted[m.topic]
+            keep = [i for i in m.indexes if i not in gone]
             if not keep:
                 continue
-            m = MarkConsumed(m.topic, m.consumer, keep)
+            if len(keep) < len(m.indexes):
+                m = MarkConsumed(m.topic, m.consumer, keep)
         out.append(m)
     return out
 
