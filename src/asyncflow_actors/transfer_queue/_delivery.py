@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class Delivered:
-    """Self-message from the flusher: units took deletions, so waiting puts may fit now, or
-    told stores that held replies wait for."""
+    """Self-message from the flusher: a unit took deletions, so waiting puts may fit now, or
+    told stores that held replies wait for (sent as each unit takes its batch)."""
 
 
 class Delivery:
@@ -95,16 +95,21 @@ class Delivery:
     async def _flusher(self, ctx: ActorContext[Any]) -> None:
         """Deliver bookkeeping to the units (see the module docstring)."""
         shared = self.shared
+
+        async def taken(deleted: bool) -> None:  # a unit took a batch: wake who waits
+            if (deleted and any(self.puts.values())) or len(self.store_waits):
+                await ctx.self.send(Delivered())
+
         while True:
             await self.outbox_wake.wait()
             with trio.move_on_after(shared.flush_linger):
                 await self.flush_now.wait()
             self.outbox_wake = trio.Event()
             self.flush_now = trio.Event()
-            deleting = sum(shared.outbox.deleting.values())
-            failed = await shared.outbox.flush(shared.units, shared.known, shared.unit_timeout)
-            freed = sum(shared.outbox.deleting.values()) < deleting and any(self.puts.values())
-            if freed or len(self.store_waits):
+            failed = await shared.outbox.flush(
+                shared.units, shared.known, shared.unit_timeout, taken
+            )
+            if len(self.store_waits):  # some may wait for a unit dropped meanwhile
                 await ctx.self.send(Delivered())
             if not len(shared.outbox):
                 waiters, self.flush_waiters = self.flush_waiters, []

@@ -14,7 +14,7 @@ took the puts told to it through the controller (``Store`` items) before the rea
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import trio
@@ -111,10 +111,16 @@ class Outbox:
         return sum(len(v) for v in self.items.values())
 
     async def flush(
-        self, units: Mapping[str, ActorRef[Any]], known: Mapping[str, str | None], timeout: float
+        self,
+        units: Mapping[str, ActorRef[Any]],
+        known: Mapping[str, str | None],
+        timeout: float,
+        taken: Callable[[bool], Awaitable[None]] | None = None,
     ) -> list[str]:
         """Deliver every unit's items (concurrently); returns the units that did not take them
-        (gone, restarted, or too slow): their items stay queued."""
+        (gone, restarted, or too slow): their items stay queued. ``taken(deleted)`` is awaited
+        as each unit takes a batch (``deleted``: it held deletes), so that what waits for one
+        unit does not wait for the others."""
         failed: list[str] = []
 
         async def one(unit: str) -> None:
@@ -133,6 +139,8 @@ class Outbox:
                     del items[: len(batch)]
                     self.taken[unit] = self.taken.get(unit, 0) + len(batch)
                     self.free[unit] = stored.free
+                    if taken is not None:
+                        await taken(any(isinstance(m, Delete) and m.indexes for m in batch))
 
         async with trio.open_nursery() as nursery:
             for unit in [u for u, items in self.items.items() if items and u in units]:
