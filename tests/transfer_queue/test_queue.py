@@ -14,6 +14,9 @@ import trio.testing
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
 from asyncflow_actors.transfer_queue._controller import ControllerShared
+from asyncflow_actors.transfer_queue._unit_messages import UnitBatch
+
+from .faults import Tap
 
 ROLLOUT = tq.TopicSpec.from_dict(
     {
@@ -192,6 +195,53 @@ async def test_bookkeeping_travels_in_batches_and_arrives_on_time(
         stats = await client.statistics()
         assert stats.controller.outbox == 0
         assert stats.units["unit-0"] is not None and stats.units["unit-0"].samples == 0
+
+
+@pytest.mark.parametrize("put", [2, 5])
+async def test_deletes_go_at_once_once_the_topic_runs_short_of_capacity(
+    put: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A freed slot stays occupied until its unit took the delete; so while less than half the
+    capacity (8) is free, deletes do not linger: a streaming writer would soon wait for them."""
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
+        client = await queue.client("a")
+        await client.put("plain", {"x": torch.zeros(put, 3)}, version=0)
+        await client.ack(await client.get("plain", "trainer", ["x"], put))
+        await trio.sleep(0.1 * queue.shared.flush_linger)
+        stats = await client.statistics()
+        assert stats.units["unit-0"] is not None
+        assert stats.units["unit-0"].samples == (put if put == 2 else 0)  # 5 freed: 3 free
+        await trio.sleep(queue.shared.flush_linger)
+        stats = await client.statistics()
+        assert stats.units["unit-0"] is not None and stats.units["unit-0"].samples == 0
+
+
+async def test_a_put_waiting_for_capacity_does_not_wait_for_a_unit_that_frees_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Units take their bookkeeping concurrently; a put waiting for slots wakes once the unit
+    that frees them took its deletes, not once the slowest unit took its own batch."""
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=2)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as queue:
+        client = await queue.client("a")
+        await client.put("plain", {"x": torch.zeros(4, 3)}, version=0)
+        await client.put("plain", {"x": torch.ones(4, 3)}, version=0)  # the capacity, 8: full
+        first = await client.get("plain", "trainer", ["x"], 4)
+        (freeing,) = first.lease.placement
+        (slow,) = [u for u in queue.shared.units if u != freeing]
+
+        async def late(msg: Any) -> None:
+            if isinstance(msg, UnitBatch):
+                await trio.sleep(3.0)  # under the unit timeout: slow, not failed
+
+        queue.shared.units[slow] = Tap(queue.shared.units[slow], late)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.ack, first)  # frees 4 slots on the other unit
+            indexes = await client.put("plain", {"x": torch.full((4, 3), 2.0)}, version=0)
+            assert trio.current_time() - t0 < 0.1  # it did not wait for the slow unit (3 s)
+        assert len(indexes) == 4
 
 
 async def test_a_cancelled_get_loses_nothing(queue: Any) -> None:

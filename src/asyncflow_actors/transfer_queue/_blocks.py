@@ -177,7 +177,7 @@ class Block:
         for r, owner in enumerate(self.owners):
             if owner is None:
                 continue
-            cols = [c for c in self.columns if owner.cells.get(c) == (self, r)]
+            cols = [c for c in self.columns if owner.cell(c) == (self, r)]
             if cols:
                 out.append((r, cols))
         return out

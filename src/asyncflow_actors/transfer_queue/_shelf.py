@@ -39,28 +39,59 @@ log = logging.getLogger("asyncflow_actors.transfer_queue")
 MAP_GRACE = 30.0  # seconds a reader has to map a segment it was handed (compaction waits)
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 class _Sample:
-    """A sample's record: ``cells`` maps each of its columns to (block, row); ``home`` is that
-    (block, row) when every cell is that row and the block has no other column (the usual
-    case: one put), so that deleting it touches the block once, not once per column."""
+    """A sample's record. Its cells (column -> (block, row)) are kept in one of two forms: the
+    usual case (one put) is a *home* row, ``block`` and ``row``, that holds every cell in a block
+    with no other column, so that deleting the sample touches the block once, not once per
+    column; otherwise (columns rewritten, or put by several stores) ``block`` is ``None`` and
+    ``others`` maps each column to its cell. ``consumed``: the consumers that acked it, a set
+    shared by every sample with the same marks (see ``Shelf.mark``). So a home sample is one
+    object, with no dict, tuple or set of its own: a unit makes one per stored row, and every
+    container more would be one more object for the garbage collector to track (its passes
+    then pause the unit for milliseconds while puts wait for its bookkeeping)."""
 
-    __slots__ = ("cells", "committed", "consumed", "group_id", "home", "length", "version")
+    __slots__ = ("block", "committed", "consumed", "group_id", "length", "others", "row", "version")
 
-    def __init__(
-        self,
-        version: int,
-        group_id: int,
-        length: int,
-        cells: dict[str, tuple[Block, int]],
-        home: tuple[Block, int] | None,
-    ) -> None:
+    def __init__(self, version: int, group_id: int, length: int, block: Block, row: int) -> None:
         self.version = version
         self.group_id = group_id
         self.length = length
         self.committed = False
-        self.consumed: set[str] = set()
-        self.cells = cells
-        self.home = home
+        self.consumed: frozenset[str] = _NONE
+        self.block: Block | None = block
+        self.row = row
+        self.others: dict[str, tuple[Block, int]] | None = None
+
+    @property
+    def home(self) -> tuple[Block, int] | None:
+        return None if self.block is None else (self.block, self.row)
+
+    @property
+    def cells(self) -> dict[str, tuple[Block, int]]:
+        """Column -> (block, row), a new dict (change cells with :meth:`place`)."""
+        if self.block is not None:
+            return dict.fromkeys(self.block.columns, (self.block, self.row))
+        assert self.others is not None
+        return dict(self.others)
+
+    def cell(self, column: str) -> tuple[Block, int] | None:
+        if self.block is not None:
+            return (self.block, self.row) if column in self.block.columns else None
+        assert self.others is not None
+        return self.others.get(column)
+
+    def place(self, cells: dict[str, tuple[Block, int]]) -> None:
+        """Set every cell (in home form if they are one row of a block with no other column)."""
+        first = next(iter(cells.values()))
+        if len(cells) == len(first[0].columns) and all(
+            b is first[0] and r == first[1] for b, r in cells.values()
+        ):
+            self.block, self.row, self.others = first[0], first[1], None
+        else:
+            self.block, self.others = None, cells
 
 
 class Shelf:
@@ -85,6 +116,7 @@ class Shelf:
         self.segments: dict[str, Segment] = {}
         self.deferred: set[Block] = set()  # compactions waiting for a segment's grace
         self._own = itertools.count()
+        self._marks: dict[frozenset[str], frozenset[str]] = {}  # the distinct marks, shared
         self.held = 0  # bytes of block buffers and segments
         self.live = 0  # bytes of live cells
         self.shared_nbytes = 0
@@ -121,24 +153,20 @@ class Shelf:
         if segment is None:
             self.held += block.held
         owners = block.owners
-        names = tuple(columns)
         versions, group_ids, lengths = msg.versions, msg.group_ids, msg.lengths
         touched: set[Block] = set()
         for r, index in enumerate(msg.indexes):
-            cell = (block, r)
             sample = samples.get(index)
             if sample is None:  # a new sample (only with ``create``: checked above)
-                sample = samples[index] = _Sample(
-                    versions[r], group_ids[r], lengths[r], dict.fromkeys(names, cell), cell
-                )
+                sample = samples[index] = _Sample(versions[r], group_ids[r], lengths[r], block, r)
             else:
                 cells = sample.cells
-                for c in names:
+                for c in columns:
                     old = cells.get(c)
                     if old is not None:
                         self._unref(old[0], c, old[1], touched)
-                    cells[c] = cell
-                sample.home = cell if len(cells) == len(names) else None
+                    cells[c] = (block, r)
+                sample.place(cells)
             owners.append(sample)
         for col in columns.values():  # every cell of the new block is live (indexes distinct)
             col.refs += n
@@ -213,11 +241,7 @@ class Shelf:
         elif isinstance(item, Delete):
             self.delete(item)
         elif isinstance(item, MarkConsumed):
-            samples = self.samples.get(item.topic, {})
-            for index in item.indexes:
-                sample = samples.get(index)
-                if sample is not None:
-                    sample.consumed.add(item.consumer)
+            self.mark(item)
         elif isinstance(item, Committed):
             samples = self.samples.get(item.topic, {})
             for index in item.indexes:
@@ -228,6 +252,21 @@ class Shelf:
             self.groups.setdefault(item.topic, {})[item.group_id] = (item.size, item.committed)
         else:
             self.watermark(item)
+
+    def mark(self, item: MarkConsumed) -> None:
+        """Record that ``item.consumer`` acked samples; samples with the same marks share one
+        set of them (a unit holds few distinct ones: subsets of its topics' consumers)."""
+        samples = self.samples.get(item.topic, {})
+        after: dict[frozenset[str], frozenset[str]] = {}  # marks before -> after, this item
+        for index in item.indexes:
+            sample = samples.get(index)
+            if sample is None:
+                continue
+            new = after.get(sample.consumed)
+            if new is None:
+                new = sample.consumed | {item.consumer}
+                new = after[sample.consumed] = self._marks.setdefault(new, new)
+            sample.consumed = new
 
     def store_told(self, msg: Store) -> None:
         """A put told through the controller (its segment written and committed before the
@@ -260,10 +299,10 @@ class Shelf:
             sample = samples.pop(index, None)
             if sample is None:
                 continue
-            home = sample.home
-            if home is not None and home[0].row_bytes >= 0:
-                homed[home[0]] = homed.get(home[0], 0) + 1
-                home[0].owners[home[1]] = None
+            home = sample.block
+            if home is not None and home.row_bytes >= 0:
+                homed[home] = homed.get(home, 0) + 1
+                home.owners[sample.row] = None
                 continue
             for c, (block, r) in sample.cells.items():  # _unref, inlined: the hot loop
                 col = block.columns[c]
@@ -323,7 +362,7 @@ class Shelf:
         parts: list[Any] = []
         run: tuple[Block, int, int] | None = None  # (block, first row, count)
         for sample, index in zip(rows, indexes, strict=True):
-            cell = sample.cells.get(column)
+            cell = sample.cell(column)
             if cell is None:
                 raise UnitError(f"sample {index} of {topic!r} has no column {column!r}")
             block, r = cell
@@ -430,15 +469,13 @@ class Shelf:
             self.held += new.held
         scratch: set[Block] = set()
         for r_new, ((r_old, cols), owner) in enumerate(zip(live, owners, strict=True)):
-            cell = (new, r_new)
+            cells = owner.cells
             for c in cols:
                 self._unref(block, c, r_old, scratch)
-                owner.cells[c] = cell
+                cells[c] = (new, r_new)
                 self._ref(new, c, r_new)
             block.owners[r_old] = None
-            cells = owner.cells
-            whole = len(cells) == len(new.columns) and all(v is cell for v in cells.values())
-            owner.home = cell if whole else None
+            owner.place(cells)
         new.initial = new.live
         self._free(block)
         self.compactions += 1

@@ -14,7 +14,7 @@ took the puts told to it through the controller (``Store`` items) before the rea
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import trio
@@ -37,16 +37,23 @@ MAX_BATCH = 4096  # bookkeeping items per UnitBatch
 
 def _coalesce(items: list[Any]) -> list[Any]:
     """Drop consumption marks of samples deleted in the same batch (they are gone anyway)."""
-    deleted = {(m.topic, i) for m in items if isinstance(m, Delete) for i in m.indexes}
+    if not any(isinstance(m, MarkConsumed) for m in items):
+        return items
+    deleted: dict[str, set[int]] = {}
+    for m in items:
+        if isinstance(m, Delete):
+            deleted.setdefault(m.topic, set()).update(m.indexes)
     if not deleted:
         return items
     out = []
     for m in items:
-        if isinstance(m, MarkConsumed):
-            keep = [i for i in m.indexes if (m.topic, i) not in deleted]
+        if isinstance(m, MarkConsumed) and m.topic in deleted:
+            gone = deleted[m.topic]
+            keep = [i for i in m.indexes if i not in gone]
             if not keep:
                 continue
-            m = MarkConsumed(m.topic, m.consumer, keep)
+            if len(keep) < len(m.indexes):
+                m = MarkConsumed(m.topic, m.consumer, keep)
         out.append(m)
     return out
 
@@ -104,10 +111,16 @@ class Outbox:
         return sum(len(v) for v in self.items.values())
 
     async def flush(
-        self, units: Mapping[str, ActorRef[Any]], known: Mapping[str, str | None], timeout: float
+        self,
+        units: Mapping[str, ActorRef[Any]],
+        known: Mapping[str, str | None],
+        timeout: float,
+        taken: Callable[[bool], Awaitable[None]] | None = None,
     ) -> list[str]:
         """Deliver every unit's items (concurrently); returns the units that did not take them
-        (gone, restarted, or too slow): their items stay queued."""
+        (gone, restarted, or too slow): their items stay queued. ``taken(deleted)`` is awaited
+        as each unit takes a batch (``deleted``: it held deletes), so that what waits for one
+        unit does not wait for the others."""
         failed: list[str] = []
 
         async def one(unit: str) -> None:
@@ -126,6 +139,8 @@ class Outbox:
                     del items[: len(batch)]
                     self.taken[unit] = self.taken.get(unit, 0) + len(batch)
                     self.free[unit] = stored.free
+                    if taken is not None:
+                        await taken(any(isinstance(m, Delete) and m.indexes for m in batch))
 
         async with trio.open_nursery() as nursery:
             for unit in [u for u, items in self.items.items() if items and u in units]:
