@@ -165,7 +165,7 @@ def test_draws_are_the_numbers_of_one_draw_per_token() -> None:
         (0.8, 7, 0.9),
         (1.0, 40, 1.0),
         (1.0, 30, 0.95),
-    ],  # fmt: skip
+    ],
 )
 def test_rows_alike_sample_exactly_as_the_per_row_path(
     temperature: float, top_k: int, top_p: float
