@@ -181,3 +181,23 @@ def test_rows_alike_sample_exactly_as_the_per_row_path(
     fast = sample_from(logits, params, uniform.tolist())
     general = _sample_mixed(logits, params, uniform)
     assert fast == general
+
+
+def test_token_sequences_are_stored_as_tuples_of_plain_numbers() -> None:
+    # plain ints and floats are kept as they are; numpy, torch and bool values are converted
+    request = GenerationRequest(
+        torch.tensor([3, 4]),  # type: ignore[arg-type]
+        SamplingConfig(4, stop_token_ids=[True, 2]),  # type: ignore[list-item]
+        prefix_ids=[5],
+        prefix_logprobs=[torch.tensor(-1.5)],  # type: ignore[list-item]
+        prefix_versions=(7,),
+    )
+    for values, expected, kind in [
+        (request.prompt_ids, (3, 4), int),
+        (request.sampling.stop_token_ids, (1, 2), int),
+        (request.prefix_ids, (5,), int),
+        (request.prefix_logprobs, (-1.5,), float),
+        (request.prefix_versions, (7,), int),
+    ]:
+        assert values == expected
+        assert type(values) is tuple and all(type(v) is kind for v in values)
