@@ -122,6 +122,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self._active = 0
         self._busy_since = 0
         self._paused = get_registry().gauge("afa_rollout_paused", worker=worker)
+        self._boundary = trio.Lock()
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
@@ -235,7 +236,12 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
         assert self.client is not None
         spec, tok = self.spec, self.tokenizer
-        version = await self.receiver.apply_pending()  # the group boundary
+        # The group boundary, one group at a time: the first group past a sync loads the
+        # pending weights and the others wait for that load to end, instead of finding nothing
+        # pending and starting on the old weights (their groups would then be a version older
+        # than the window the Driver admitted them for, and evicted before they are trained).
+        async with self._boundary:
+            version = await self.receiver.apply_pending()
         if version is not None:
             self.meter.set_version(version)
         engines = self.engines
