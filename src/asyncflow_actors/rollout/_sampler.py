@@ -78,6 +78,8 @@ def sample_from(
     softmax(logits / T) restricted to the top-k tokens (ties at the k-th value kept) and then
     to the top-p nucleus, renormalised. Greedy rows report log_softmax(logits) of the argmax.
     """
+    if not params:
+        return [], []
     logits = logits.float()
     u = torch.tensor(uniform, dtype=torch.float32, device=logits.device)
     first = params[0]
