@@ -126,24 +126,34 @@ def test_expected_dtypes_are_supported() -> None:
         assert name in TORCH_DTYPES
 
 
-def test_non_contiguous_conj_and_grad_tensors_are_sent_as_their_values() -> None:
+@pytest.mark.parametrize("inline_threshold", [0, 1 << 20])
+def test_non_contiguous_conj_and_grad_tensors_are_sent_as_their_values(
+    inline_threshold: int,
+) -> None:
+    # inline_threshold 1 << 20: every body inline, through the small-tensor fast path
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     cases = [
         base.t(),
         base[:, ::2],
         base[1:3, 2:],
+        base[2],  # contiguous at a storage offset
+        base[1, 3],  # 0-d at a storage offset
+        base.reshape(-1)[5:11],
         (torch.arange(8.0) * (1 + 2j)).to(torch.complex64).conj(),
+        torch._neg_view(torch.arange(6.0)),  # the negative bit, resolved on the way
         torch.ones(3, requires_grad=True) * 2,
         torch.nn.Parameter(torch.ones(2, 2)),
         torch.tensor(7.5, dtype=torch.bfloat16).expand(3, 2),
+        torch.tensor([True, False, True])[1:],
     ]
     for t in cases:
-        out = roundtrip(t, inline_threshold=0)
+        out = roundtrip(t, inline_threshold=inline_threshold)
         assert isinstance(out, torch.Tensor)
         assert type(out) is torch.Tensor
         assert not out.requires_grad
         assert out.is_contiguous()
-        assert torch.equal(out, t.detach().resolve_conj())
+        assert torch.equal(out, t.detach().resolve_conj().resolve_neg())
+        assert out.shape == t.shape and out.dtype == t.dtype
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,17 @@ compute, so a station that falls behind catches up in few large steps."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import attrs
+import pytest
 import torch
 import trio
 import trio.testing
 
 import asyncflow_actors as afa
+from asyncflow_actors.checkpoint import CheckpointConfig, CheckpointEngine, PauseMode
 from asyncflow_actors.roles import (
     ActorForward,
     Driver,
@@ -19,7 +24,9 @@ from asyncflow_actors.roles import (
     topic_specs,
 )
 from asyncflow_actors.roles import _schema as S
+from asyncflow_actors.roles._compute import build_policy
 from asyncflow_actors.roles._settings import TrainSettings
+from asyncflow_actors.rollout._torch_engine import _TinyBackend
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
 from .test_station import SPEC as STATION_SPEC
@@ -89,6 +96,59 @@ async def test_rollout_takes_every_ready_prompt_in_one_lease() -> None:
                 await trio.sleep(0.01)
     (rollout,) = prompts.consumers
     assert rollout.leased == 0 and prompts.live == 0, "every prompt acked once written"
+
+
+async def put_prompts(client: afa.transfer_queue.TransferQueueClient, indexes: list[int]) -> None:
+    """The prompts ``indexes`` in one put, each naming a group it opens (as the Driver does)."""
+    groups = []
+    for _ in indexes:
+        slot = await client.open_group(S.ROLLOUT, 4, shared={S.PROMPT_IDS: torch.tensor([1])})
+        groups.append(slot.group_id)
+    prompts = {
+        S.PROMPT_TEXT: [f"{index}+1=" for index in indexes],
+        S.ANSWER: [str(index + 1) for index in indexes],
+        S.GROUP: torch.tensor(groups),
+        S.PROMPT_INDEX: torch.tensor(indexes),
+    }
+    await client.put(S.PROMPTS, prompts, version=0)
+
+
+async def test_a_group_started_while_new_weights_load_waits_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Group A takes the pending weights at its boundary and loads them (held up here in the
+    # engine's preparation); group B, starting meanwhile, finds nothing pending. It must wait
+    # for A's load, not start on the old weights: its group would be a version older than the
+    # Driver admitted it for, and evicted as stale before it is trained.
+    gate = threading.Event()
+    prepare = _TinyBackend.prepare
+
+    def held_prepare(self: _TinyBackend, weights: Any) -> Any:
+        gate.wait(30)
+        return prepare(self, weights)
+
+    monkeypatch.setattr(_TinyBackend, "prepare", held_prepare)
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        with trio.fail_after(60):
+            ref = await system.spawn(
+                lambda: Rollout(SPEC, queue.controller, "rollout-0"), name="rollout-0"
+            )
+            await ref.ask(GetRoleStats())  # started: its engine serves
+            model, _ = build_policy(SPEC.model, SPEC.task.build())
+            weights = {k: v.detach() for k, v in model.state_dict().items()}
+            sync = CheckpointEngine((ref,), CheckpointConfig(pause_mode=PauseMode.KEEP))
+            await sync.sync(1, weights)  # lazy: pending until the next group boundary
+            await put_prompts(client, [0])
+            await trio.testing.wait_all_tasks_blocked(0.05)  # A loads, held in prepare
+            await put_prompts(client, [1])
+            await trio.testing.wait_all_tasks_blocked(0.05)  # B as far as it goes
+            gate.set()
+            batch = await client.get(S.ROLLOUT, "trainer", [S.TOKEN_VERSIONS], 8)
+    assert batch is not None and len(set(batch.group_ids)) == 2
+    assert batch.versions == (1,) * 8
+    assert all(set(v.tolist()) == {1} for v in batch[S.TOKEN_VERSIONS])
 
 
 async def test_the_driver_puts_the_prompts_admitted_together_in_one_put() -> None:

@@ -20,7 +20,13 @@ from asyncflow_actors.rollout import (
     SamplingConfig,
 )
 from asyncflow_actors.rollout._config import EngineConfigError
-from asyncflow_actors.rollout._sampler import new_generator, sample_rows
+from asyncflow_actors.rollout._sampler import (
+    Draws,
+    _sample_mixed,
+    new_generator,
+    sample_from,
+    sample_rows,
+)
 
 
 def test_sampling_config_refuses_bad_fields() -> None:
@@ -137,3 +143,61 @@ def test_greedy_rows_take_the_argmax_with_its_plain_logprob() -> None:
     )
     assert tokens == [1, 0]
     torch.testing.assert_close(torch.tensor(logprobs), F.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_draws_are_the_numbers_of_one_draw_per_token() -> None:
+    # the engine draws a chunk at a time: the same numbers, across chunk boundaries and skips
+    for skip in (0, 3, 40):
+        g = new_generator(5, 2, skip)
+        one_by_one = [float(torch.rand((), generator=g)) for _ in range(100)]
+        draws = Draws(5, 2, skip)
+        assert [draws.take() for _ in range(100)] == one_by_one
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [
+        (1.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (0.0, 0, 1.0),
+        (1.3, 5, 1.0),
+        (0.9, 0, 0.8),
+        (0.8, 7, 0.9),
+        (1.0, 40, 1.0),
+        (1.0, 30, 0.95),
+    ],
+)
+def test_rows_alike_sample_exactly_as_the_per_row_path(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    # the fast path of rows sharing their parameters picks the very tokens and logprobs of the
+    # general one (per-row parameter tensors), at the same uniform numbers
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 30, generator=gen) * 3
+    logits[0, 5] = -math.inf
+    uniform = torch.rand(64, generator=gen)
+    params = [SamplingConfig(4, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
+              for i in range(64)]  # fmt: skip
+    fast = sample_from(logits, params, uniform.tolist())
+    general = _sample_mixed(logits, params, uniform)
+    assert fast == general
+
+
+def test_token_sequences_are_stored_as_tuples_of_plain_numbers() -> None:
+    # plain ints and floats are kept as they are; numpy, torch and bool values are converted
+    request = GenerationRequest(
+        torch.tensor([3, 4]),  # type: ignore[arg-type]
+        SamplingConfig(4, stop_token_ids=[True, 2]),  # type: ignore[list-item]
+        prefix_ids=[5],
+        prefix_logprobs=[torch.tensor(-1.5)],  # type: ignore[list-item]
+        prefix_versions=(7,),
+    )
+    for values, expected, kind in [
+        (request.prompt_ids, (3, 4), int),
+        (request.sampling.stop_token_ids, (1, 2), int),
+        (request.prefix_ids, (5,), int),
+        (request.prefix_logprobs, (-1.5,), float),
+        (request.prefix_versions, (7,), int),
+    ]:
+        assert values == expected
+        assert type(values) is tuple and all(type(v) is kind for v in values)

@@ -235,10 +235,14 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
         assert self.client is not None
         spec, tok = self.spec, self.tokenizer
-        version = await self.receiver.apply_pending()  # the group boundary
+        # The group boundary. A group starting while another loads the pending weights waits
+        # for that load (``apply_pending`` does): it would otherwise start on the old weights,
+        # a version older than the Driver admitted it for, and be evicted before training.
+        version = await self.receiver.apply_pending()
         if version is not None:
             self.meter.set_version(version)
-        engine = min(self.engines, key=lambda e: e.statistics().running)
+        engines = self.engines
+        engine = engines[0] if len(engines) == 1 else min(engines, key=_running)
         sampling = SamplingConfig(
             max_new_tokens=spec.rollout.max_new_tokens,
             temperature=spec.rollout.temperature,
@@ -284,8 +288,6 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         partial = sum(1 for c in completions if c.resumes > 0)
         extra = self.meter.extra
         extra["partial_samples"] = extra.get("partial_samples", 0) + partial
-        # decode steps of the engines: generated tokens / steps is the batching they achieved
-        extra["engine_steps"] = sum(e.statistics().steps for e in self.engines)
         self.meter.done(len(completions), tokens)
         return True
 
@@ -307,6 +309,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         rewards: list[float] = await in_thread(_score_texts, self.task, prompt, answer, texts)
         return rewards
 
+    async def receive(self, msg: Any, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, GetRoleStats):
+            # decode steps of the engines: generated tokens / steps is the batching they
+            # achieved (asked here, not per group: an engine's statistics are not free)
+            self.meter.extra["engine_steps"] = sum(e.statistics().steps for e in self.engines)
+        return await super().receive(msg, ctx)
+
     async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, SYNC_MESSAGES):
             try:
@@ -318,6 +327,10 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             self.meter.set_version(msg.version)
             return msg.version
         return await super().handle(msg, ctx)
+
+
+def _running(engine: GenerationEngine) -> int:
+    return engine.statistics().running
 
 
 def _put_outcome(exc: BaseException) -> str | None:

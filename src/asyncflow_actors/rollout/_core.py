@@ -26,7 +26,7 @@ import trio
 from ..checkpoint import PauseAck, PauseMode
 from ._backend import Backend, PreparedWeights
 from ._config import EngineConfig
-from ._sampler import new_generator, sample_rows
+from ._sampler import Draws, sample_from
 from ._types import (
     Completion,
     CompletionDelta,
@@ -65,7 +65,7 @@ class _Live:
     done: trio.Event = attrs.Factory(trio.Event)
     slot: int | None = None
     pending: int | None = None
-    generator: torch.Generator | None = None
+    draws: Draws | None = None
     finish: FinishReason | None = None
     result: Completion | None = None
     error: BaseException | None = None
@@ -556,7 +556,7 @@ class EngineCore:
             prefill: list[tuple[int, tuple[int, ...]]] = []
             for live in admissions:
                 req = live.request
-                live.generator = new_generator(live.seed, req.sample_index, len(req.prefix_ids))
+                live.draws = Draws(live.seed, req.sample_index, len(req.prefix_ids))
                 assert live.slot is not None
                 prefill.append((live.slot, req.prompt_ids + req.prefix_ids))
             parts.append(backend.prefill(prefill))
@@ -572,11 +572,8 @@ class EngineCore:
         if not order:
             return 0
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        generators = []
-        for live in order:
-            assert live.generator is not None
-            generators.append(live.generator)
-        tokens, logprobs = sample_rows(logits, [x.request.sampling for x in order], generators)
+        uniform = [live.draws.take() for live in order]  # type: ignore[union-attr]
+        tokens, logprobs = sample_from(logits, [x.request.sampling for x in order], uniform)
         for live, token, logprob in zip(order, tokens, logprobs, strict=True):
             live.tokens.append(token)
             live.logprobs.append(logprob)

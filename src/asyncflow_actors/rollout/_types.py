@@ -50,12 +50,22 @@ class EngineClosed(EngineError):
     """The engine was closed while the request waited or ran."""
 
 
+_INT = {int}
+_FLOAT = {float}
+
+
 def _tuple_of_int(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    items = value if type(value) is tuple else tuple(value)
+    if set(map(type, items)) <= _INT:  # the common case, checked at C speed: plain ints
+        return items
+    return tuple(int(v) for v in items)  # numpy or torch integers, bools
 
 
 def _tuple_of_float(value: Iterable[float]) -> tuple[float, ...]:
-    return tuple(float(v) for v in value)
+    items = value if type(value) is tuple else tuple(value)
+    if set(map(type, items)) <= _FLOAT:
+        return items
+    return tuple(float(v) for v in items)
 
 
 @attrs.frozen

@@ -240,6 +240,12 @@ class _Decoder:
         buf, in_frame = self.data(ref, math.prod(dims) * itemsize)
         if len(buf) == 0:
             return torch.empty(0, dtype=torch.uint8).view(dtype).reshape(dims)
+        if not in_frame and dtype is not torch.bool:
+            # Inline in the header (a small tensor): one copy, typed at once.
+            t = torch.frombuffer(bytearray(buf), dtype=dtype)
+            if itemsize > 1 and t.data_ptr() % itemsize:
+                t = t.clone()
+            return t if len(dims) == 1 else t.reshape(dims)
         if not in_frame:
             u8 = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
         elif isinstance(buf, memoryview) and buf.readonly:
