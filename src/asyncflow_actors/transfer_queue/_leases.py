@@ -142,8 +142,8 @@ class LeaseTable:
         g = t.g
         n = g.n
         pos = g.first_at_or_after(v.glo)
-        if wait_expiring:  # from the oldest group: the view's hint may be past the barrier
-            n = _expiring_barrier(t, v, 0, n)
+        if wait_expiring:
+            n = _expiring_barrier(t, v)
         chosen: list[int] = []
         total = skipped = 0
         first = -1
@@ -371,25 +371,25 @@ class LeaseTable:
         fx.ended.append(lease.id)
 
 
-def _expiring_barrier(t: Topic, v: View, lo: int, hi: int) -> int:
-    """The first group slot in ``lo:hi`` that the next version makes stale and that ``v``
-    cannot claim yet although its consumer still needs it (``hi`` if none): incomplete, or
-    members not yet ready for the view's columns, and none of them leased by the consumer."""
+def _expiring_barrier(t: Topic, v: View) -> int:
+    """The first group slot that the next version makes stale and that ``v`` cannot claim yet
+    although its consumer still needs it (``g.n`` if none): incomplete, or members not yet
+    ready for the view's columns, and none of them leased by the consumer. It searches from
+    the oldest group: the view's hint may be past it."""
     g = t.g
-    if hi <= lo:
-        return hi
+    n = g.n
     limit = t.latest - t.spec.staleness  # born at or below it: stale at the next version
-    m = g.live[lo:hi] & ~g.doomed[lo:hi] & (g.born[lo:hi] <= limit)
-    m &= (g.alloc[lo:hi] < g.size[lo:hi]) | (g.unacked[lo:hi, v.ci] > 0)
+    m = g.live[:n] & ~g.doomed[:n] & (g.born[:n] <= limit)
+    m &= (g.alloc[:n] < g.size[:n]) | (g.unacked[:n, v.ci] > 0)
     if not m.any():
-        return hi
-    m &= ~t.eligible(v, lo, hi)
+        return n
+    m &= ~t.eligible(v, 0, n)
     s = t.s
-    for slot in (lo + np.flatnonzero(m)).tolist():
+    for slot in np.flatnonzero(m).tolist():
         rows = t.members_of(np.array([slot], np.int64))
         if not (s.leased[rows] & v.bit).any():
             return int(slot)
-    return hi
+    return n
 
 
 def _pick_fifo(t: Topic, v: View, count: int, low: int) -> Ints | None:
