@@ -106,7 +106,7 @@ async def throughput(init: str, rounds: int, steps: int) -> None:
             "kind": "longtail",
             "options": {"op": "reverse", "min_length": 2, "max_length": 40},
         },
-        "rollout": {"group_size": 4, "max_new_tokens": 44, "max_batch": 64},
+        "rollout": {"group_size": 4, "max_new_tokens": 44},
         "train": {"steps": steps, "prompts_per_step": 8},
         "placement": {"default": "process"},
     }

@@ -21,6 +21,10 @@ class SettingsError(ValueError):
     """A setting is out of range or inconsistent; the message names the key."""
 
 
+DEFAULT_ENGINE_ROWS = 256
+"""The most rows an engine gets by default (``RolloutSettings.max_batch`` unset)."""
+
+
 def _positive(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise SettingsError(f"{attribute.name} must be a number > 0, got {value!r}")
@@ -88,8 +92,8 @@ class TaskSettings:
 class RolloutSettings:
     """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each.
 
-    ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each) of
-    kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
+    ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each; by
+    default as many as the FlowControl admits, see :attr:`RunSpec.engine_rows`) of kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
     ``vllm_args`` are vLLM's engine arguments, e.g. ``gpu_memory_utilization``); ``reward``
     ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
     expensive rewards). ``pause_mode``: how engines pause for a weight sync; ``"none"`` (the
@@ -103,7 +107,9 @@ class RolloutSettings:
     top_p: float = attrs.field(default=1.0, validator=_positive)
     workers: int = attrs.field(default=1, validator=_positive)
     engines: int = attrs.field(default=1, validator=_positive)
-    max_batch: int = attrs.field(default=64, validator=_positive)
+    max_batch: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     max_run_seconds: float = attrs.field(default=0.02, validator=_positive)
     reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
     engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
@@ -199,6 +205,19 @@ class RunSpec:
     def batch_size(self) -> int:
         """Samples in a global batch (one policy version)."""
         return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def engine_rows(self) -> int:
+        """Rows each engine decodes at once: ``rollout.max_batch``, or by default every sample
+        the FlowControl admits (``(staleness + 1) x batch``) spread over the engines, at most
+        ``DEFAULT_ENGINE_ROWS``. An engine smaller than what is admitted decodes a step's
+        samples in waves (on the addition task, 64 rows for 256 admitted samples took twice the
+        rollout's CPU a step); the cap bounds the KV cache a default can allocate."""
+        if self.rollout.max_batch is not None:
+            return self.rollout.max_batch
+        engines = self.rollout.workers * self.rollout.engines
+        admitted = -(-(self.staleness + 1) * self.batch_size // engines)
+        return max(self.rollout.group_size, min(DEFAULT_ENGINE_ROWS, admitted))
 
     @property
     def advantage_station(self) -> bool:
