@@ -383,7 +383,7 @@ def test_a_large_fill_is_split_between_two_threads_and_copies_every_byte(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_filler, "SPLIT_BYTES", 64)
-    monkeypatch.setattr(_filler, "_idle_cpu", lambda: True)
+    monkeypatch.setattr(_filler, "_CPUS", 2)
     rng = np.random.default_rng(0)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (40, 0, 33, 7, 100, 1)]
     bodies: list[Any] = [
@@ -414,7 +414,7 @@ def test_a_large_fill_is_split_between_two_threads_and_copies_every_byte(
 
 def test_a_failed_half_of_a_split_fill_fails_the_fill(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_filler, "SPLIT_BYTES", 64)
-    monkeypatch.setattr(_filler, "_idle_cpu", lambda: True)
+    monkeypatch.setattr(_filler, "_CPUS", 2)
     copy = _filler._copy
 
     def failing(target: Any, jobs: Any) -> None:
@@ -427,17 +427,3 @@ def test_a_failed_half_of_a_split_fill_fails_the_fill(monkeypatch: pytest.Monkey
     with pytest.raises(MemoryError, match="helper"):
         _filler._fill(mapping, [[memoryview(b"x" * 200)]], [0])
     mapping.close()
-
-
-def test_a_fill_is_split_only_when_another_cpu_is_likely_idle(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    load = [0.5]
-    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.0, 0.0))
-    monkeypatch.setattr(_filler, "_CPUS", 2)
-    assert _filler._idle_cpu()
-    load[0] = 7.0  # oversubscribed: a helper would take the event loop's time
-    assert not _filler._idle_cpu()
-    load[0] = 0.0
-    monkeypatch.setattr(_filler, "_CPUS", 1)
-    assert not _filler._idle_cpu()

@@ -144,14 +144,14 @@ class Filler:
 
 def _fill(mapping: mmap.mmap, chunked: list[list[memoryview]], offsets: list[int]) -> None:
     """Copy the bodies into the mapping at their offsets (numpy: the GIL is released). From
-    :data:`SPLIT_BYTES` on, when a CPU is idle (:func:`_idle_cpu`), a helper thread copies the
-    second half of the bytes meanwhile (one ``memcpy`` does not saturate the memory bus: two
-    take about 60% of its time for 16.8 MB); it is joined before this returns."""
+    :data:`SPLIT_BYTES` on, with a second CPU, a helper thread copies the second half of the
+    bytes meanwhile (one ``memcpy`` does not saturate the memory bus: two take about 60% of
+    its time for 16.8 MB); it is joined before this returns."""
     target = np.frombuffer(mapping, np.uint8)  # an export: the mapping stays open meanwhile
     try:
         jobs = _jobs(chunked, offsets)
         total = sum(source.size for _, source in jobs)
-        if total < SPLIT_BYTES or not _idle_cpu():
+        if total < SPLIT_BYTES or _CPUS < 2:
             _copy(target, jobs)
             return
         first, second = _halves(jobs, total // 2)
@@ -178,16 +178,6 @@ def _fill(mapping: mmap.mmap, chunked: list[list[memoryview]], offsets: list[int
         raise
     finally:
         del target  # no export may outlive this call: the mapping must stay closable
-
-
-def _idle_cpu() -> bool:
-    """Whether another CPU is likely idle: more than one, and a 1-minute load average below
-    their number. On a busy machine a helper thread would only take its time from the
-    writer's event loop (measured: no faster at load 7 on two CPUs, at times slower)."""
-    try:
-        return _CPUS > 1 and os.getloadavg()[0] < _CPUS
-    except OSError:
-        return False
 
 
 _Job = tuple[int, "np.ndarray[Any, np.dtype[np.uint8]]"]  # (offset in the segment, bytes)
