@@ -4,17 +4,20 @@ bookkeeping, and the shared-memory segments it owns."""
 from __future__ import annotations
 
 import gc
+import mmap
 import os
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import RawTensor
-from asyncflow_actors.transfer_queue import _shm
+from asyncflow_actors.transfer_queue import _filler, _shm
 from asyncflow_actors.transfer_queue import _unit_messages as S
 from asyncflow_actors.transfer_queue._filler import Filler
 from asyncflow_actors.transfer_queue._storage import StorageUnit
@@ -374,3 +377,53 @@ def test_a_writer_refills_a_claimed_segment_through_the_mapping_it_kept() -> Non
         _shm.sweep(prefix)
         filler.prune()
     assert filler.nbytes == 0
+
+
+def test_a_large_fill_is_split_between_two_threads_and_copies_every_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_filler, "SPLIT_BYTES", 64)
+    monkeypatch.setattr(_filler, "_CPUS", 2)
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (40, 0, 33, 7, 100, 1)]
+    bodies: list[Any] = [
+        [memoryview(pieces[0]), memoryview(pieces[1]), memoryview(pieces[2])],  # cut inside
+        memoryview(pieces[3]),
+        [memoryview(pieces[4])],
+        memoryview(pieces[5]),
+    ]
+    offsets, total = _shm.layout([40 + 33, 7, 100, 1])
+    mapping = mmap.mmap(-1, total)
+    threads: list[str] = []
+    copy = _filler._copy
+
+    def spy(target: Any, jobs: Any) -> None:
+        threads.append(threading.current_thread().name)
+        copy(target, jobs)
+
+    monkeypatch.setattr(_filler, "_copy", spy)
+    _filler._fill(mapping, [b if isinstance(b, list) else [b] for b in bodies], offsets)
+    assert sorted(threads) == ["MainThread", "afa-tq-fill"]
+    got = bytes(mapping)
+    expected = [pieces[0].tobytes() + pieces[2].tobytes(), pieces[3].tobytes()]
+    expected += [pieces[4].tobytes(), pieces[5].tobytes()]
+    for offset, body in zip(offsets, expected, strict=True):
+        assert got[offset : offset + len(body)] == body
+    mapping.close()  # no export of it left behind
+
+
+def test_a_failed_half_of_a_split_fill_fails_the_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_filler, "SPLIT_BYTES", 64)
+    monkeypatch.setattr(_filler, "_CPUS", 2)
+    copy = _filler._copy
+
+    def failing(target: Any, jobs: Any) -> None:
+        if threading.current_thread().name == "afa-tq-fill":
+            raise MemoryError("helper")
+        copy(target, jobs)
+
+    monkeypatch.setattr(_filler, "_copy", failing)
+    mapping = mmap.mmap(-1, 256)
+    with pytest.raises(MemoryError, match="helper"):
+        _filler._fill(mapping, [[memoryview(b"x" * 200)]], [0])
+    mapping.close()

@@ -28,8 +28,10 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import traceback
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +39,8 @@ from . import _shm
 
 BUDGET = 128 << 20  # default: bytes of segment mappings a filler keeps
 MAX_KEPT = 16  # default: mappings a filler keeps (each holds a file descriptor)
+SPLIT_BYTES = 4 << 20  # fills this big are copied by two threads (with two CPUs or more)
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: set up all page tables in one call
 
 
@@ -139,15 +143,71 @@ class Filler:
 
 
 def _fill(mapping: mmap.mmap, chunked: list[list[memoryview]], offsets: list[int]) -> None:
-    """Copy the bodies into the mapping at their offsets (numpy: the GIL is released)."""
-    target = np.frombuffer(mapping, np.uint8)
+    """Copy the bodies into the mapping at their offsets (numpy: the GIL is released). From
+    :data:`SPLIT_BYTES` on, with a second CPU, a helper thread copies the second half of the
+    bytes meanwhile (one ``memcpy`` does not saturate the memory bus: two take about 60% of
+    its time for 16.8 MB); it is joined before this returns."""
+    target = np.frombuffer(mapping, np.uint8)  # an export: the mapping stays open meanwhile
     try:
-        for chunks, offset in zip(chunked, offsets, strict=True):
-            for chunk in chunks:
-                if not chunk.nbytes:
-                    continue
-                source = np.frombuffer(chunk, np.uint8)
-                target[offset : offset + source.size] = source
-                offset += source.size
+        jobs = _jobs(chunked, offsets)
+        total = sum(source.size for _, source in jobs)
+        if total < SPLIT_BYTES or _CPUS < 2:
+            _copy(target, jobs)
+            return
+        first, second = _halves(jobs, total // 2)
+        failed: list[BaseException] = []
+
+        def copy_second(into: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+            try:
+                _copy(into, second)
+            except BaseException as exc:  # raised below, in the caller's thread
+                failed.append(exc)
+
+        helper = threading.Thread(
+            target=copy_second, args=(target,), name="afa-tq-fill", daemon=True
+        )
+        helper.start()
+        try:
+            _copy(target, first)
+        finally:
+            helper.join()
+        if failed:
+            raise failed[0]
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # their locals would keep the export alive
+        raise
     finally:
         del target  # no export may outlive this call: the mapping must stay closable
+
+
+_Job = tuple[int, "np.ndarray[Any, np.dtype[np.uint8]]"]  # (offset in the segment, bytes)
+
+
+def _jobs(chunked: list[list[memoryview]], offsets: list[int]) -> list[_Job]:
+    """Each non-empty buffer and where it goes (a body's buffers back to back)."""
+    jobs = []
+    for chunks, offset in zip(chunked, offsets, strict=True):
+        for chunk in chunks:
+            if chunk.nbytes:
+                jobs.append((offset, np.frombuffer(chunk, np.uint8)))
+                offset += chunk.nbytes
+    return jobs
+
+
+def _copy(target: np.ndarray[Any, np.dtype[np.uint8]], jobs: list[_Job]) -> None:
+    for offset, source in jobs:
+        target[offset : offset + source.size] = source
+
+
+def _halves(jobs: list[_Job], half: int) -> tuple[list[_Job], list[_Job]]:
+    """``jobs`` cut after ``half`` bytes (a body straddling the cut is split in two)."""
+    first: list[_Job] = []
+    done = 0
+    for k, (offset, source) in enumerate(jobs):
+        if done + source.size >= half:
+            cut = half - done
+            first.append((offset, source[:cut]))
+            return first, [(offset + cut, source[cut:]), *jobs[k + 1 :]]
+        first.append((offset, source))
+        done += source.size
+    return first, []
