@@ -159,7 +159,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             return rollout.open_vllm_engine(args, version=spec.start_version)
         model, self.tokenizer = await self._model()
         config = rollout.EngineConfig(
-            max_batch=spec.rollout.max_batch,
+            max_batch=spec.engine_rows,
             eos_id=self.tokenizer.eos_id,
             pad_id=self.tokenizer.pad_id,
             max_run_seconds=spec.rollout.max_run_seconds,
@@ -175,7 +175,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def run(self) -> None:
         spec = self.spec
-        slots = max(1, spec.rollout.max_batch * len(self.engines) // spec.rollout.group_size)
+        slots = max(1, spec.engine_rows * len(self.engines) // spec.rollout.group_size)
         free = trio.Semaphore(slots)
         columns = (S.PROMPT_TEXT, S.ANSWER, S.GROUP, S.PROMPT_INDEX)
         async with trio.open_nursery() as nursery:

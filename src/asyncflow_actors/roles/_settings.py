@@ -84,11 +84,15 @@ class TaskSettings:
             raise SettingsError(f"task.options: {exc}") from exc
 
 
+MAX_DEFAULT_ROWS = 256  # the default engine rows' cap (vLLM's max_num_seqs is 256 too)
+
+
 @attrs.frozen
 class RolloutSettings:
     """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each.
 
-    ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each) of
+    ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each; by
+    default each engine's share of a global batch, at most 256: ``RunSpec.engine_rows``) of
     kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
     ``vllm_args`` are vLLM's engine arguments, e.g. ``gpu_memory_utilization``); ``reward``
     ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
@@ -103,7 +107,9 @@ class RolloutSettings:
     top_p: float = attrs.field(default=1.0, validator=_positive)
     workers: int = attrs.field(default=1, validator=_positive)
     engines: int = attrs.field(default=1, validator=_positive)
-    max_batch: int = attrs.field(default=64, validator=_positive)
+    max_batch: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     max_run_seconds: float = attrs.field(default=0.02, validator=_positive)
     reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
     engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
@@ -199,6 +205,19 @@ class RunSpec:
     def batch_size(self) -> int:
         """Samples in a global batch (one policy version)."""
         return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def engine_rows(self) -> int:
+        """Rows (``max_batch``) of each rollout engine: ``rollout.max_batch`` if set, else the
+        engine's share of a global batch (at most ``MAX_DEFAULT_ROWS``), so that the groups of
+        a step decode together: one wave of decode steps a step instead of several. With a tiny
+        model a decode step costs about as much for 128 rows as for 16 (per-operator overhead),
+        so fewer, fuller steps save most of what the engine costs."""
+        if self.rollout.max_batch is not None:
+            return self.rollout.max_batch
+        engines = self.rollout.workers * (1 if self.colocated else self.rollout.engines)
+        share = -(-self.batch_size // engines)
+        return max(self.rollout.group_size, min(MAX_DEFAULT_ROWS, share))
 
     @property
     def advantage_station(self) -> bool:
