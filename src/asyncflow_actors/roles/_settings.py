@@ -212,7 +212,7 @@ class RunSpec:
         engine's share of a global batch (at most ``MAX_DEFAULT_ROWS``), so that the groups of
         a step decode together: one wave of decode steps a step instead of several. With a tiny
         model a decode step costs about as much for 128 rows as for 16 (per-operator overhead),
-        so fewer, fuller steps save most of what the engine costs."""
+        so fewer, fuller steps cost less (see docs/pipeline.md §8)."""
         if self.rollout.max_batch is not None:
             return self.rollout.max_batch
         engines = self.rollout.workers * (1 if self.colocated else self.rollout.engines)
