@@ -192,20 +192,3 @@ def test_the_vllm_example_config_loads() -> None:
     root = Path(__file__).resolve().parents[2]
     config = PipelineConfig.from_toml(root / "examples" / "vllm_grpo.toml")
     assert config.rollout.engine == "vllm" and config.model.hf is not None
-
-
-@pytest.mark.parametrize(
-    ("table", "rows"),
-    [
-        ({"mode": "async", "staleness": 1}, 2 * 16 * 4),  # every admitted sample
-        ({"mode": "sync"}, 16 * 4),
-        ({"mode": "async", "staleness": 3, "rollout": {"engines": 2}}, 2 * 16 * 4),
-        ({"mode": "async", "staleness": 9}, 256),  # the cap
-        ({"mode": "async", "staleness": 1, "rollout": {"max_batch": 48}}, 48),  # as given
-    ],
-)
-def test_engines_hold_every_admitted_sample_by_default(table: dict[str, object], rows: int) -> None:
-    base: dict[str, object] = {"train": {"prompts_per_step": 16}}
-    rollout = {"group_size": 4, **table.pop("rollout", {})}  # type: ignore[dict-item]
-    config = PipelineConfig.from_dict({**base, **table, "rollout": rollout})
-    assert config.run_spec().engine_rows == rows

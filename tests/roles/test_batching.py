@@ -25,7 +25,7 @@ from asyncflow_actors.roles import (
 )
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._compute import build_policy
-from asyncflow_actors.roles._settings import TrainSettings
+from asyncflow_actors.roles._settings import DEFAULT_ENGINE_ROWS, RolloutSettings, TrainSettings
 from asyncflow_actors.rollout._torch_engine import _TinyBackend
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
@@ -96,6 +96,42 @@ async def test_rollout_takes_every_ready_prompt_in_one_lease() -> None:
                 await trio.sleep(0.01)
     (rollout,) = prompts.consumers
     assert rollout.leased == 0 and prompts.live == 0, "every prompt acked once written"
+
+
+def test_an_engine_has_rows_for_every_admitted_sample_by_default() -> None:
+    big = attrs.evolve(SPEC, train=TrainSettings(prompts_per_step=32))
+    assert big.engine_rows == 256, "staleness 1: two batches of 32 x 4 admitted, all decode"
+    sync = attrs.evolve(big, mode="sync", staleness=0)
+    assert sync.engine_rows == 128, "staleness 0: one batch admitted"
+    split = attrs.evolve(big, rollout=RolloutSettings(group_size=4, workers=2, engines=2))
+    assert split.engine_rows == 64, "four engines share what is admitted"
+    huge = attrs.evolve(SPEC, train=TrainSettings(prompts_per_step=1000))
+    assert huge.engine_rows == DEFAULT_ENGINE_ROWS
+    tiny = attrs.evolve(SPEC, rollout=RolloutSettings(group_size=4, engines=64))
+    assert tiny.engine_rows == 4, "at least a group"
+    colocated = attrs.evolve(big, colocated=True, rollout=RolloutSettings(group_size=4, engines=4))
+    assert colocated.engine_rows == 256, "colocated: one engine whatever engines says"
+    fixed = attrs.evolve(big, rollout=RolloutSettings(group_size=4, max_batch=24))
+    assert fixed.engine_rows == 24
+
+
+async def test_rollout_generates_a_global_batch_of_groups_at_once_by_default() -> None:
+    # 32 prompts of 4 samples ready: one lease takes them all and they generate together (with
+    # 64 rows, the default before it followed what is admitted, the rollout had room for 16:
+    # two leases).
+    spec = attrs.evolve(SPEC, train=TrainSettings(prompts_per_step=32))
+    tq = TransferQueueConfig(topics=topic_specs(spec), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        with trio.fail_after(60):
+            await put_prompts(client, list(range(32)))
+            ref = await system.spawn(
+                lambda: Rollout(spec, queue.controller, "rollout-0"), name="rollout-0"
+            )
+            batch = await client.get(S.ROLLOUT, "trainer", [S.RESPONSE_IDS], 128)
+            stats = await ref.ask(GetRoleStats())
+    assert batch is not None and len(set(batch.group_ids)) == 32
+    assert stats.extra["prompt_leases"] == 1, "32 prompts ready: one lease"
 
 
 async def put_prompts(client: afa.transfer_queue.TransferQueueClient, indexes: list[int]) -> None:

@@ -209,13 +209,14 @@ class RunSpec:
     @property
     def engine_rows(self) -> int:
         """Rows each engine decodes at once: ``rollout.max_batch``, or by default every sample
-        the FlowControl admits (``(staleness + 1) x batch``) spread over the engines, at most
+        the FlowControl admits (``(staleness + 1) x batch``) spread over the engines (one when
+        colocated: the trainer's model is the only engine), at most
         ``DEFAULT_ENGINE_ROWS``. An engine smaller than what is admitted decodes a step's
         samples in waves (on the addition task, 64 rows for 256 admitted samples took twice the
         rollout's CPU a step); the cap bounds the KV cache a default can allocate."""
         if self.rollout.max_batch is not None:
             return self.rollout.max_batch
-        engines = self.rollout.workers * self.rollout.engines
+        engines = self.rollout.workers * (1 if self.colocated else self.rollout.engines)
         admitted = -(-(self.staleness + 1) * self.batch_size // engines)
         return max(self.rollout.group_size, min(DEFAULT_ENGINE_ROWS, admitted))
 
