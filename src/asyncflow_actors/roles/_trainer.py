@@ -239,7 +239,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             total = (clock_ns() - started) / 1e9
             return SyncReport(version, {"sync_total": total, "sync_bytes": 0.0})
         async with self._model_lock:
-            weights = await in_thread(self.learner.state_dict)
+            weights = self.learner.state_dict()  # views: no copy
             result, retries = await self._sync_with_retries(version, weights)
         if result is None:  # committed, but a target did not confirm its resume in time
             return SyncReport(version, {"sync_retries": float(retries)})
