@@ -9,8 +9,10 @@ sample's staleness (trainer version - its oldest token's version: it must lie in
 ``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
 bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
 TQ, asks this actor to sync the weights (``SyncWeights``: the CheckpointEngine, pause → …
-→ resume), releases the FlowControl slots, and only then answers: the next version is never
-trained before the sync of this one finished.
+→ resume), releases the FlowControl slots, and only then answers. Meanwhile the next step
+fetches, checks and runs its first forward and backward; its first optimizer step waits for
+the answer: the next version is never trained before the sync of this one finished, and the
+weights never change while a sync reads them.
 """
 
 from __future__ import annotations
