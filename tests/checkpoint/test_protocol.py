@@ -449,7 +449,15 @@ async def test_sync_target_actor_hosts_a_plain_target() -> None:
         assert all(same_bytes(plain.weights[k], v) for k, v in sent.items())
 
 
-async def test_copies_and_checksums_run_off_the_event_loop(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30])
+async def test_copies_and_checksums_run_off_the_event_loop_unless_small(
+    monkeypatch: Any, inline_bytes: int
+) -> None:
+    """With ``offload``, buckets of ``INLINE_BYTES`` or more are packed and digested in worker
+    threads; smaller ones inline (a thread hop would cost more than the copy)."""
+    from asyncflow_actors.checkpoint import _transport
+
+    monkeypatch.setattr(_transport, "INLINE_BYTES", inline_bytes)
     threads: list[str] = []
     digest, pack = HostCache.digest, BucketSource.pack
 
@@ -466,7 +474,8 @@ async def test_copies_and_checksums_run_off_the_event_loop(monkeypatch: Any) -> 
     async with afa.open_actor_system() as system:
         refs = await spawn(system, World(), n=1, tick=0, offload=True)
         await CheckpointEngine(refs, config(offload=True)).sync(0, random_weights(0))
-    assert set(threads) == {"digest False", "pack False"}
+    main = inline_bytes > 0
+    assert set(threads) == {f"digest {main}", f"pack {main}"}
 
 
 async def test_apply_pending_waits_for_a_load_another_task_started(autojump_clock: Any) -> None:

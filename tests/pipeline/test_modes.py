@@ -7,6 +7,8 @@ saw; these tests read them back from the step records.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from asyncflow_actors.pipeline import run_pipeline
@@ -78,3 +80,57 @@ async def test_staleness_bound_holds_and_is_used() -> None:
     assert all(len(r.staleness) == 3 for r in result.records)
     assert result.offpolicy_samples > 0
     assert result.samples == 5 * BATCH
+
+
+async def test_a_version_is_trained_only_after_the_sync_of_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sync of version v overlaps the next step's fetch and first forward and backward,
+    but that step's first optimizer step starts only after the sync of v returned (the weights
+    it sends never change under it). Here each sync starts only once the next step stands
+    ready to update: a trainer that did not wait would update during the sync."""
+    import time
+
+    import trio
+
+    from asyncflow_actors.roles import _compute
+    from asyncflow_actors.roles._trainer import Trainer
+
+    syncs: dict[int, tuple[float, float]] = {}
+    parts: list[tuple[str, float]] = []
+    sync, finish, updates = Trainer._sync, _compute.finish, _compute.Learner.updates
+
+    async def timed_sync(self: Trainer, version: int) -> Any:
+        with trio.fail_after(30):  # the overlap: the next step's forward runs meanwhile
+            while version < 5 and len(parts) < 3 * version + 2:
+                await trio.sleep(0.001)
+        await trio.sleep(0.05)  # time for a trainer that did not wait to update
+        started = time.perf_counter()
+        result = await sync(self, version)
+        syncs[version] = (started, time.perf_counter())
+        return result
+
+    def timed_updates(self: Any, data: Any) -> Any:
+        parts.append(("forward", time.perf_counter()))
+        inner = updates(self, data)
+        next(inner)
+        parts.append(("ready", time.perf_counter()))  # forward and backward done
+        yield
+        return finish(inner)
+
+    def timed_finish(steps: Any) -> Any:
+        parts.append(("update", time.perf_counter()))
+        return finish(steps)
+
+    monkeypatch.setattr(Trainer, "_sync", timed_sync)
+    monkeypatch.setattr(_compute.Learner, "updates", timed_updates)
+    monkeypatch.setattr(_compute, "finish", timed_finish)
+    roles = {"actor_fwd": "trainer", "advantage": "trainer"}
+    result = await run_pipeline(tiny("async", staleness=1, placement={"roles": roles},
+                                     train={"steps": 5}))  # fmt: skip
+    assert [r.version for r in result.records] == [1, 2, 3, 4, 5]
+    assert [kind for kind, _ in parts] == ["forward", "ready", "update"] * 5
+    assert sorted(syncs) == [1, 2, 3, 4, 5]
+    for version in range(1, 5):  # the step of version + 1 updates after the sync of version
+        ready, update = parts[3 * version + 1][1], parts[3 * version + 2][1]
+        assert ready < syncs[version][0] and syncs[version][1] < update

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given
@@ -63,3 +65,48 @@ def test_the_trainer_computing_old_logprobs_updates_as_an_actor_forward_would(
     for a, b in zip(learners[0].model.parameters(), learners[1].model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert (metrics[1]["approx_kl"] > 0) == (mini_batches > 1)  # the second update moved away
+
+
+def test_a_step_in_two_parts_changes_nothing_before_its_yield(tmp_path: Any) -> None:
+    """``Learner.updates`` yields after its first forward and backward, before any optimizer
+    step: until resumed, the weights, the optimizer state and the RNG states a checkpoint saves
+    are those of the last finished step (the trainer syncs and saves meanwhile); resumed, it
+    ends exactly as ``step`` does."""
+    import attrs
+
+    from asyncflow_actors.models import load_safetensors
+    from asyncflow_actors.roles._compute import OPTIMIZER_FILE, Learner, finish
+    from asyncflow_actors.roles._settings import RunSpec, TrainSettings
+
+    spec = RunSpec(mode="async", staleness=1, stage_barrier=False, colocated=False,
+                   trainer_forward=True, train=TrainSettings(mini_batches=2, lr=1e-2))  # fmt: skip
+    task = spec.task.build()
+    torch.manual_seed(0)
+    prompts = [torch.tensor([1, 3 + k % 5, 4]) for k in range(8)]
+    responses = [torch.randint(3, 12, (1 + k % 4,)) for k in range(8)]
+    data = {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "behaviour_logprobs": [torch.full((len(r),), -1.0) for r in responses],
+        "advantages": [torch.full((len(r),), 1.0 - 2 * (k % 2)) for k, r in enumerate(responses)],
+    }
+    whole, split = Learner(spec, task), Learner(attrs.evolve(spec), task)
+    whole.step(data)
+    split.step(data)  # both one step in, then the second step in two parts
+    expected = whole.step(data)
+    split.save(str(tmp_path / "before"), {})
+    weights = {k: v.clone() for k, v in split.model.state_dict().items()}
+    updates = split.updates(data)
+    next(updates)
+    for name, value in split.model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    assert all(p.grad is not None for p in split.model.parameters())
+    split.save(str(tmp_path / "during"), {})
+    saved = [load_safetensors(str(tmp_path / d / OPTIMIZER_FILE)).tensors
+             for d in ("before", "during")]  # fmt: skip
+    assert saved[0].keys() == saved[1].keys()
+    for name in saved[0]:
+        assert torch.equal(saved[0][name], saved[1][name]), name
+    assert finish(updates) == expected
+    for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
+        assert torch.equal(a, b)

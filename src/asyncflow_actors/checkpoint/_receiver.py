@@ -52,7 +52,7 @@ from ._messages import (
     SyncResume,
 )
 from ._target import PauseAck, PauseMode, SyncTarget
-from ._transport import run_sync
+from ._transport import offloads, run_sync
 
 if TYPE_CHECKING:
     import torch
@@ -245,8 +245,13 @@ class WeightReceiver:
             return None
         if isinstance(msg, SyncFinalize):
             await sync.digests.wait()
-            await run_sync(self.offload, cache.verify, msg.checksums)
-            sync.verified = await run_sync(self.offload, cache.tensors)
+
+            def verified() -> dict[str, torch.Tensor]:
+                cache.verify(msg.checksums)
+                return cache.tensors()
+
+            total = cache.manifest.bucket_total
+            sync.verified = await run_sync(offloads(self.offload, total), verified)
             sync.cache = None
             return cache.bytes
         raise TypeError(f"{self._who()}: not a sync message: {msg!r}")
@@ -319,7 +324,7 @@ class WeightReceiver:
         sync.version = msg.version
         sync.verified = None
         sync.cache = await run_sync(
-            self.offload,
+            offloads(self.offload, manifest.bucket_total),
             lambda: HostCache(
                 manifest, copy=msg.sender == PROCESS_TOKEN, with_checksum=msg.checksum
             ),
@@ -338,8 +343,9 @@ class WeightReceiver:
         cache.take(msg.index, msg.data)
         size = cache.manifest.buckets[msg.index].nbytes
         self._bytes += size
-        if cache.copy or msg.data.device.type != "cpu":
-            await run_sync(self.offload, cache.digest, msg.index, msg.data)
+        offload = offloads(self.offload, size)
+        if cache.copy or msg.data.device.type != "cpu" or not offload:
+            await run_sync(offload, cache.digest, msg.index, msg.data)
             return size
         digests = sync.digests
         if digests.running == 0:
@@ -348,9 +354,7 @@ class WeightReceiver:
 
         async def digest() -> None:
             try:
-                await run_sync(
-                    self.offload, cache.digest, msg.index, msg.data, limiter=self._limiter
-                )
+                await run_sync(True, cache.digest, msg.index, msg.data, limiter=self._limiter)
             except Exception as exc:
                 digests.error = digests.error or exc
             finally:

@@ -67,6 +67,17 @@ async def ask_all(refs: Sequence[ActorRef[Any]], make: Callable[[int], Request[A
     return results
 
 
+# Copies and checksums of fewer bytes run inline even with ``offload``: they take well under a
+# millisecond, while a hop to a worker thread and back waits for the GIL, up to a switch
+# interval (5 ms) each way when a compute thread of the process holds it (a rollout generating).
+INLINE_BYTES = 1 << 20
+
+
+def offloads(offload: bool, nbytes: int) -> bool:
+    """Whether work on ``nbytes`` goes to a worker thread (``offload`` and not small)."""
+    return offload and nbytes >= INLINE_BYTES
+
+
 async def run_sync(
     offload: bool, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter | None = None
 ) -> T:
@@ -95,7 +106,8 @@ class SyncSession:
     async def bucket(self, index: int, buffers: DoubleBuffer, slot: int) -> torch.Tensor:
         """The bytes of bucket ``index``: a view of its tensor when it is one whole tensor (no
         copy), else packed into buffer ``slot``; its checksum is recorded."""
-        source, offload = self.source, self.config.offload
+        source = self.source
+        offload = offloads(self.config.offload, self.manifest.buckets[index].nbytes)
         data = source.direct(index, buffers.device)
         if data is not None:
             if source.with_checksum:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -177,6 +177,9 @@ class Learner:
         self.generator = torch.Generator().manual_seed(spec.train.seed)
         if resume:
             load_optimizer(self.optimizer, self.generator, os.path.join(resume, OPTIMIZER_FILE))
+        # The RNG states after the last finished step: what a checkpoint saves (the next
+        # step may have drawn from them already while it waits to update).
+        self.rng_state = (torch.get_rng_state(), self.generator.get_state())
 
     def state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
@@ -184,6 +187,15 @@ class Learner:
     def step(self, data: Mapping[str, Any]) -> dict[str, float]:
         """Train on one global batch: ``mini_batches`` updates, ``epochs`` times. ``data`` holds
         per-sample lists (``prompt_ids`` expanded per sample) and a ``rewards`` tensor."""
+        updates = self.updates(data)
+        next(updates)
+        return finish(updates)
+
+    def updates(self, data: Mapping[str, Any]) -> Generator[None, None, dict[str, float]]:
+        """``step`` in two parts: it yields once, right before the batch's first optimizer step
+        (its first forward and backward done), and returns the metrics. Until it is resumed the
+        parameters, the optimizer state and ``rng_state`` are those of the last finished step:
+        the trainer reads them for a weight sync or a checkpoint meanwhile."""
         train, temperature = self.spec.train, self.spec.rollout.temperature
         prompts = [p.tolist() for p in data["prompt_ids"]]
         responses = list(data["response_ids"])
@@ -226,6 +238,8 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 torch.autograd.backward(result.loss)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.max_grad_norm)
+                if updates == 0:
+                    yield
                 self.optimizer.step()
                 updates += 1
                 for key, value in result.metrics.items():
@@ -233,6 +247,7 @@ class Learner:
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)
         metrics = {key: value / updates for key, value in sums.items()}
         metrics["updates"] = float(updates)
+        self.rng_state = (torch.get_rng_state(), self.generator.get_state())
         return metrics
 
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
@@ -245,19 +260,30 @@ class Learner:
 
             save_hf_policy(self.model, self.tokenizer, directory)
         save_optimizer(
-            self.optimizer, self.generator, os.path.join(directory, OPTIMIZER_FILE), meta
+            self.optimizer, self.rng_state, os.path.join(directory, OPTIMIZER_FILE), meta
         )
 
 
+def finish(updates: Generator[None, None, dict[str, float]]) -> dict[str, float]:
+    """Run the rest of a ``Learner.updates`` (resumed after its yield); its metrics."""
+    try:
+        next(updates)
+    except StopIteration as end:
+        metrics: dict[str, float] = end.value
+        return metrics
+    raise AssertionError("Learner.updates yields once")
+
+
 def save_optimizer(
-    optimizer: torch.optim.Optimizer, generator: torch.Generator, path: str, meta: Mapping[str, Any]
+    optimizer: torch.optim.Optimizer,
+    rng: tuple[Tensor, Tensor],
+    path: str,
+    meta: Mapping[str, Any],
 ) -> None:
-    """An optimizer's state as safetensors (tensors) + JSON metadata (no pickle)."""
+    """An optimizer's state and ``rng`` (the global and the training generator's states) as
+    safetensors (tensors) + JSON metadata (no pickle)."""
     state = optimizer.state_dict()
-    tensors: dict[str, Tensor] = {
-        "rng.torch": torch.get_rng_state(),
-        "rng.train": generator.get_state(),
-    }
+    tensors: dict[str, Tensor] = {"rng.torch": rng[0], "rng.train": rng[1]}
     scalars: dict[str, dict[str, Any]] = {}
     for pid, entry in state["state"].items():
         for key, value in entry.items():

@@ -9,8 +9,10 @@ sample's staleness (trainer version - its oldest token's version: it must lie in
 ``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
 bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
 TQ, asks this actor to sync the weights (``SyncWeights``: the CheckpointEngine, pause → …
-→ resume), releases the FlowControl slots, and only then answers: the next version is never
-trained before the sync of this one finished.
+→ resume), releases the FlowControl slots, and only then answers. Meanwhile the next step
+fetches, checks and runs its first forward and backward; its first optimizer step waits for
+the answer: the next version is never trained before the sync of this one finished, and the
+weights never change while a sync reads them.
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ OFFPOLICY = MetricInfo(
 
 class StalenessViolation(RuntimeError):
     """A trained sample lay outside the staleness window: a bug, never expected."""
+
+
+class _Answer:
+    """The Driver's answer to one ``StepDone``, asked in the background; ``wait`` returns once
+    it came (and never if it says stop: the run ends without another update)."""
+
+    def __init__(self, driver: ActorRef[Any], done: StepDone) -> None:
+        self.driver = driver
+        self.done = done
+        self.answered = trio.Event()
+        self.stop = False
+
+    async def run(self) -> None:
+        ack = await self.driver.ask(self.done)  # the Driver syncs the weights before answering
+        self.stop = bool(ack.stop)
+        self.answered.set()
+
+    async def wait(self) -> None:
+        await self.answered.wait()
+        if self.stop:
+            await trio.sleep_forever()
 
 
 class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
@@ -94,9 +117,19 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
         self.meter.set_version(self.version)
 
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            await self._train(nursery)
+
+    async def _train(self, nursery: trio.Nursery) -> None:
+        """The step loop. A step's ``StepDone`` (the Driver publishes, syncs, answers) runs in
+        the background while the next step fetches its batch, checks it and runs its first
+        forward and backward; that step's first optimizer step waits for the answer. So the
+        weights the sync reads never change under it, and no version is trained before the
+        sync of the one before it finished (colocated: no overlap, the model is shared)."""
         assert self.client is not None
         spec = self.spec
         size = spec.batch_size
+        previous: _Answer | None = None
         while True:
             batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
             rows = list(range(len(batch)))
@@ -108,8 +141,15 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
                 if self.advantages is not None:
                     lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
                     data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths)
-                async with self._model_lock:
-                    metrics = await in_thread(self.learner.step, data)
+                # Up to the first optimizer step: reads the weights only, as a sync does.
+                updates = self.learner.updates(data)
+                await in_thread(next, updates)
+                if previous is not None:
+                    self.meter.busy(start)
+                    await previous.wait()  # the sync of the last version finished
+                    start = clock_ns()
+                async with self._model_lock:  # no sync or checkpoint reads them meanwhile
+                    metrics = await in_thread(self.compute.finish, updates)
                 self.meter.busy(start)
             await self.client.ack(batch)
             tokens = sum(int(r.shape[0]) for r in data[S.RESPONSE_IDS])
@@ -125,9 +165,17 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             self.meter.set_version(self.version)
             groups = tuple(sorted(set(batch.group_ids)))
             done = StepDone(self.version, len(batch), tokens, groups, histogram, metrics)
-            ack = await self.driver.ask(done)  # the Driver syncs the weights before answering
-            if ack.stop:
-                await trio.sleep_forever()
+            last = self.version >= spec.train.steps
+            if spec.colocated or last:
+                ack = await self.driver.ask(done)  # the Driver syncs the weights first
+                if ack.stop or last:
+                    await trio.sleep_forever()
+                continue
+            # The next fetch must see the new version's window (the Driver publishes it too,
+            # but only once StepDone arrives): a sample older than it would be a violation.
+            await self.client.set_version(S.ROLLOUT, self.version)
+            previous = _Answer(self.driver, done)
+            nursery.start_soon(previous.run)
 
     def _check_staleness(
         self, token_versions: list[Any], versions: tuple[int, ...]
@@ -193,7 +241,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             total = (clock_ns() - started) / 1e9
             return SyncReport(version, {"sync_total": total, "sync_bytes": 0.0})
         async with self._model_lock:
-            weights = await in_thread(self.learner.state_dict)
+            weights = self.learner.state_dict()  # views: no copy
             result, retries = await self._sync_with_retries(version, weights)
         if result is None:  # committed, but a target did not confirm its resume in time
             return SyncReport(version, {"sync_retries": float(retries)})
