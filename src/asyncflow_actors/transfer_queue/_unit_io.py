@@ -331,11 +331,7 @@ class UnitIO:
 
             return one
 
-        # rows all located in shared memory this client maps: nothing to ask, no tasks
-        inline = located is not None and all(
-            unit in located and _prefixes.get(incarnations.get(unit, "")) for unit in placement
-        )
-        return await self._each({unit: make(unit) for unit in placement}, inline=inline)
+        return await self._each({unit: make(unit) for unit in placement})
 
 
 class Fill:
