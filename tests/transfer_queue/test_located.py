@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
+from asyncflow_actors.transfer_queue import StorageUnavailable
 from asyncflow_actors.transfer_queue._located import Located, Locations, locate
 from asyncflow_actors.transfer_queue._unit_messages import ShmBody
 
@@ -38,3 +43,34 @@ def test_a_store_with_values_held_by_the_unit_is_not_located() -> None:
     assert locate([1, 2], "seg", {"x": body, "text": ["a", "b"]}) is None
     assert locate([1, 2], "seg", {"x": body, "r": [ShmBody(48, "int64", (1,)), "b"]}) is None
     assert locate([1, 2], "seg", {"x": body}) == Located("seg", (1, 2), {"x": body})
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["tasks", "inline"])
+async def test_unit_work_inline_or_in_tasks_has_the_same_results_and_errors(inline: bool) -> None:
+    # ``inline`` runs the units' work one after the other (it waits for nothing): every unit's
+    # work still runs, and the error raised is the same (a StorageUnavailable first)
+    from asyncflow_actors.transfer_queue._unit_io import UnitIO
+
+    io = UnitIO({}, shm_min_bytes=None, timeout=1.0, on_failure=lambda: None)
+    ran: list[str] = []
+
+    def work(unit: str, error: Exception | None) -> Any:
+        async def one() -> str:
+            ran.append(unit)
+            if error is not None:
+                raise error
+            return unit * 2
+
+        return one
+
+    ok = {u: work(u, None) for u in ("a", "b")}
+    assert await io._each(ok, inline=inline) == {"a": "aa", "b": "bb"}
+    ran.clear()
+    failing = {
+        "a": work("a", ValueError("a")),
+        "b": work("b", StorageUnavailable("b")),
+        "c": work("c", None),
+    }
+    with pytest.raises(StorageUnavailable, match="b"):
+        await io._each(failing, inline=inline)
+    assert sorted(ran) == ["a", "b", "c"]

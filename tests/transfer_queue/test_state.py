@@ -120,6 +120,11 @@ def test_commit_write_validates_everything_before_mutating() -> None:
         state.commit_write(T, [i0, i1], {"resp": [5, -1]})
     with pytest.raises(InvalidArgument, match="has 1 entries, expected 2"):
         state.commit_write(T, [i0, i1], {"resp": [5]})
+    for bad in (-1, True):  # one size for every sample: checked as strictly as a list
+        with pytest.raises(
+            InvalidArgument, match=f"nbytes of 'resp' must be an int >= 0, got {bad}"
+        ):
+            state.commit_write(T, [i0, i1], {"resp": bad})
     with pytest.raises(InvalidArgument, match="distinct"):
         state.commit_write(T, [i0, i0], {"resp": 1})
     with pytest.raises(InvalidArgument, match="at least one column"):
@@ -336,6 +341,27 @@ def test_new_groups_fill_the_least_loaded_units_one_sample_at_a_time() -> None:
         down = {r for r in range(units) if rng.random() < 0.2}
         n, block = rng.randint(1, 40), rng.choice([1, 2, 3, 1024])
         assert least_loaded(loads, down, n, block).tolist() == naive(loads, down, n, block)
+
+
+@pytest.mark.parametrize("small", [0, 32], ids=["numpy", "lists"])
+def test_ascending_and_distinct_agree_with_python_on_both_sides_of_small(
+    small: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import random
+
+    import numpy as np
+
+    from asyncflow_actors.transfer_queue import _table
+
+    monkeypatch.setattr(_table, "SMALL", small)
+    rng = random.Random(7)
+    for _ in range(300):
+        v = [rng.randint(0, 12) for _ in range(rng.randint(0, 40))]
+        if rng.random() < 0.5:
+            v = sorted(set(v))
+        a = np.array(v, np.int64)
+        assert _table.ascending(a) == all(v[k] < v[k + 1] for k in range(len(v) - 1))
+        assert _table.distinct(a).tolist() == sorted(set(v))
 
 
 def test_tables_compact_as_samples_die_and_keep_every_answer(

@@ -15,6 +15,7 @@ Text and other plain values (columns without a dtype) always read as lists.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -173,7 +174,7 @@ def prepare(spec: TopicSpec, data: Mapping[str, Any], *, shared: bool) -> Prepar
             value = _cpu(value)
             spec.check_column(name, dtype_name(value), tuple(value.shape[1:]))
             count = int(value.shape[0])
-            sizes[name] = int(value[0].numel() * value.element_size()) if count else 0
+            sizes[name] = math.prod(value.shape[1:]) * value.element_size() if count else 0
         else:
             rows = list(value)
             for k, row in enumerate(rows):

@@ -35,6 +35,8 @@ def holder_name(value: object) -> str:
 def byte_sizes(column: str, value: int | Sequence[int], n: int) -> int | npt.NDArray[np.int64]:
     """Per-sample byte sizes of ``column``: one int for all ``n`` samples, or one each."""
     if isinstance(value, int):
+        if value >= 0 and not isinstance(value, bool):
+            return value  # the common case, without formatting a name for no error
         return int_at_least(f"nbytes of {column!r}", value, 0)
     sizes = np.array([int_at_least(f"nbytes of {column!r}", x, 0) for x in value], np.int64)
     if len(sizes) != n:

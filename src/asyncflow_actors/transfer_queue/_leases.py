@@ -24,7 +24,7 @@ from ._samplers import (
     uses_groups,
     waits_expiring,
 )
-from ._table import Ints, groups_of, rows_of, runs, scatter_add
+from ._table import Ints, ascending, groups_of, rows_of, runs, scatter_add
 from ._topic import Effects, Topic, View
 
 #: Lease ids of epoch ``e`` are ``e << EPOCH_BITS`` onwards, so ids never repeat across restarts.
@@ -37,7 +37,7 @@ class _LeaseRec:
     def __init__(self, lease: Lease, ids: Ints, topic: Topic, ci: int, sampler: Sampler) -> None:
         self.lease = lease
         self.ids = ids  # the lease's indexes as an array
-        self.ascending = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+        self.ascending = ascending(ids)
         self.topic = topic
         self.ci = ci
         self.sampler = sampler

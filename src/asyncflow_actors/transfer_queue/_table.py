@@ -143,18 +143,18 @@ def rows_of(slots: Ints, *, ascending: bool = False) -> Index:
     return slots
 
 
+def ascending(a: Ints) -> bool:
+    """Whether ``a`` is strictly increasing."""
+    if len(a) < 2:
+        return True
+    if len(a) <= SMALL:
+        return all(x < y for x, y in itertools.pairwise(a.tolist()))
+    return bool((a[1:] > a[:-1]).all())
+
+
 def distinct(a: Ints) -> Ints:
     """The distinct values of ``a``, ascending (skips the sort when ``a`` already is)."""
-    if len(a) < 2:
-        return a
-    if len(a) <= SMALL:
-        v = a.tolist()
-        if all(x < y for x, y in itertools.pairwise(v)):
-            return a
-        return np.unique(a)
-    if bool((a[1:] > a[:-1]).all()):
-        return a
-    return np.unique(a)
+    return a if ascending(a) else np.unique(a)
 
 
 ALL = slice(None)  # every row: the mask of the only key in :func:`groups_of`

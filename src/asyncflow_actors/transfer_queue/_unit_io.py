@@ -82,8 +82,13 @@ class UnitIO:
             self.on_failure()
             raise StorageUnavailable(f"storage unit {unit!r} failed: {exc}") from exc
 
-    async def _each(self, work: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
-        """Run one coroutine per unit concurrently; raise the first error (after all ended)."""
+    async def _each(
+        self, work: Mapping[str, Callable[[], Any]], *, inline: bool = False
+    ) -> dict[str, Any]:
+        """Run one coroutine per unit concurrently; raise the first error (after all ended).
+        ``inline``: the caller knows that no unit's work waits (rows in shared memory, no unit
+        to ask): they run one after the other, without tasks (a nursery and its tasks cost more
+        than such work), with the same results and errors."""
         results: dict[str, Any] = {}
         errors: list[BaseException] = []
 
@@ -97,9 +102,13 @@ class UnitIO:
             (unit,) = work
             results[unit] = await work[unit]()
             return results
-        async with trio.open_nursery() as nursery:
+        if inline:
             for unit in work:
-                nursery.start_soon(run, unit)
+                await run(unit)
+        else:
+            async with trio.open_nursery() as nursery:
+                for unit in work:
+                    nursery.start_soon(run, unit)
         if errors:
             storage = [e for e in errors if isinstance(e, StorageUnavailable)]
             raise (storage or errors)[0]
@@ -152,10 +161,13 @@ class UnitIO:
         but not sent: the caller's commit hands it to the controller, which tells the unit (no
         round trip to the unit on the put's path; ``None``: the unit was asked)."""
 
+        spans = {unit: _span(where) for unit, where in positions.items()}
+        parts = {u: {c: take(v, where) for c, v in columns.items()} for u, where in spans.items()}
+        payloads = {unit: _payload(part) for unit, part in parts.items()}
+
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> tuple[Located | None, Store | None]:
-                where = _span(positions[unit])
-                part = {name: take(value, where) for name, value in columns.items()}
+                where, part = spans[unit], parts[unit]
                 msg = Store(
                     topic,
                     incarnations.get(unit, ""),
@@ -171,8 +183,7 @@ class UnitIO:
                 located = None
                 fill = None
                 try:
-                    payload = _payload(part)
-                    if prefix is not None and payload >= (self.shm_min_bytes or 0):
+                    if prefix is not None and payloads[unit] >= (self.shm_min_bytes or 0):
                         try:
                             segment, part, reused, fill = self._to_segment(prefix, part)
                             located = locate(msg.indexes, segment, part) if create else None
@@ -201,7 +212,17 @@ class UnitIO:
 
             return one
 
-        return await self._each({unit: make(unit) for unit in positions})
+        # told stores of small puts through shared memory wait for nothing: no tasks for them
+        inline = (
+            tell
+            and create
+            and sum(payloads.values()) < THREAD_BYTES
+            and all(
+                _prefixes.get(incarnations.get(unit, "")) and payload >= (self.shm_min_bytes or 0)
+                for unit, payload in payloads.items()
+            )
+        )
+        return await self._each({unit: make(unit) for unit in positions}, inline=inline)
 
     def _to_segment(
         self, prefix: str, part: dict[str, Any]

@@ -9,7 +9,6 @@ anything, and small index arrays are inspected as Python lists (``_table.SMALL``
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -248,11 +247,7 @@ class Writing:
             raise InvalidArgument(f"indexes must be ints, got {indexes!r}") from None
         if not wanted.size:
             raise InvalidArgument("indexes must not be empty")
-        if wanted.size <= _table.SMALL:
-            v = wanted.tolist()
-            ascending = all(a < b for a, b in itertools.pairwise(v))
-        else:
-            ascending = bool((wanted[1:] > wanted[:-1]).all())
+        ascending = _table.ascending(wanted)
         if not ascending and np.unique(wanted).size != wanted.size:
             raise InvalidArgument(
                 f"indexes must be distinct, got duplicates in {wanted[:16].tolist()}"
