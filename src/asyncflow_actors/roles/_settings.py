@@ -93,7 +93,8 @@ class RolloutSettings:
     """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each.
 
     ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each; by
-    default as many as the FlowControl admits, see :attr:`RunSpec.engine_rows`) of kind ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
+    default as many as the FlowControl admits, see :attr:`RunSpec.engine_rows`) of kind
+    ``engine``: ``"builtin"`` (the tiny model), ``"hf"`` or ``"vllm"`` (with ``model.hf``;
     ``vllm_args`` are vLLM's engine arguments, e.g. ``gpu_memory_utilization``); ``reward``
     ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
     expensive rewards). ``pause_mode``: how engines pause for a weight sync; ``"none"`` (the

@@ -307,7 +307,6 @@ class Topic:
     def after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
         """Apply the candidacy changes of ``rows`` since :meth:`before` to the views' counts."""
         s = self.s
-        gs = None  # the rows' group slots, indexed once
         for v, was in befores:
             now = self.cand(v, rows)
             if was is _NONE:  # none was a candidate before: only gains (new samples)
@@ -316,10 +315,9 @@ class Topic:
                 if np.array_equal(now, was):
                     continue
                 gained = now & ~was
-                gs = s.gs[rows] if gs is None else gs
-                self._count(v, gs[was & ~now], -1)
+                self._count(v, s.gs[rows][was & ~now], -1)
             if gained.any():
-                gs = s.gs[rows] if gs is None else gs
+                gs = s.gs[rows]
                 self._count(v, gs[gained], 1)
                 v.lo = min(v.lo, int(s.ids[rows][gained].min()))
                 v.glo = min(v.glo, int(s.gid[rows][gained].min()))
