@@ -408,8 +408,8 @@ def _bytes(t: Any) -> memoryview:
     if t.is_contiguous():
         try:  # one call where numpy has the dtype (a quarter of the general path's cost)
             return memoryview(t.numpy()).cast("B")
-        except TypeError:
-            pass  # bfloat16 and the like: reinterpreted as bytes below
+        except (TypeError, RuntimeError):
+            pass  # bfloat16 and the like, conjugate views: reinterpreted as bytes below
     torch = torch_module()
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
