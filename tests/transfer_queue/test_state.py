@@ -400,3 +400,38 @@ def test_tables_compact_as_samples_die_and_keep_every_answer(
     stats = state.statistics().topics[0]
     assert (stats.live, stats.groups, stats.occupied, stats.live_bytes) == (0, 0, 0, 0)
     assert stats.freed_total == 2000
+
+
+@pytest.mark.parametrize("ending", ["ack", "nack"])
+@pytest.mark.parametrize("compact", [True, False], ids=["compacted", "in-place"])
+def test_a_lease_ends_exactly_after_its_rows_moved_or_died(
+    monkeypatch: pytest.MonkeyPatch, ending: str, compact: bool
+) -> None:
+    # a lease keeps its samples' slots to skip the lookup at its end: valid only until the
+    # sample table compacts (slots move) and while none of its samples died
+    from asyncflow_actors.transfer_queue import _table
+
+    monkeypatch.setattr(_table, "_COMPACT_AT", 16 if compact else 1 << 20)
+    state = make(consumers=("train",))
+    put(state, 40, columns=ALL)  # 40 dead rows ahead of the leased ones once consumed
+    held = put(state, 6, columns=ALL)
+    drained = state.claim(T, "train", ALL, 40, holder="h", now=0)
+    lease = state.claim(T, "train", ALL, 6, holder="h", now=0)
+    gone = state.claim(T, "train", ALL, 4, holder="h", now=0)  # none left
+    assert drained is not None and lease is not None and gone is None
+    assert lease.indexes == held
+    t = state._topics[T]
+    before = t.s.compactions
+    state.ack(drained.id)  # frees the 40: the table compacts, the leased rows move
+    assert (t.s.compactions > before, t.s.n) == ((True, 6) if compact else (False, 46))
+    state.discard(T, held[:1])  # and one of the lease's samples dies
+    if ending == "ack":
+        update = state.ack(lease.id)
+        assert update.missing == held[:1]
+        released = sorted(i for r in update.releases for i in r.indexes)
+        assert released == sorted(held[1:]) and state.statistics().topics[0].live == 0
+    else:
+        update = state.nack(lease.id)
+        assert update.missing == held[:1]
+        again = state.claim(T, "train", ALL, 10, holder="h", now=0, min_count=1)
+        assert again is not None and again.indexes == held[1:]

@@ -17,8 +17,9 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import RawTensor
-from asyncflow_actors.transfer_queue import _filler, _shm
+from asyncflow_actors.transfer_queue import _filler, _shm, _unit_io
 from asyncflow_actors.transfer_queue import _unit_messages as S
+from asyncflow_actors.transfer_queue._batch import dtype_name
 from asyncflow_actors.transfer_queue._filler import Filler
 from asyncflow_actors.transfer_queue._storage import StorageUnit
 
@@ -426,4 +427,61 @@ def test_a_failed_half_of_a_split_fill_fails_the_fill(monkeypatch: pytest.Monkey
     mapping = mmap.mmap(-1, 256)
     with pytest.raises(MemoryError, match="helper"):
         _filler._fill(mapping, [[memoryview(b"x" * 200)]], [0])
+    mapping.close()
+
+
+def _bodies() -> list[torch.Tensor]:
+    """Tensors of every kind a put may hold: each wire dtype family, numpy's and not (bfloat16,
+    bool), empty, a scalar, a non-contiguous view."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(-(2**40), 2**40, (3, 5), generator=gen),
+        torch.randn(4, 7, generator=gen),
+        torch.randn(6, generator=gen).to(torch.bfloat16),
+        torch.randn(2, 3, generator=gen).to(torch.float16),
+        torch.tensor([True, False, True]),
+        torch.randint(0, 255, (9,), generator=gen, dtype=torch.uint8),
+        torch.zeros(0, 4),
+        torch.tensor(2.5),
+        torch.arange(12, dtype=torch.int32).reshape(3, 4).t(),
+        torch.randn(2, 2, generator=gen, dtype=torch.complex64),
+    ]
+
+
+def test_segment_bodies_are_the_exact_bytes_and_map_back_to_equal_tensors() -> None:
+    bodies = _bodies()
+    views = [_unit_io._bytes(t) for t in bodies]
+    for t, view in zip(bodies, views, strict=True):
+        expected = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert (view.format, view.ndim, bytes(view)) == ("B", 1, expected), t
+    offsets, total = _shm.layout([v.nbytes for v in views])
+    mapping = mmap.mmap(-1, total)
+    _filler._fill(mapping, [[v] for v in views], offsets)
+    for t, offset in zip(bodies, offsets, strict=True):
+        ref = S.ShmBody(offset, dtype_name(t), tuple(t.shape))
+        back = _unit_io._tensor(mapping, ref)
+        assert (back.dtype, back.shape) == (t.dtype, t.shape) and torch.equal(back, t), t
+    del back
+    gc.collect()
+    mapping.close()  # no export of it left behind
+
+
+@pytest.mark.parametrize("small_fill", [_filler.SMALL_FILL, 0], ids=["slices", "numpy"])
+def test_both_fill_paths_copy_every_byte(monkeypatch: pytest.MonkeyPatch, small_fill: int) -> None:
+    monkeypatch.setattr(_filler, "SMALL_FILL", small_fill)
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**31, 9, dtype=np.int64)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (40, 0, 33, 1)]
+    bodies = [
+        [memoryview(pieces[0]), memoryview(pieces[1]), memoryview(words)],  # formats B, q
+        [memoryview(pieces[2])],
+        [memoryview(pieces[3])],
+    ]
+    offsets, total = _shm.layout([40 + 72, 33, 1])
+    mapping = mmap.mmap(-1, total)
+    _filler._fill(mapping, bodies, offsets)
+    got = bytes(mapping)
+    expected = [pieces[0].tobytes() + words.tobytes(), pieces[2].tobytes(), pieces[3].tobytes()]
+    for offset, body in zip(offsets, expected, strict=True):
+        assert got[offset : offset + len(body)] == body
     mapping.close()

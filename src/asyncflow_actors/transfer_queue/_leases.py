@@ -32,11 +32,18 @@ EPOCH_BITS = 40
 
 
 class _LeaseRec:
-    __slots__ = ("acked_by", "ascending", "ci", "holders", "ids", "lease", "sampler", "topic")
+    __slots__ = (
+        "acked_by", "ascending", "ci", "compactions", "holders", "ids", "lease", "rows",
+        "sampler", "topic",
+    )  # fmt: skip
 
-    def __init__(self, lease: Lease, ids: Ints, topic: Topic, ci: int, sampler: Sampler) -> None:
+    def __init__(
+        self, lease: Lease, ids: Ints, rows: Ints, topic: Topic, ci: int, sampler: Sampler
+    ) -> None:
         self.lease = lease
         self.ids = ids  # the lease's indexes as an array
+        self.rows = rows  # their slots, valid while the sample table has not compacted since
+        self.compactions = topic.s.compactions
         self.ascending = ascending(ids)
         self.topic = topic
         self.ci = ci
@@ -121,7 +128,7 @@ class LeaseTable:
         else:
             partitions = (tuple(ids.tolist()),)
         lease = self._new_lease(t, ci, holder, v, rows, partitions, now, share_key, share_count)
-        rec = _LeaseRec(lease, ids, t, ci, sampler)
+        rec = _LeaseRec(lease, ids, rows, t, ci, sampler)
         self._leases[lease.id] = rec
         self._by_holder.setdefault(holder, set()).add(lease.id)
         heapq.heappush(self._expiry, (lease.deadline, lease.id))
@@ -420,7 +427,10 @@ def _pick_fifo(t: Topic, v: View, count: int, low: int) -> Ints | None:
 
 def _present(rec: _LeaseRec, fx: Effects) -> Ints:
     """Slots of the lease's samples still live; the others go to ``fx.missing``."""
-    slots, ok = rec.topic.s.find(rec.ids)
+    s = rec.topic.s
+    if rec.compactions == s.compactions and s.live[rec.rows].all():
+        return rec.rows  # no slot moved and none died: no lookup (a dead one is never reused)
+    slots, ok = s.find(rec.ids)
     if not ok.all():
         fx.missing.extend(rec.ids[~ok].tolist())
         return slots[ok]

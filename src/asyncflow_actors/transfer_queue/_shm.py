@@ -144,10 +144,11 @@ def write_segment(
 class _Lock:
     """A reader's open, shared-locked file descriptor on a segment, and its live mappings."""
 
-    __slots__ = ("fd", "maps")
+    __slots__ = ("fd", "maps", "size")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
+        self.size = size  # a segment's size never changes once it has been handed over
         self.maps = 0
 
 
@@ -160,23 +161,24 @@ def map_for_reading(name: str) -> mmap.mmap:
     ``FileNotFoundError`` if it is gone or being recycled."""
     lock = _locks.get(name)
     if lock is None:
-        fd = os.open(path(name), os.O_RDONLY)
+        where = path(name)
+        fd = os.open(where, os.O_RDONLY)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise FileNotFoundError(errno.ENOENT, "segment is being recycled", name) from None
-            if os.stat(path(name)).st_ino != os.fstat(fd).st_ino:  # recycled before our lock
+            st = os.fstat(fd)
+            if os.stat(where).st_ino != st.st_ino:  # recycled before our lock
                 raise FileNotFoundError(errno.ENOENT, "segment was recycled", name)
-            if not os.fstat(fd).st_size:  # mmap refuses empty files; nothing will be read
+            if not st.st_size:  # mmap refuses empty files; nothing will be read
                 os.close(fd)
                 return mmap.mmap(-1, 1)
         except BaseException:
             os.close(fd)
             raise
-        lock = _locks[name] = _Lock(fd)
-    size = os.fstat(lock.fd).st_size
-    mapping = mmap.mmap(lock.fd, size, access=mmap.ACCESS_COPY)
+        lock = _locks[name] = _Lock(fd, st.st_size)
+    mapping = mmap.mmap(lock.fd, lock.size, access=mmap.ACCESS_COPY)
     lock.maps += 1
     weakref.finalize(mapping, _unmapped, name, lock)
     return mapping

@@ -41,6 +41,7 @@ class Table:
     def __init__(self) -> None:
         self.n = 0
         self.nlive = 0
+        self.compactions = 0  # slots of ids are stable between compactions
         self._fields: dict[str, tuple[Any, int]] = {}
         self.ids: Ints = np.empty(_MIN_CAPACITY, np.int64)
         self.live: Bools = np.zeros(_MIN_CAPACITY, np.bool_)
@@ -121,6 +122,7 @@ class Table:
             a[:k] = a[: self.n][keep]
             a[k : self.n] = 0
         self.n = k
+        self.compactions += 1
         for callback in self.on_compact:
             callback(keep)
 
