@@ -160,9 +160,6 @@ class MiniBatches:
         self.responses, self.lengths = pad_rows(responses, torch.long, pad_id)
         self.columns = {name: pad_rows(data[name], torch.float32, 0)[0] for name in columns}
 
-    def __len__(self) -> int:
-        return int(self.lengths.shape[0])
-
     def batch(self, index: Tensor) -> PackedBatch:
         """``pack_batch`` of the rows at ``index``."""
         lengths = self.prompt_lengths[index]
