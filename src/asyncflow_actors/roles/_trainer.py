@@ -37,7 +37,7 @@ from ._messages import (
 )
 from ._settings import RunSpec
 from ._shared import shared_policy
-from ._worker import Station, columns, in_thread
+from ._worker import Station, column, columns, in_thread
 
 log = logging.getLogger("asyncflow_actors.roles")
 
@@ -153,11 +153,11 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
                 self.meter.busy(start)
             await self.client.ack(batch)
             tokens = sum(lengths)
-            rewards = data[S.REWARDS]
+            rewards = column(batch, S.REWARDS)
             metrics["reward_mean"] = float(rewards.mean())
             metrics["accuracy"] = float((rewards == 1.0).float().mean())
             metrics["response_length"] = tokens / len(batch)
-            resumed = int((data[S.RESUMES] > 0).sum())
+            resumed = int((column(batch, S.RESUMES) > 0).sum())
             metrics["partial_rollout_ratio"] = resumed / len(batch)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(len(batch), tokens)
