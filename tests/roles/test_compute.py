@@ -9,7 +9,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncflow_actors.roles._compute import group_advantages, right_pad
+from asyncflow_actors.models import BatchLayoutError, pack_batch
+from asyncflow_actors.roles._compute import (
+    MiniBatches,
+    group_advantages,
+    oldest_versions,
+    padded_advantages,
+    right_pad,
+)
 from asyncflow_actors.roles._settings import AlgorithmSettings
 
 
@@ -30,6 +37,77 @@ def test_group_advantages_are_one_value_per_sequence_over_its_tokens() -> None:
     assert [t.shape[0] for t in out] == [2, 1, 3, 0]
     assert out[0][0] > 0 > out[1][0] and torch.all(out[0] == out[0][0])
     assert not out[2].any()  # equal rewards in a group: no advantage
+
+
+rows_of = st.lists(st.integers(0, 5), min_size=1, max_size=10)
+
+
+@given(
+    prompt_lengths=rows_of.map(lambda ls: [n + 1 for n in ls]),
+    response_lengths=rows_of,
+    picks=st.lists(st.integers(0, 9), min_size=1, max_size=10, unique=True),
+)
+def test_mini_batches_are_the_tensors_pack_batch_and_right_pad_build(
+    prompt_lengths: list[int], response_lengths: list[int], picks: list[int]
+) -> None:
+    """Padding a global batch once and indexing it gives each mini-batch exactly what packing
+    its rows does (values, dtypes, shapes, contiguity): the update is bit for bit the same."""
+    n = min(len(prompt_lengths), len(response_lengths))
+    prompts = [torch.arange(2, 2 + p) for p in prompt_lengths[:n]]
+    responses = [torch.arange(3, 3 + r) * (k + 1) for k, r in enumerate(response_lengths[:n])]
+    logprobs = [-torch.arange(1, r + 1, dtype=torch.float32) / (k + 1) for k, r in
+                enumerate(response_lengths[:n])]  # fmt: skip
+    lengths = [int(r.shape[0]) for r in responses]
+    advantages = padded_advantages(AlgorithmSettings(), torch.arange(n).float() % 2,
+                                   [k // 3 for k in range(n)], lengths)  # fmt: skip
+    data = {"prompt_ids": prompts, "response_ids": responses, "logp": logprobs,
+            "advantages": advantages}  # fmt: skip
+    rows = [k for k in picks if k < n] or [0]
+    whole = MiniBatches(data, ["logp", "advantages"], pad_id=0)
+    got = whole.batch(torch.tensor(rows))
+    want = pack_batch([prompts[k].tolist() for k in rows], [responses[k].tolist() for k in rows],
+                      pad_id=0)  # fmt: skip
+    for name in ("input_ids", "attention_mask", "response_mask"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b) and a.is_contiguous(), name
+    width = want.response_length
+    column = whole.column("logp", torch.tensor(rows), width)
+    assert torch.equal(column, right_pad([logprobs[k] for k in rows], width))
+    expected = right_pad([advantages.rows()[k] for k in rows], width)
+    assert torch.equal(whole.column("advantages", torch.tensor(rows), width), expected)
+
+
+def test_mini_batches_refuse_what_pack_batch_refuses() -> None:
+    with pytest.raises(BatchLayoutError, match="prompt 1 is empty"):
+        MiniBatches({"prompt_ids": [torch.tensor([1]), torch.tensor([], dtype=torch.long)],
+                     "response_ids": [torch.tensor([2]), torch.tensor([3])]}, [], pad_id=0)  # fmt: skip
+    with pytest.raises(BatchLayoutError, match="2 prompts and 1 responses"):
+        MiniBatches({"prompt_ids": [torch.tensor([1])] * 2, "response_ids": [torch.tensor([2])]},
+                    [], pad_id=0)  # fmt: skip
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=4), st.integers(0, 9)),
+                max_size=12))  # fmt: skip
+def test_oldest_versions_is_each_rows_minimum_or_its_stored_version(
+    samples: list[tuple[list[int], int]],
+) -> None:
+    rows = [torch.tensor(tokens, dtype=torch.long) for tokens, _ in samples]
+    stored = [version for _, version in samples]
+    expected = [min(tokens) if tokens else version for tokens, version in samples]
+    assert oldest_versions(rows, stored) == expected
+
+
+def test_padded_advantages_hold_the_rows_in_positive_zeros() -> None:
+    lengths = [2, 1, 3, 0]
+    padded = padded_advantages(AlgorithmSettings(), torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                               [0, 0, 1, 1], lengths)  # fmt: skip
+    rows = group_advantages(AlgorithmSettings(), torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                            [0, 0, 1, 1], lengths)  # fmt: skip
+    assert padded.lengths.tolist() == lengths and len(padded) == 4
+    for k, row in enumerate(rows):
+        assert torch.equal(padded.values[k, : lengths[k]], row)
+        tail = padded.values[k, lengths[k] :]
+        assert not tail.any() and not torch.signbit(tail).any()  # +0.0, as right_pad pads
 
 
 @pytest.mark.parametrize("mini_batches", [1, 2])

@@ -32,8 +32,11 @@ class Advantages:
         self.compute = compute
         self.generator = torch.Generator().manual_seed(spec.train.seed + 17)
 
-    async def __call__(self, batch: Any, rows: Sequence[int], lengths: Sequence[int]) -> Any:
-        """Per-token advantages of ``batch`` at ``rows`` (whole groups), ``lengths`` tokens."""
+    async def __call__(
+        self, batch: Any, rows: Sequence[int], lengths: Sequence[int], *, padded: bool = False
+    ) -> Any:
+        """Per-token advantages of ``batch`` at ``rows`` (whole groups), ``lengths`` tokens: a
+        tensor per row to write back, or one ``PaddedRows`` (``padded``) to train on."""
         import torch
 
         rewards = column(batch, S.REWARDS)
@@ -43,9 +46,8 @@ class Advantages:
             group_ids = tuple(group_ids[k] for k in rows)
         if self.spec.train.shuffle_rewards:
             rewards = rewards[torch.randperm(len(rows), generator=self.generator)]
-        return await in_thread(
-            self.compute.group_advantages, self.spec.algorithm, rewards, group_ids, lengths
-        )
+        compute = self.compute.padded_advantages if padded else self.compute.group_advantages
+        return await in_thread(compute, self.spec.algorithm, rewards, group_ids, lengths)
 
 
 class Advantage(Station, Actor[GetRoleStats]):

@@ -12,11 +12,14 @@ import os
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
 from ..models import (
+    BatchLayoutError,
     CharTokenizer,
+    PackedBatch,
     TinyConfig,
     TinyDecoder,
     load_model,
@@ -86,11 +89,96 @@ def right_pad(rows: Sequence[Tensor], width: int) -> Tensor:
     """Per-token rows [len_i] right-padded with zeros to [B, width] (float32)."""
     if not rows:
         return torch.zeros((0, width), dtype=torch.float32)
-    lengths = torch.tensor([int(r.shape[0]) for r in rows])
-    mask = torch.arange(max(width, int(lengths.max()))) < lengths.unsqueeze(1)
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    out[mask] = torch.cat(list(rows)).float()  # one scatter instead of a copy per row
+    out, _ = pad_rows(rows, torch.float32, 0, min_width=width)
     return out[:, :width]
+
+
+@attrs.frozen
+class PaddedRows:
+    """Variable-length rows as one tensor: ``values`` [n, W] holds row i in its first
+    ``lengths[i]`` columns and zeros after them (W >= 1). What a per-token column of a batch is
+    without one tensor per row: a mini-batch of it is one index and one slice."""
+
+    values: Tensor
+    lengths: Tensor
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def rows(self) -> list[Tensor]:
+        """One tensor per row (copies, not views of ``values``)."""
+        return [self.values[i, :n].clone() for i, n in enumerate(self.lengths.tolist())]
+
+
+def pad_rows(
+    rows: Sequence[Tensor] | PaddedRows,
+    dtype: torch.dtype,
+    fill: float,
+    *,
+    left: bool = False,
+    min_width: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """Rows [len_i] as ``[n, W]`` of ``dtype`` filled with ``fill`` around them (W = the
+    longest row, at least ``min_width``), right-aligned with ``left`` padding, and their
+    lengths [n]: one copy of all the rows (a copy per row cost milliseconds per batch)."""
+    if isinstance(rows, PaddedRows):
+        if left or fill != 0:
+            raise ValueError("PaddedRows hold their rows left-aligned in zeros")
+        values = rows.values.to(dtype)
+        if values.shape[1] < min_width:
+            values = torch.nn.functional.pad(values, (0, min_width - values.shape[1]))
+        return values, rows.lengths
+    lengths = torch.tensor([int(r.shape[0]) for r in rows], dtype=torch.long)
+    width = max(min_width, int(lengths.max()) if len(rows) else 0)
+    columns = torch.arange(width)
+    mask = columns >= (width - lengths).unsqueeze(1) if left else columns < lengths.unsqueeze(1)
+    out = torch.full(mask.shape, fill, dtype=dtype)
+    if len(rows):
+        out[mask] = torch.cat(list(rows)).to(dtype)  # row-major: one scatter for every row
+    return out, lengths
+
+
+class MiniBatches:
+    """The rows of one global batch, padded once per column; each mini-batch is then an index
+    and a slice of them, the very tensors ``pack_batch`` and ``right_pad`` build from its rows
+    (same values, shapes and layout: the update is unchanged, bit for bit)."""
+
+    def __init__(self, data: Mapping[str, Any], columns: Sequence[str], pad_id: int) -> None:
+        prompts, responses = data["prompt_ids"], data["response_ids"]
+        if len(prompts) != len(responses):
+            raise BatchLayoutError(
+                f"got {len(prompts)} prompts and {len(responses)} responses; expected equal counts"
+            )
+        if not len(prompts):
+            raise BatchLayoutError("expected at least one prompt, got an empty sequence")
+        self.prompts, self.prompt_lengths = pad_rows(prompts, torch.long, pad_id, left=True)
+        empty = (self.prompt_lengths == 0).nonzero()
+        if len(empty):
+            raise BatchLayoutError(
+                f"prompt {int(empty[0])} is empty; every prompt needs at least one token"
+            )
+        self.responses, self.lengths = pad_rows(responses, torch.long, pad_id)
+        self.columns = {name: pad_rows(data[name], torch.float32, 0)[0] for name in columns}
+
+    def batch(self, index: Tensor) -> PackedBatch:
+        """``pack_batch`` of the rows at ``index``."""
+        lengths = self.prompt_lengths[index]
+        width = int(lengths.max())
+        prompt_mask = torch.arange(width) >= (width - lengths).unsqueeze(1)
+        prompt_ids = self.prompts[index, self.prompts.shape[1] - width :]
+        lengths = self.lengths[index]
+        width = max(1, int(lengths.max()))
+        response_mask = torch.arange(width) < lengths.unsqueeze(1)
+        response_ids = self.responses[index, :width]
+        return PackedBatch(
+            input_ids=torch.cat((prompt_ids, response_ids), dim=1),
+            attention_mask=torch.cat((prompt_mask, response_mask), dim=1),
+            response_mask=response_mask,
+        )
+
+    def column(self, name: str, index: Tensor, width: int) -> Tensor:
+        """``right_pad`` of column ``name``'s rows at ``index`` to ``width``."""
+        return self.columns[name][index, :width].contiguous()
 
 
 def policy_logprobs(model: Any, batch: Any, temperature: float) -> Tensor:
@@ -126,15 +214,41 @@ def group_advantages(
     lengths: Sequence[int],
 ) -> list[Tensor]:
     """Per-token advantages of whole groups (outcome estimators: one value per sequence)."""
+    return padded_advantages(algorithm, rewards, group_ids, lengths).rows()
+
+
+def padded_advantages(
+    algorithm: AlgorithmSettings,
+    rewards: Tensor,
+    group_ids: Sequence[int],
+    lengths: Sequence[int],
+) -> PaddedRows:
+    """``group_advantages`` as one padded tensor (what the trainer trains on: no tensor per row)."""
     width = max(1, max(lengths))
-    mask = torch.arange(width) < torch.tensor(list(lengths)).unsqueeze(1)
+    counts = torch.tensor(list(lengths), dtype=torch.long)
+    mask = torch.arange(width) < counts.unsqueeze(1)
     estimator = {
         "grpo": grpo_advantages,
         "dr_grpo": dr_grpo_advantages,
         "rloo": rloo_advantages,
     }[algorithm.advantage]
     out = estimator(rewards.float(), torch.tensor(list(group_ids)), mask).advantages
-    return [out[i, :n].float().clone() for i, n in enumerate(lengths)]
+    # zeros after each row, +0.0 where the estimator left -0.0 (a negative value x 0)
+    return PaddedRows(out.float().masked_fill(~mask, 0.0), counts)
+
+
+def oldest_versions(token_versions: Sequence[Tensor], stored: Sequence[int]) -> list[int]:
+    """Each sample's oldest token version (its ``stored`` version when it has no token): one
+    copy and one reduction for the whole batch."""
+    oldest = torch.tensor(list(stored), dtype=torch.long)
+    lengths = torch.tensor([int(t.shape[0]) for t in token_versions], dtype=torch.long)
+    if int(lengths.sum()):
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        flat = torch.cat(list(token_versions)).long()
+        start = torch.full_like(oldest, torch.iinfo(torch.long).max)
+        oldest = torch.where(lengths > 0, start.scatter_reduce(0, rows, flat, "amin"), oldest)
+    versions: list[int] = oldest.tolist()
+    return versions
 
 
 def loss_config(algorithm: AlgorithmSettings) -> PPOLossConfig:
@@ -186,7 +300,8 @@ class Learner:
 
     def step(self, data: Mapping[str, Any]) -> dict[str, float]:
         """Train on one global batch: ``mini_batches`` updates, ``epochs`` times. ``data`` holds
-        per-sample lists (``prompt_ids`` expanded per sample) and a ``rewards`` tensor."""
+        per-sample lists (``prompt_ids`` expanded per sample; a per-token column may also be
+        ``PaddedRows``) and a ``rewards`` tensor."""
         updates = self.updates(data)
         next(updates)
         return finish(updates)
@@ -197,8 +312,7 @@ class Learner:
         parameters, the optimizer state and ``rng_state`` are those of the last finished step:
         the trainer reads them for a weight sync or a checkpoint meanwhile."""
         train, temperature = self.spec.train, self.spec.rollout.temperature
-        prompts = [p.tolist() for p in data["prompt_ids"]]
-        responses = list(data["response_ids"])
+        responses = data["response_ids"]
         n = len(responses)
         sums: dict[str, float] = {}
         updates = 0
@@ -211,19 +325,20 @@ class Learner:
             old = sequence_logprobs(self.model, data["prompt_ids"], responses,
                                     pad_id=self.tokenizer.pad_id, temperature=temperature)  # fmt: skip
             data = {**data, "old_logprobs": old}
+        names = ["advantages", "behaviour_logprobs"]
+        names += ([] if reuse else ["old_logprobs"]) + (
+            ["ref_logprobs"] if self.spec.use_ref else []
+        )
+        rows = MiniBatches(data, names, self.tokenizer.pad_id)
         for _ in range(train.epochs):
-            order = torch.randperm(n, generator=self.generator).tolist()
+            order = torch.randperm(n, generator=self.generator)
             for k in range(chunks):
-                rows = order[k * n // chunks : (k + 1) * n // chunks]
-                batch = pack_batch(
-                    [prompts[i] for i in rows],
-                    [responses[i].tolist() for i in rows],
-                    pad_id=self.tokenizer.pad_id,
-                )
+                index = order[k * n // chunks : (k + 1) * n // chunks]
+                batch = rows.batch(index)
                 width = batch.response_length
 
-                def column(name: str, rows: list[int] = rows, width: int = width) -> Tensor:
-                    return right_pad([data[name][i] for i in rows], width)
+                def column(name: str, index: Tensor = index, width: int = width) -> Tensor:
+                    return rows.column(name, index, width)
 
                 logprobs = policy_logprobs(self.model, batch, temperature)
                 result = policy_loss(

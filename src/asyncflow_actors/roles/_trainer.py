@@ -37,7 +37,7 @@ from ._messages import (
 )
 from ._settings import RunSpec
 from ._shared import shared_policy
-from ._worker import Station, column, in_thread, take
+from ._worker import Station, column, columns, in_thread
 
 log = logging.getLogger("asyncflow_actors.roles")
 
@@ -132,15 +132,15 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
         previous: _Answer | None = None
         while True:
             batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
-            rows = list(range(len(batch)))
-            data = {name: take(batch, rows, name) for name in self.columns}
-            data[S.REWARDS] = column(batch, S.REWARDS)
+            # whole columns, no per-row Python: fixed-shape ones are one tensor each
+            data = {name: columns(batch, name) for name in self.columns}
+            lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
             histogram = self._check_staleness(data[S.TOKEN_VERSIONS], batch.versions)
             with self.meter.track.span("train", samples=batch.indexes, version=self.version):
                 start = clock_ns()
                 if self.advantages is not None:
-                    lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
-                    data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths)
+                    rows = range(len(batch))
+                    data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths, padded=True)
                 # Up to the first optimizer step: reads the weights only, as a sync does.
                 updates = self.learner.updates(data)
                 await in_thread(next, updates)
@@ -152,12 +152,12 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
                     metrics = await in_thread(self.compute.finish, updates)
                 self.meter.busy(start)
             await self.client.ack(batch)
-            tokens = sum(int(r.shape[0]) for r in data[S.RESPONSE_IDS])
+            tokens = sum(lengths)
             rewards = column(batch, S.REWARDS)
             metrics["reward_mean"] = float(rewards.mean())
             metrics["accuracy"] = float((rewards == 1.0).float().mean())
             metrics["response_length"] = tokens / len(batch)
-            resumed = sum(1 for r in data[S.RESUMES] if int(r) > 0)
+            resumed = int((column(batch, S.RESUMES) > 0).sum())
             metrics["partial_rollout_ratio"] = resumed / len(batch)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(len(batch), tokens)
@@ -183,16 +183,18 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
         """Per sample: trainer version - oldest token version, within [0, staleness]."""
         limit = self.spec.staleness
         counts = [0] * (limit + 1)
-        for tokens, stored in zip(token_versions, versions, strict=True):
-            oldest = int(tokens.min()) if tokens.numel() else stored
-            lag = self.version - oldest
+        lags = [
+            self.version - oldest
+            for oldest in self.compute.oldest_versions(token_versions, versions)
+        ]
+        for lag in lags:
             if not 0 <= lag <= limit:
                 raise StalenessViolation(
-                    f"a sample of version {oldest} reached the trainer at version "
+                    f"a sample of version {self.version - lag} reached the trainer at version "
                     f"{self.version}; the window is {limit}"
                 )
             counts[lag] += 1
-            self._staleness.observe(lag)
+        self._staleness.observe_many(lags)
         self._offpolicy.inc(sum(counts[1:]))
         return tuple(counts)
 

@@ -310,6 +310,13 @@ def column(batch: Batch, name: str) -> Any:
     return torch.stack(value) if isinstance(value, list) else value
 
 
+def columns(batch: Batch, name: str) -> Any:
+    """Column ``name`` of the whole ``batch`` as the batch holds it (one tensor for a
+    fixed-shape column, a list of rows for a variable one; a shared column expanded per
+    sample): no per-row work."""
+    return batch.expand(name) if name in batch.shared else batch[name]
+
+
 def take(batch: Batch, rows: Sequence[int], name: str) -> list[Any]:
     """Column ``name`` of ``batch`` at ``rows`` as a list (shared columns expanded)."""
     values = batch.expand(name) if name in batch.shared else batch[name]
