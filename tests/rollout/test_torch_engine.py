@@ -146,6 +146,80 @@ async def test_samples_of_a_prompt_are_reproducible_and_distinct() -> None:
     assert len({c.token_ids for c in first}) > 1
 
 
+class OneByOne:
+    """An engine without ``generate_many``: ``generate_samples`` runs a task per sample."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await self.engine.generate(request)
+
+
+async def test_a_group_at_once_matches_a_task_per_sample() -> None:
+    req = GenerationRequest([1, 4, 5], SamplingConfig(12, n=6, seed=7), request_id="p")
+    async with open_torch_engine(tiny_model(), EngineConfig(max_batch=4)) as engine:
+        grouped = await generate_samples(engine, req)
+        single = await generate_samples(OneByOne(engine), req)  # type: ignore[arg-type]
+        many = await engine.generate_many(req.expand())
+    assert [c.request_id for c in grouped] == [f"p/{i}" for i in range(6)]
+    # the same tokens; the log-probs up to float rounding (other rows share the batch)
+    for a, b, c in zip(grouped, single, many, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.logprobs == pytest.approx(c.logprobs, abs=1e-5)
+
+
+async def test_generate_samples_resumes_what_an_abort_returned_from_a_group() -> None:
+    model = version_model()
+    req = GenerationRequest([1, 3], SamplingConfig(60, n=5, seed=2))
+    config = EngineConfig(max_batch=3, max_run_seconds=1e-3)
+    out: list[Completion] = []
+    async with open_torch_engine(model, config) as engine:
+
+        async def run() -> None:
+            out.extend(await generate_samples(engine, req))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while engine.statistics().generated_tokens < 9:
+                await trio.sleep(0.001)
+            ack = await engine.pause(PauseMode.ABORT)
+            await engine.load_weights({"lm_head.weight": version_head(model, 1)}, 1)
+            await engine.resume()
+    assert ack.aborted == 3  # the three rows running; the other two waited
+    assert [c.finish_reason for c in out] == [FinishReason.LENGTH] * 5
+    assert sorted(c.resumes for c in out) == [0, 0, 1, 1, 1]
+    for c in out:
+        assert len(c.token_ids) == 60
+        assert c.token_ids == tuple(version_token(v) for v in c.versions)
+        assert (c.oldest_version, c.newest_version) == ((0, 1) if c.resumes else (1, 1))
+
+
+async def test_cancelling_generate_many_drops_every_request() -> None:
+    req = GenerationRequest([1, 3], SamplingConfig(60, n=5, seed=2))
+    config = EngineConfig(max_batch=3, max_run_seconds=1e-3)
+    async with open_torch_engine(tiny_model(), config) as engine:
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await engine.generate_many(req.expand())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while engine.statistics().generated_tokens < 3:  # 60 a sample: none finished
+                await trio.sleep(0.001)
+            scope.cancel()
+        assert scope.cancelled_caught
+        stats = engine.statistics()
+        assert (stats.waiting, stats.completed) == (0, 0)
+        while engine.statistics().running:  # the rows free at the stretch's end
+            await trio.sleep(0.001)
+        again = await engine.generate_many(req.expand()[:2])
+    assert [c.finish_reason for c in again] == [FinishReason.LENGTH] * 2
+
+
 async def test_stream_deltas_add_up_to_the_completion() -> None:
     config = EngineConfig(max_run_seconds=1e-4)
     request = GenerationRequest([1, 3], SamplingConfig(30, seed=1))

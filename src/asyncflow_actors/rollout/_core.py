@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -168,6 +168,28 @@ class EngineCore:
         assert live.result is not None
         return live.result
 
+    async def generate_many(self, requests: Sequence[GenerationRequest]) -> tuple[Completion, ...]:
+        """Generate several samples (e.g. a prompt's group) as ``generate`` does each, in order,
+        without a task per request. The first failure is raised; cancelling, or a failure,
+        drops the requests not finished."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        lives: list[_Live] = []
+        try:
+            for request in requests:
+                lives.append(self._submit(request, None))
+            results = []
+            for live in lives:
+                await live.done.wait()
+                if live.error is not None:
+                    raise live.error
+                assert live.result is not None
+                results.append(live.result)
+        finally:
+            for live in lives:
+                if not live.done.is_set():
+                    self._cancel(live)
+        return tuple(results)
+
     @asynccontextmanager
     async def open_stream(self, request: GenerationRequest) -> AsyncIterator[CompletionStream]:
         """Generate one sample as deltas; leaving the block early cancels the request."""
@@ -312,8 +334,10 @@ class EngineCore:
         )
         self._waiting.append(live)
         self._kick.set()
-        if self._admissible_now():
-            self._stop.set()  # a free slot: end the stretch so that the request joins
+        if not self._stop.is_set() and self._admissible_now():
+            # a free slot: end the stretch so that the request joins (once: ``set`` takes a
+            # lock and notifies, and a group submits its samples back to back)
+            self._stop.set()
         return live
 
     def _admissible_now(self) -> bool:
@@ -389,7 +413,8 @@ class EngineCore:
 
     def _poke(self) -> None:
         self._kick.set()
-        self._stop.set()
+        if not self._stop.is_set():
+            self._stop.set()
 
     def _control(self) -> None:
         """Between stretches: drop cancelled requests, advance a pause in progress."""
