@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import attrs
 import pytest
@@ -562,3 +566,31 @@ def test_a_prompt_shared_by_a_group_is_prefilled_once() -> None:
     for slot, prompt in enumerate([[1, 4, 5], [1, 4, 5], [1, 6], [1, 4, 5]]):
         alone = model(torch.tensor([[*prompt, 7]]))[0, -1]
         torch.testing.assert_close(nxt[slot], alone, atol=1e-4, rtol=0)
+
+
+def test_a_process_exiting_right_after_a_cancelled_engine_exits_cleanly(tmp_path: Path) -> None:
+    """The engine's block waits for its decode thread: a process that exits under a running
+    decode step aborts (``terminate called without an active exception``, status 134)."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import trio\n"
+        "from asyncflow_actors.rollout import EngineConfig, GenerationRequest, SamplingConfig\n"
+        "from asyncflow_actors.rollout import generate_samples, open_torch_engine\n"
+        "from tests.rollout.kit import tiny_model\n"
+        "async def main():\n"
+        "    config = EngineConfig(max_batch=256, max_run_seconds=5.0)\n"
+        "    with trio.move_on_after(0.3):\n"
+        "        model = tiny_model()\n"
+        "        async with open_torch_engine(model, config) as engine:\n"
+        "            req = GenerationRequest([1, 3], SamplingConfig(60, n=256, seed=1))\n"
+        "            while True:\n"
+        "                await generate_samples(engine, req)\n"
+        "trio.run(main)\n"
+    )
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for _ in range(3):  # the exit hits a decode step most times, not every time
+        done = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr

@@ -42,6 +42,7 @@ from ._types import (
 __all__ = ["CompletionStream", "EngineCore"]
 
 _RATE_WINDOW_S = 5.0
+_STOP_WAIT_S = 10.0  # the most a closing engine waits for its decode step to end
 
 
 class _State(enum.Enum):
@@ -139,6 +140,8 @@ class EngineCore:
         self._load_lock = trio.Lock()
         self._kick = trio.Event()
         self._stop = threading.Event()
+        self._idle = threading.Event()  # no stretch running in a worker thread
+        self._idle.set()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._completed = 0
         self._aborted = 0
@@ -480,6 +483,7 @@ class EngineCore:
                     await self._kick.wait()
                     continue
                 self._stop.clear()
+                self._idle.clear()
                 # Cancelled mid-stretch (the engine's scope was cancelled), the thread is
                 # abandoned: it stops at its next step boundary (the stop flag) and its results
                 # are never read; nothing else touches the backend after that.
@@ -487,6 +491,11 @@ class EngineCore:
                 self._settle(work, outcome)
         finally:
             self._stop.set()
+            # ...but the engine does not close before it stopped: a process that exits under a
+            # running decode step aborts ("terminate called without an active exception").
+            if not self._idle.is_set():
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._idle.wait, _STOP_WAIT_S)
             self._close_all()
 
     def _settle(self, work: _Work, outcome: _Outcome) -> None:
@@ -570,6 +579,8 @@ class EngineCore:
             return _Outcome(steps, tokens, tuple(finished), None)
         except Exception as exc:  # reported to the event loop, which fails loudly
             return _Outcome(steps, tokens, tuple(finished), exc)
+        finally:
+            self._idle.set()
 
     def _step(self, admissions: list[_Live], running: list[_Live], version: int) -> int:
         """One decode step: prefill the admissions, feed every running row its last token,
