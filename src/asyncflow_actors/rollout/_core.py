@@ -11,7 +11,6 @@ on one version and every token records it.
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 import time
@@ -19,13 +18,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
-import attrs
 import torch
 import trio
 
 from ..checkpoint import PauseAck, PauseMode
-from ._backend import Backend, PreparedWeights
+from ._backend import Backend
 from ._config import EngineConfig
+from ._live import _Live, _Outcome, _State, _Swap, _Work
 from ._sampler import Draws, sample_from
 from ._types import (
     Completion,
@@ -43,61 +42,6 @@ __all__ = ["CompletionStream", "EngineCore"]
 
 _RATE_WINDOW_S = 5.0
 _STOP_WAIT_S = 10.0  # the most a closing engine waits for its decode step to end
-
-
-class _State(enum.Enum):
-    RUNNING = "running"
-    PAUSING = "pausing"
-    PAUSED = "paused"
-    CLOSED = "closed"
-
-
-@attrs.define(eq=False)
-class _Live:
-    """A request inside the engine (mutable; see the module docstring for who touches it)."""
-
-    request: GenerationRequest
-    stop_ids: frozenset[int]
-    seed: int
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    stream: trio.MemorySendChannel[CompletionDelta] | None = None
-    done: trio.Event = attrs.Factory(trio.Event)
-    slot: int | None = None
-    pending: int | None = None
-    draws: Draws | None = None
-    finish: FinishReason | None = None
-    result: Completion | None = None
-    error: BaseException | None = None
-    published: int = 0
-    cancelled: bool = False
-    drain: bool = False
-
-
-@attrs.define(eq=False)
-class _Swap:
-    weights: PreparedWeights
-    version: int
-    done: trio.Event = attrs.Factory(trio.Event)
-    taken: bool = False
-    error: BaseException | None = None
-
-
-@attrs.frozen
-class _Work:
-    swap: _Swap | None
-    admissions: tuple[_Live, ...]
-    running: tuple[_Live, ...]
-    version: int
-
-
-@attrs.frozen
-class _Outcome:
-    steps: int
-    tokens: int
-    finished: tuple[_Live, ...]
-    error: BaseException | None
 
 
 class CompletionStream:
@@ -142,6 +86,8 @@ class EngineCore:
         self._stop = threading.Event()
         self._idle = threading.Event()  # no stretch running in a worker thread
         self._idle.set()
+        self._gate = threading.Lock()  # a stretch starts, or the loop ends: not both
+        self._ended = False
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._completed = 0
         self._aborted = 0
@@ -483,7 +429,6 @@ class EngineCore:
                     await self._kick.wait()
                     continue
                 self._stop.clear()
-                self._idle.clear()
                 # Cancelled mid-stretch (the engine's scope was cancelled), the thread is
                 # abandoned: it stops at its next step boundary (the stop flag) and its results
                 # are never read; nothing else touches the backend after that.
@@ -492,7 +437,10 @@ class EngineCore:
         finally:
             self._stop.set()
             # ...but the engine does not close before it stopped: a process that exits under a
-            # running decode step aborts ("terminate called without an active exception").
+            # running decode step aborts ("terminate called without an active exception"). A
+            # stretch whose thread had not started yet does not start (``_ended``).
+            with self._gate:
+                self._ended = True
             if not self._idle.is_set():
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._idle.wait, _STOP_WAIT_S)
@@ -554,6 +502,10 @@ class EngineCore:
         """One stretch of decode steps (worker thread)."""
         steps = tokens = 0
         finished: list[_Live] = []
+        with self._gate:
+            if self._ended:
+                return _Outcome(0, 0, (), None)
+            self._idle.clear()
         try:
             with torch.no_grad():
                 if work.swap is not None:
