@@ -41,7 +41,6 @@ from ._types import (
 __all__ = ["CompletionStream", "EngineCore"]
 
 _RATE_WINDOW_S = 5.0
-_STOP_WAIT_S = 10.0  # the most a closing engine waits for its decode step to end
 
 
 class CompletionStream:
@@ -84,10 +83,6 @@ class EngineCore:
         self._load_lock = trio.Lock()
         self._kick = trio.Event()
         self._stop = threading.Event()
-        self._idle = threading.Event()  # no stretch running in a worker thread
-        self._idle.set()
-        self._gate = threading.Lock()  # a stretch starts, or the loop ends: not both
-        self._ended = False
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._completed = 0
         self._aborted = 0
@@ -429,21 +424,14 @@ class EngineCore:
                     await self._kick.wait()
                     continue
                 self._stop.clear()
-                # Cancelled mid-stretch (the engine's scope was cancelled), the thread is
-                # abandoned: it stops at its next step boundary (the stop flag) and its results
-                # are never read; nothing else touches the backend after that.
-                outcome = await trio.to_thread.run_sync(self._run, work, abandon_on_cancel=True)
+                # Cancelled mid-stretch (the engine's scope was cancelled), the thread stops
+                # at its next step boundary (``check_cancelled``) and its results are never
+                # read; the loop waits for it: a process that exits under a running decode
+                # step aborts ("terminate called without an active exception").
+                outcome = await trio.to_thread.run_sync(self._run, work)
                 self._settle(work, outcome)
         finally:
             self._stop.set()
-            # ...but the engine does not close before it stopped: a process that exits under a
-            # running decode step aborts ("terminate called without an active exception"). A
-            # stretch whose thread had not started yet does not start (``_ended``).
-            with self._gate:
-                self._ended = True
-            if not self._idle.is_set():
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(self._idle.wait, _STOP_WAIT_S)
             self._close_all()
 
     def _settle(self, work: _Work, outcome: _Outcome) -> None:
@@ -502,10 +490,6 @@ class EngineCore:
         """One stretch of decode steps (worker thread)."""
         steps = tokens = 0
         finished: list[_Live] = []
-        with self._gate:
-            if self._ended:
-                return _Outcome(0, 0, (), None)
-            self._idle.clear()
         try:
             with torch.no_grad():
                 if work.swap is not None:
@@ -523,6 +507,7 @@ class EngineCore:
                         self._backend.release([live.slot for live in done if live.slot is not None])
                         finished.extend(done)
                         break
+                    trio.from_thread.check_cancelled()  # the engine is closing
                     if (
                         self._stop.is_set()
                         or time.monotonic() - start > self.config.max_run_seconds
@@ -531,8 +516,6 @@ class EngineCore:
             return _Outcome(steps, tokens, tuple(finished), None)
         except Exception as exc:  # reported to the event loop, which fails loudly
             return _Outcome(steps, tokens, tuple(finished), exc)
-        finally:
-            self._idle.set()
 
     def _step(self, admissions: list[_Live], running: list[_Live], version: int) -> int:
         """One decode step: prefill the admissions, feed every running row its last token,
