@@ -9,10 +9,11 @@
   GRPO written below (generate, score, update; no actors; baseline), from the same warmed-up
   policy with the same batch and learning rate; the mean over ``--seeds`` task seeds (one
   seed moves the steps needed by about 1.4x). The async run folds the old log-probs and the
-  advantages into the trainer (``placement.roles``), the placement ``docs/pipeline.md``
-  recommends for small models, and corrects its one-version-stale samples with token-level
-  importance weights (``algorithm.is_level = "token"``): with the old log-probs the trainer's
-  own, nothing else does. Target ratio < 1.
+  advantages into the trainer and runs the rollout in the driver process, next to the
+  TransferQueue (``placement.roles``): the placement ``docs/pipeline.md`` recommends for small
+  models, two processes, generation and training in parallel; it corrects its one-version-stale
+  samples with token-level importance weights (``algorithm.is_level = "token"``): with the old
+  log-probs the trainer's own, nothing else does. Target ratio < 1.
 - ``pipeline_final_reward_gap_s1`` / ``_s2``: held-out reward (512 problems) after the same
   number of trained samples, async at staleness 1 and 2 minus sync, in percentage points.
   Target: within 2.
@@ -165,14 +166,15 @@ def plain_grpo_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[flo
     return float("inf"), max_steps, (time.process_time() - cpu) / max_steps
 
 
-FOLDED = {"actor_fwd": "trainer", "advantage": "trainer"}
+# the stations folded into the trainer, the rollout's queue traffic in-process calls
+SMALL_MODEL_ROLES = {"actor_fwd": "trainer", "advantage": "trainer", "rollout": "driver"}
 
 
 async def pipeline_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[float, int, float]:
     """Seconds and steps to the target, and CPU seconds per step over every process from the
     first step to the last (the start-up of the node processes left out)."""
     cfg = config("async", init, staleness=1, train={"steps": max_steps, "seed": seed},
-                 task={"seed": seed}, placement={"default": "process", "roles": FOLDED},
+                 task={"seed": seed}, placement={"default": "process", "roles": SMALL_MODEL_ROLES},
                  algorithm={"is_level": "token"})  # fmt: skip
     reached: list[StepRecord] = []
     async with afa.open_actor_system() as system, open_pipeline(system, cfg) as run:

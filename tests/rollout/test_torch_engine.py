@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import attrs
 import pytest
@@ -144,6 +148,80 @@ async def test_samples_of_a_prompt_are_reproducible_and_distinct() -> None:
     assert [c.request_id for c in first] == ["p/0", "p/1", "p/2", "p/3"]
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     assert len({c.token_ids for c in first}) > 1
+
+
+class OneByOne:
+    """An engine without ``generate_many``: ``generate_samples`` runs a task per sample."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        return await self.engine.generate(request)
+
+
+async def test_a_group_at_once_matches_a_task_per_sample() -> None:
+    req = GenerationRequest([1, 4, 5], SamplingConfig(12, n=6, seed=7), request_id="p")
+    async with open_torch_engine(tiny_model(), EngineConfig(max_batch=4)) as engine:
+        grouped = await generate_samples(engine, req)
+        single = await generate_samples(OneByOne(engine), req)  # type: ignore[arg-type]
+        many = await engine.generate_many(req.expand())
+    assert [c.request_id for c in grouped] == [f"p/{i}" for i in range(6)]
+    # the same tokens; the log-probs up to float rounding (other rows share the batch)
+    for a, b, c in zip(grouped, single, many, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.logprobs == pytest.approx(c.logprobs, abs=1e-5)
+
+
+async def test_generate_samples_resumes_what_an_abort_returned_from_a_group() -> None:
+    model = version_model()
+    req = GenerationRequest([1, 3], SamplingConfig(60, n=5, seed=2))
+    config = EngineConfig(max_batch=3, max_run_seconds=1e-3)
+    out: list[Completion] = []
+    async with open_torch_engine(model, config) as engine:
+
+        async def run() -> None:
+            out.extend(await generate_samples(engine, req))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while engine.statistics().generated_tokens < 9:
+                await trio.sleep(0.001)
+            ack = await engine.pause(PauseMode.ABORT)
+            await engine.load_weights({"lm_head.weight": version_head(model, 1)}, 1)
+            await engine.resume()
+    assert ack.aborted == 3  # the three rows running; the other two waited
+    assert [c.finish_reason for c in out] == [FinishReason.LENGTH] * 5
+    assert sorted(c.resumes for c in out) == [0, 0, 1, 1, 1]
+    for c in out:
+        assert len(c.token_ids) == 60
+        assert c.token_ids == tuple(version_token(v) for v in c.versions)
+        assert (c.oldest_version, c.newest_version) == ((0, 1) if c.resumes else (1, 1))
+
+
+async def test_cancelling_generate_many_drops_every_request() -> None:
+    req = GenerationRequest([1, 3], SamplingConfig(60, n=5, seed=2))
+    config = EngineConfig(max_batch=3, max_run_seconds=1e-3)
+    async with open_torch_engine(tiny_model(), config) as engine:
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await engine.generate_many(req.expand())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while engine.statistics().generated_tokens < 3:  # 60 a sample: none finished
+                await trio.sleep(0.001)
+            scope.cancel()
+        assert scope.cancelled_caught
+        stats = engine.statistics()
+        assert (stats.waiting, stats.completed) == (0, 0)
+        while engine.statistics().running:  # the rows free at the stretch's end
+            await trio.sleep(0.001)
+        again = await engine.generate_many(req.expand()[:2])
+    assert [c.finish_reason for c in again] == [FinishReason.LENGTH] * 2
 
 
 async def test_stream_deltas_add_up_to_the_completion() -> None:
@@ -488,3 +566,31 @@ def test_a_prompt_shared_by_a_group_is_prefilled_once() -> None:
     for slot, prompt in enumerate([[1, 4, 5], [1, 4, 5], [1, 6], [1, 4, 5]]):
         alone = model(torch.tensor([[*prompt, 7]]))[0, -1]
         torch.testing.assert_close(nxt[slot], alone, atol=1e-4, rtol=0)
+
+
+def test_a_process_exiting_right_after_a_cancelled_engine_exits_cleanly(tmp_path: Path) -> None:
+    """The engine's block waits for its decode thread: a process that exits under a running
+    decode step aborts (``terminate called without an active exception``, status 134)."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import trio\n"
+        "from asyncflow_actors.rollout import EngineConfig, GenerationRequest, SamplingConfig\n"
+        "from asyncflow_actors.rollout import generate_samples, open_torch_engine\n"
+        "from tests.rollout.kit import tiny_model\n"
+        "async def main():\n"
+        "    config = EngineConfig(max_batch=256, max_run_seconds=5.0)\n"
+        "    with trio.move_on_after(0.3):\n"
+        "        model = tiny_model()\n"
+        "        async with open_torch_engine(model, config) as engine:\n"
+        "            req = GenerationRequest([1, 3], SamplingConfig(60, n=256, seed=1))\n"
+        "            while True:\n"
+        "                await generate_samples(engine, req)\n"
+        "trio.run(main)\n"
+    )
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for _ in range(3):  # the exit hits a decode step most times, not every time
+        done = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr

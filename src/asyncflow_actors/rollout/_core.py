@@ -11,21 +11,20 @@ on one version and every token records it.
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
-import attrs
 import torch
 import trio
 
 from ..checkpoint import PauseAck, PauseMode
-from ._backend import Backend, PreparedWeights
+from ._backend import Backend
 from ._config import EngineConfig
+from ._live import _Live, _Outcome, _State, _Swap, _Work
 from ._sampler import Draws, sample_from
 from ._types import (
     Completion,
@@ -42,61 +41,6 @@ from ._types import (
 __all__ = ["CompletionStream", "EngineCore"]
 
 _RATE_WINDOW_S = 5.0
-
-
-class _State(enum.Enum):
-    RUNNING = "running"
-    PAUSING = "pausing"
-    PAUSED = "paused"
-    CLOSED = "closed"
-
-
-@attrs.define(eq=False)
-class _Live:
-    """A request inside the engine (mutable; see the module docstring for who touches it)."""
-
-    request: GenerationRequest
-    stop_ids: frozenset[int]
-    seed: int
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    stream: trio.MemorySendChannel[CompletionDelta] | None = None
-    done: trio.Event = attrs.Factory(trio.Event)
-    slot: int | None = None
-    pending: int | None = None
-    draws: Draws | None = None
-    finish: FinishReason | None = None
-    result: Completion | None = None
-    error: BaseException | None = None
-    published: int = 0
-    cancelled: bool = False
-    drain: bool = False
-
-
-@attrs.define(eq=False)
-class _Swap:
-    weights: PreparedWeights
-    version: int
-    done: trio.Event = attrs.Factory(trio.Event)
-    taken: bool = False
-    error: BaseException | None = None
-
-
-@attrs.frozen
-class _Work:
-    swap: _Swap | None
-    admissions: tuple[_Live, ...]
-    running: tuple[_Live, ...]
-    version: int
-
-
-@attrs.frozen
-class _Outcome:
-    steps: int
-    tokens: int
-    finished: tuple[_Live, ...]
-    error: BaseException | None
 
 
 class CompletionStream:
@@ -167,6 +111,28 @@ class EngineCore:
             raise live.error
         assert live.result is not None
         return live.result
+
+    async def generate_many(self, requests: Sequence[GenerationRequest]) -> tuple[Completion, ...]:
+        """Generate several samples (e.g. a prompt's group) as ``generate`` does each, in order,
+        without a task per request. The first failure is raised; cancelling, or a failure,
+        drops the requests not finished."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        lives: list[_Live] = []
+        try:
+            for request in requests:
+                lives.append(self._submit(request, None))
+            results = []
+            for live in lives:
+                await live.done.wait()
+                if live.error is not None:
+                    raise live.error
+                assert live.result is not None
+                results.append(live.result)
+        finally:
+            for live in lives:
+                if not live.done.is_set():
+                    self._cancel(live)
+        return tuple(results)
 
     @asynccontextmanager
     async def open_stream(self, request: GenerationRequest) -> AsyncIterator[CompletionStream]:
@@ -312,8 +278,10 @@ class EngineCore:
         )
         self._waiting.append(live)
         self._kick.set()
-        if self._admissible_now():
-            self._stop.set()  # a free slot: end the stretch so that the request joins
+        if not self._stop.is_set() and self._admissible_now():
+            # a free slot: end the stretch so that the request joins (once: ``set`` takes a
+            # lock and notifies, and a group submits its samples back to back)
+            self._stop.set()
         return live
 
     def _admissible_now(self) -> bool:
@@ -389,7 +357,8 @@ class EngineCore:
 
     def _poke(self) -> None:
         self._kick.set()
-        self._stop.set()
+        if not self._stop.is_set():
+            self._stop.set()
 
     def _control(self) -> None:
         """Between stretches: drop cancelled requests, advance a pause in progress."""
@@ -455,10 +424,11 @@ class EngineCore:
                     await self._kick.wait()
                     continue
                 self._stop.clear()
-                # Cancelled mid-stretch (the engine's scope was cancelled), the thread is
-                # abandoned: it stops at its next step boundary (the stop flag) and its results
-                # are never read; nothing else touches the backend after that.
-                outcome = await trio.to_thread.run_sync(self._run, work, abandon_on_cancel=True)
+                # Cancelled mid-stretch (the engine's scope was cancelled), the thread stops
+                # at its next step boundary (``check_cancelled``) and its results are never
+                # read; the loop waits for it: a process that exits under a running decode
+                # step aborts ("terminate called without an active exception").
+                outcome = await trio.to_thread.run_sync(self._run, work)
                 self._settle(work, outcome)
         finally:
             self._stop.set()
@@ -537,6 +507,7 @@ class EngineCore:
                         self._backend.release([live.slot for live in done if live.slot is not None])
                         finished.extend(done)
                         break
+                    trio.from_thread.check_cancelled()  # the engine is closing
                     if (
                         self._stop.is_set()
                         or time.monotonic() - start > self.config.max_run_seconds

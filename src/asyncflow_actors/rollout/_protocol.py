@@ -63,9 +63,22 @@ async def generate_samples(
     """The ``request.sampling.n`` samples of a prompt, generated concurrently, in order.
 
     With ``resume`` (the default) aborted samples are resubmitted (``generate_with_resume``).
+    An engine with a ``generate_many(requests)`` method (the built-in ones) gets the samples in
+    one call instead of a task each.
     """
     samples = request.expand()
     results: list[Completion | None] = [None] * len(samples)
+    todo = list(enumerate(samples))
+    many = getattr(engine, "generate_many", None)
+    if many is not None:
+        # The built-in engines take the whole group at once, without a task per sample; the
+        # samples an abort returned (``PauseMode.ABORT``) are resumed below.
+        results = list(await many(samples))
+        todo = [
+            (i, samples[i].continue_from(c))
+            for i, c in enumerate(results)
+            if resume and c is not None and c.finish_reason is FinishReason.ABORTED
+        ]
 
     async def one(i: int, sample: GenerationRequest) -> None:
         if resume:
@@ -73,7 +86,8 @@ async def generate_samples(
         else:
             results[i] = await engine.generate(sample)
 
-    async with trio.open_nursery() as nursery:
-        for i, sample in enumerate(samples):
-            nursery.start_soon(one, i, sample)
+    if todo:
+        async with trio.open_nursery() as nursery:
+            for i, sample in todo:
+                nursery.start_soon(one, i, sample)
     return tuple(r for r in results if r is not None)

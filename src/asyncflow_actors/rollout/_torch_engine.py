@@ -132,8 +132,8 @@ async def open_torch_engine(
     """Serve ``model`` until the block exits; pending requests then fail with ``EngineClosed``.
 
     The decode loop runs in a worker thread, so the event loop stays free. Cancelling the
-    block abandons the decode thread at its current step (it stops at the next boundary and
-    nothing reads its results).
+    block stops the decode thread at its next step boundary and waits for it (nothing reads its
+    results; a process exiting under a running decode step aborts).
     """
     engine = TorchEngine(model, config)
     async with trio.open_nursery() as nursery:

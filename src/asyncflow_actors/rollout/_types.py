@@ -175,8 +175,18 @@ class GenerationRequest:
 
     def expand(self) -> tuple[GenerationRequest, ...]:
         """The ``sampling.n`` samples of this prompt, ids ``f"{request_id}/{i}"``."""
+        # built directly: ``attrs.evolve`` costs about twice as much a sample
         return tuple(
-            attrs.evolve(self, request_id=f"{self.request_id}/{i}", sample_index=i)
+            GenerationRequest(
+                prompt_ids=self.prompt_ids,
+                sampling=self.sampling,
+                request_id=f"{self.request_id}/{i}",
+                sample_index=i,
+                prefix_ids=self.prefix_ids,
+                prefix_logprobs=self.prefix_logprobs,
+                prefix_versions=self.prefix_versions,
+                resumes=self.resumes,
+            )
             for i in range(self.sampling.n)
         )
 
