@@ -319,5 +319,5 @@ def columns(batch: Batch, name: str) -> Any:
 
 def take(batch: Batch, rows: Sequence[int], name: str) -> list[Any]:
     """Column ``name`` of ``batch`` at ``rows`` as a list (shared columns expanded)."""
-    values = batch.expand(name) if name in batch.shared else batch[name]
+    values = columns(batch, name)
     return [values[k] for k in rows]

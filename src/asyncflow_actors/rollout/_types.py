@@ -175,18 +175,8 @@ class GenerationRequest:
 
     def expand(self) -> tuple[GenerationRequest, ...]:
         """The ``sampling.n`` samples of this prompt, ids ``f"{request_id}/{i}"``."""
-        # built directly: ``attrs.evolve`` costs about twice as much a sample
         return tuple(
-            GenerationRequest(
-                prompt_ids=self.prompt_ids,
-                sampling=self.sampling,
-                request_id=f"{self.request_id}/{i}",
-                sample_index=i,
-                prefix_ids=self.prefix_ids,
-                prefix_logprobs=self.prefix_logprobs,
-                prefix_versions=self.prefix_versions,
-                resumes=self.resumes,
-            )
+            attrs.evolve(self, request_id=f"{self.request_id}/{i}", sample_index=i)
             for i in range(self.sampling.n)
         )
 
