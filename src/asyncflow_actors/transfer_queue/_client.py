@@ -16,7 +16,9 @@ again. Failures of storage units surface as :class:`StorageUnavailable`.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
+import re
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -28,10 +30,14 @@ from . import _unit_messages as U
 from ._batch import Batch, assemble, materialize, prepare
 from ._errors import (
     ControllerUnavailable,
+    GroupError,
+    InvalidArgument,
     SchemaError,
+    StaleVersionError,
     StorageUnavailable,
     TransferQueueError,
     UnknownColumn,
+    UnknownGroup,
     UnknownSample,
 )
 from ._results import GroupSlot, Lease
@@ -119,26 +125,33 @@ class TransferQueueClient:
         data: Mapping[str, Any],
         *,
         version: int,
-        group: int | GroupSlot | None = None,
+        group: int | GroupSlot | Sequence[int | GroupSlot] | None = None,
         lengths: Sequence[int] | None = None,
     ) -> tuple[int, ...]:
         """Store a batch of new samples written by policy ``version``; returns their indexes.
 
         ``data`` maps per-sample columns to a tensor ``[n, ...]`` or a list of ``n`` values (see
-        ``Batch`` for how each reads back). With ``group`` the samples join that open group.
-        Waits while the topic is at capacity. Raises ``SchemaError``/``UnknownColumn`` (nothing
-        stored), ``StaleVersionError``, ``StorageUnavailable`` (nothing stored: put again),
-        ``ControllerUnavailable``.
+        ``Batch`` for how each reads back). With ``group`` the samples join that open group; a
+        sequence of ``n`` groups (one per row) puts the rows of several open groups at once
+        (one allocation, one store per unit, one commit: all rows or none). Waits while the
+        topic is at capacity. Raises ``SchemaError``/``UnknownColumn``/``InvalidArgument``
+        (nothing stored), ``StaleVersionError``, ``GroupError``/``UnknownGroup`` (a group is
+        full or gone; ``exc.group_id`` names it, nothing stored), ``StorageUnavailable``
+        (nothing stored: put again), ``ControllerUnavailable``.
         """
         prepared = prepare(self._spec(topic), data, shared=False)
         n = prepared.n
-        gid = group.group_id if isinstance(group, GroupSlot) else group
+        gid = _group_ids(group, n)
         lens = tuple(int(x) for x in lengths) if lengths is not None else None
         for attempt in range(_PUT_TRIES):
             put_id = next(_request_ids)
             restarts = self._restarts
             alloc = M.Allocate(topic, n, version, gid, lens, put_id, self.holder)
-            placed: M.Placed = await self._waiting(alloc, M.CancelPut(put_id))
+            try:
+                placed: M.Placed = await self._waiting(alloc, M.CancelPut(put_id))
+            except TransferQueueError as exc:
+                _name_group(exc)
+                raise
             allocation = placed.allocation
             self.incarnations.update(placed.incarnations)
             self.io.hint(placed.incarnations, placed.free)
@@ -251,6 +264,70 @@ class TransferQueueClient:
             self.io.forget(topic, {slot.unit: []}, [slot.group_id])
             raise
         return slot
+
+    async def open_groups(
+        self,
+        topic: str,
+        sizes: Sequence[int],
+        shared: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[GroupSlot, ...]:
+        """Open one group per entry of ``sizes`` (e.g. one per prompt), all or none, with
+        ``shared[k]`` the group-shared columns of group ``k``: one controller request opens
+        them, one request per storage unit stores their shared columns and one request commits
+        those. Slots come back in the order of ``sizes``.
+
+        Waits while the groups do not fit *together* in the topic's capacity (all-or-nothing
+        admission, FIFO with the other puts). If anything fails or the call is cancelled, every
+        group is closed again and no shared column stays behind. Raises ``CapacityError`` if
+        ``sum(sizes)`` exceeds the capacity (it would wait forever), ``InvalidArgument``,
+        ``SchemaError``/``UnknownColumn`` (nothing opened), ``StorageUnavailable``,
+        ``ControllerUnavailable``.
+        """
+        spec = self._spec(topic)
+        wanted = tuple(_size(size) for size in sizes)
+        if not wanted:
+            raise InvalidArgument("sizes must name at least one group")
+        if shared is not None and len(shared) != len(wanted):
+            raise InvalidArgument(f"{len(shared)} shared entries for {len(wanted)} groups")
+        blobs = [prepare(spec, cols, shared=True) if cols else None for cols in shared or ()]
+        put_id = next(_request_ids)
+        opened: M.OpenedGroups = await self._waiting(
+            M.OpenGroups(topic, wanted, put_id, self.holder), M.CancelPut(put_id)
+        )
+        slots = opened.slots
+        self.incarnations.update(opened.incarnations)
+        if not any(b is not None for b in blobs):
+            return slots
+        per_unit: dict[str, dict[int, dict[str, Any]]] = {}
+        sizes_of: dict[int, dict[str, int]] = {}
+        for slot, prepared in zip(slots, blobs, strict=True):
+            if prepared is not None:
+                per_unit.setdefault(slot.unit, {})[slot.group_id] = prepared.columns
+                sizes_of[slot.group_id] = prepared.sizes  # type: ignore[assignment]
+        try:
+            await self.io.store_groups(topic, opened.incarnations, per_unit)
+            await self._ask(M.CommitSharedGroups(topic, sizes_of))
+        except BaseException:
+            await self._close_groups(topic, slots)
+            raise
+        return slots
+
+    async def _close_groups(self, topic: str, slots: Sequence[GroupSlot]) -> None:
+        """Opening groups failed: give up every slot (no member yet: that frees each group and
+        its shared blob), and delete what may have reached the units."""
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            for slot in slots:
+                try:
+                    await self._ask(
+                        M.ShrinkGroup(topic, slot.group_id, slot.size, next(_request_ids))
+                    )
+                except TransferQueueError:
+                    pass  # gone already (or the controller is: its restart never saw them)
+        by_unit: dict[str, list[int]] = {}
+        for slot in slots:
+            by_unit.setdefault(slot.unit, []).append(slot.group_id)
+        for unit, gids in by_unit.items():
+            self.io.forget(topic, {unit: []}, gids)
 
     async def shrink_group(self, topic: str, group: int | GroupSlot, slots: int) -> None:
         gid = group.group_id if isinstance(group, GroupSlot) else group
@@ -405,6 +482,42 @@ class TransferQueueClient:
                 await self._ask(M.ReleaseHolder(self.holder))
             except TransferQueueError:
                 pass  # the controller is gone: leases expire, writes are abandoned on time
+
+
+def _size(size: Any) -> int:
+    try:
+        return operator.index(size)
+    except TypeError:
+        raise InvalidArgument(f"group sizes must be ints, got {size!r}") from None
+
+
+def _group_ids(
+    group: int | GroupSlot | Sequence[int | GroupSlot] | None, n: int
+) -> int | tuple[int, ...] | None:
+    """A put's ``group`` as the controller takes it: one group id, one per row (rows of
+    several groups), or ``None``; rows that all join one group are sent as that group."""
+    if group is None or isinstance(group, int):
+        return group
+    if isinstance(group, GroupSlot):
+        return group.group_id
+    if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+        raise InvalidArgument(f"group must be a group id, a GroupSlot or a sequence, got {group!r}")
+    gids = tuple(g.group_id if isinstance(g, GroupSlot) else operator.index(g) for g in group)
+    if len(gids) != n:
+        raise InvalidArgument(f"group names {len(gids)} groups for {n} rows (one per row)")
+    return gids[0] if gids and gids.count(gids[0]) == n else gids
+
+
+_GROUP_IN_MESSAGE = re.compile(r"\bgroups? (\d+)\b")
+
+
+def _name_group(exc: TransferQueueError) -> None:
+    """Set ``exc.group_id`` from its message where it names a group but the attribute did not
+    travel (an error raised in another process crosses the wire as its type and message)."""
+    if exc.group_id is None and isinstance(exc, (GroupError, UnknownGroup, StaleVersionError)):
+        found = _GROUP_IN_MESSAGE.search(str(exc))
+        if found is not None:
+            exc.group_id = int(found.group(1))
 
 
 @attrs.frozen

@@ -82,12 +82,12 @@ class _Allocated:
     """An allocation granted to a put (``group``: the open group it joined, if any)."""
 
     allocation: Allocation
-    group: int | None
+    group: int | tuple[int, ...] | None
 
 
 @attrs.define(eq=False)
 class _WaitingPut:
-    msg: M.Allocate | M.OpenGroup
+    msg: M.Allocate | M.OpenGroup | M.OpenGroups
     reply: Reply
 
 
@@ -166,7 +166,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
             self.shared.remember(msg.request_id, missing)
             return missing
-        if isinstance(msg, (M.Allocate, M.OpenGroup)):
+        if isinstance(msg, (M.Allocate, M.OpenGroup, M.OpenGroups)):
             size = _slots(msg)
             if size == 0:  # members of an open group use its reserved slots: never wait
                 return self._put(state, msg)
@@ -180,6 +180,10 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         if isinstance(msg, M.CommitShared):
             state.commit_shared(msg.topic, msg.group_id, msg.columns)
             self._group_infos(msg.topic, (msg.group_id,))
+            self._kick(msg.topic)
+        elif isinstance(msg, M.CommitSharedGroups):
+            state.commit_shared_groups(msg.topic, msg.columns)
+            self._group_infos(msg.topic, tuple(msg.columns))
             self._kick(msg.topic)
         elif isinstance(msg, M.CancelClaim):
             self._cancel_claim(state, msg.claim_id)
@@ -261,8 +265,15 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
     def _incarnations(self, units: Any) -> dict[str, str]:
         return {u: self.shared.known.get(u) or "" for u in units}
 
-    def _put(self, state: ControllerState, msg: M.Allocate | M.OpenGroup) -> Any:
+    def _put(self, state: ControllerState, msg: M.Allocate | M.OpenGroup | M.OpenGroups) -> Any:
         now = trio.current_time()
+        if isinstance(msg, M.OpenGroups):
+            slots = state.open_groups(msg.topic, msg.sizes, holder=msg.holder, now=now)
+            self._group_infos(msg.topic, tuple(s.group_id for s in slots))
+            self._records(msg.topic)
+            self._granted(msg.put_id, slots)
+            self._write_deadline(msg.topic, now)
+            return M.OpenedGroups(slots, self._incarnations({s.unit for s in slots}))
         if isinstance(msg, M.OpenGroup):
             slot = state.open_group(msg.topic, msg.size, holder=msg.holder, now=now)
             self._group_infos(msg.topic, (slot.group_id,))
@@ -324,7 +335,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             if isinstance(granted, _Allocated) and granted.allocation.indexes == msg.indexes:
                 # placed as allocated (no lookup); only an explicit group has a record to send
                 pairs: Any = zip(msg.indexes, granted.allocation.units, strict=True)
-                gids: Any = () if granted.group is None else (granted.group,)
+                group = granted.group
+                gids: Any = () if group is None else dict.fromkeys(_as_tuple(group))
             else:  # allocated by an earlier incarnation
                 where = state.locate(msg.topic, msg.indexes)
                 pairs = ((index, unit) for index, (_, unit) in where.items())
@@ -348,14 +360,16 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         granted = self.granted_puts.pop(put_id, None)
         if granted is None:
             return
-        if isinstance(granted, GroupSlot):  # opened, but the writer never saw the slot
-            topic, gid = granted.topic, granted.group_id
-            try:
-                self._apply(state.shrink_group(topic, gid, granted.size))
-                self._group_infos(topic, (gid,))
-            except TransferQueueError:
-                pass  # already used or gone
-            self._kick(topic)
+        if isinstance(granted, (GroupSlot, tuple)):  # opened, but the writer never saw them
+            slots = granted if isinstance(granted, tuple) else (granted,)
+            for slot in slots:
+                topic, gid = slot.topic, slot.group_id
+                try:
+                    self._apply(state.shrink_group(topic, gid, slot.size))
+                    self._group_infos(topic, (gid,))
+                except TransferQueueError:
+                    pass  # already used or gone
+            self._kick(slots[0].topic)
         else:  # allocated, but the writer never saw the indexes
             allocation = granted.allocation
             self._discard(state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True))
@@ -592,8 +606,14 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             await ctx.self.send(_Tick())
 
 
-def _slots(msg: M.Allocate | M.OpenGroup) -> int:
-    """Capacity slots a put needs (0: members of an open group use its reserved slots)."""
+def _slots(msg: M.Allocate | M.OpenGroup | M.OpenGroups) -> int:
+    """Capacity slots a put needs (0: members of open groups use their reserved slots)."""
     if isinstance(msg, M.OpenGroup):
         return msg.size
+    if isinstance(msg, M.OpenGroups):
+        return sum(msg.sizes)
     return msg.n if msg.group is None else 0
+
+
+def _as_tuple(group: int | tuple[int, ...]) -> tuple[int, ...]:
+    return group if isinstance(group, tuple) else (group,)

@@ -18,7 +18,18 @@ def _preview(values: Iterable[object], limit: int = 8) -> str:
 
 
 class TransferQueueError(Exception):
-    """Base class of every TransferQueue error."""
+    """Base class of every TransferQueue error. ``group_id``: the group the error is about,
+    where it is about one group (an unknown, full or stale group in an allocation: a put of
+    several groups' rows names the one that failed, so a caller can put the others again);
+    else ``None``. It survives pickling (it lives in the instance's ``__dict__``)."""
+
+    group_id: int | None = None
+
+
+def about_group(exc: TransferQueueError, group_id: int) -> TransferQueueError:
+    """``exc`` naming ``group_id`` as the group that failed (returned, to ``raise``)."""
+    exc.group_id = group_id
+    return exc
 
 
 class SchemaError(TransferQueueError, ValueError):

@@ -98,6 +98,14 @@ class Opened:
 
 
 @attrs.frozen
+class OpenedGroups:
+    """The groups an ``OpenGroups`` opened (in request order) and their units' incarnations."""
+
+    slots: tuple[GroupSlot, ...]
+    incarnations: dict[str, str]
+
+
+@attrs.frozen
 class Leased:
     """A lease and the incarnation of each unit holding its samples (fetches name it);
     ``located``: for units whose rows of the lease all lie in shared memory, the parts a fetch
@@ -115,7 +123,7 @@ class Allocate(Request[Placed]):
     topic: str
     n: int
     version: int
-    group: int | None = None
+    group: int | tuple[int, ...] | None = None  # an open group, or one per sample
     lengths: tuple[int, ...] | None = None
     put_id: int = 0  # names the request for CancelPut
     holder: str | None = None  # the writer: its uncommitted samples go when it does
@@ -127,6 +135,17 @@ class OpenGroup(Request[Opened]):
 
     topic: str
     size: int
+    put_id: int = 0
+    holder: str | None = None
+
+
+@attrs.frozen
+class OpenGroups(Request[OpenedGroups]):
+    """Open one group per entry of ``sizes``, all or none; waits while they do not fit
+    together (their total size) in the topic's capacity."""
+
+    topic: str
+    sizes: tuple[int, ...]
     put_id: int = 0
     holder: str | None = None
 
@@ -161,6 +180,14 @@ class CommitShared(Request[None]):
     topic: str
     group_id: int
     columns: dict[str, int]
+
+
+@attrs.frozen
+class CommitSharedGroups(Request[None]):
+    """``CommitShared`` of several groups (group id -> nbytes per column), all or none."""
+
+    topic: str
+    columns: dict[int, dict[str, int]]
 
 
 @attrs.frozen
@@ -285,8 +312,10 @@ ControllerMessage = (
     | GetTopology
     | Allocate
     | OpenGroup
+    | OpenGroups
     | Commit
     | CommitShared
+    | CommitSharedGroups
     | Claim
     | CancelClaim
     | CancelPut
@@ -306,4 +335,5 @@ ControllerMessage = (
     # not sent on their own: named so a node registers them at the top level (deterministic)
     | Located
     | ShmBody
+    | OpenedGroups
 )

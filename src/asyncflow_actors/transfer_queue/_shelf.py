@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import _shm
@@ -26,7 +26,6 @@ from ._unit_messages import (
     MarkConsumed,
     ShmBody,
     Store,
-    StoreShared,
     TopicInfo,
     UnitError,
     UnitGroup,
@@ -220,9 +219,10 @@ class Shelf:
         self.held += segment.size
         return segment
 
-    def store_shared(self, msg: StoreShared) -> None:
-        blobs = self.blobs.setdefault(msg.topic, {}).setdefault(msg.group_id, {})
-        for column, value in msg.columns.items():
+    def store_shared(self, topic: str, group_id: int, columns: Mapping[str, Any]) -> None:
+        """Keep the group-shared ``columns`` of a group (replacing those stored before)."""
+        blobs = self.blobs.setdefault(topic, {}).setdefault(group_id, {})
+        for column, value in columns.items():
             old = blobs.get(column)
             added = nbytes(value) - (nbytes(old) if column in blobs else 0)
             self.shared_nbytes += added

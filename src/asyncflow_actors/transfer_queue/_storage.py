@@ -37,6 +37,7 @@ from ._unit_messages import (
     StorageStatistics,
     Store,
     Stored,
+    StoreGroups,
     StoreShared,
     TopicInfo,
     UnitBatch,
@@ -125,7 +126,7 @@ class StorageUnit(Actor[StorageMessage]):
         try:
             return self._receive(msg)
         except (UnitError, IncarnationMismatch) as exc:  # bad request: answer it, do not crash
-            if isinstance(msg, (Store, StoreShared, Fetch, UnitBatch, GetInventory)):
+            if isinstance(msg, (Store, StoreShared, StoreGroups, Fetch, UnitBatch, GetInventory)):
                 ctx.reply_error(exc)
             return None
 
@@ -171,7 +172,11 @@ class StorageUnit(Actor[StorageMessage]):
             return Stored()
         elif isinstance(msg, StoreShared):
             self._check(msg.incarnation)
-            shelf.store_shared(msg)
+            shelf.store_shared(msg.topic, msg.group_id, msg.columns)
+        elif isinstance(msg, StoreGroups):
+            self._check(msg.incarnation)
+            for group_id, columns in msg.groups.items():
+                shelf.store_shared(msg.topic, group_id, columns)
         elif isinstance(msg, Delete):
             shelf.delete(msg)
         elif isinstance(msg, GetToken):

@@ -211,7 +211,10 @@ class Topic:
                 if isinstance(gid, int) and 0 <= gid < self.next_gid
                 else "was never opened"
             )
-            raise UnknownGroup(f"group {gid!r} of topic {self.name!r} {state}")
+            exc = UnknownGroup(f"group {gid!r} of topic {self.name!r} {state}")
+            if isinstance(gid, int):
+                exc.group_id = gid
+            raise exc
         return slot
 
     def masks(self, columns: Iterable[str]) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from ._unit_messages import (
     ShmBody,
     Store,
     Stored,
+    StoreGroups,
     StoreShared,
 )
 
@@ -266,6 +267,22 @@ class UnitIO:
         self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
     ) -> None:
         await self._ask(unit, StoreShared(topic, incarnation, group_id, dict(columns)))
+
+    async def store_groups(
+        self,
+        topic: str,
+        incarnations: Mapping[str, str],
+        groups: Mapping[str, dict[int, dict[str, Any]]],
+    ) -> None:
+        """Store the group-shared columns of several groups: one request per unit (``groups``:
+        unit -> group id -> columns), the units concurrently."""
+        work = {
+            unit: functools.partial(
+                self._ask, unit, StoreGroups(topic, incarnations[unit], per_group)
+            )
+            for unit, per_group in groups.items()
+        }
+        await self._each(work)
 
     @staticmethod
     def hint(incarnations: Mapping[str, str], free: Mapping[str, Sequence[FreeSegment]]) -> None:

@@ -93,6 +93,15 @@ class StoreShared(Request[None]):
 
 
 @attrs.frozen
+class StoreGroups(Request[None]):
+    """``StoreShared`` of several groups on this unit at once (group id -> its columns)."""
+
+    topic: str
+    incarnation: str
+    groups: dict[int, dict[str, Any]]
+
+
+@attrs.frozen
 class Fetched:
     """Reply of ``Fetch``: per column, its parts in request order (a batch of consecutive rows,
     or a list of row values, possibly :class:`ShmBody` references); ``shared`` per group."""
@@ -268,6 +277,7 @@ class GetShm(Request["ShmInfo | None"]):
 StorageMessage = (
     Store
     | StoreShared
+    | StoreGroups
     | Fetch
     | Delete
     | UnitBatch

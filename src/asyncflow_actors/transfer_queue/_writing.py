@@ -26,6 +26,7 @@ from ._errors import (
     StaleVersionError,
     UnknownSample,
     UnknownTopic,
+    about_group,
 )
 from ._placement import least_loaded
 from ._results import Allocation, GroupSlot, Update
@@ -106,20 +107,43 @@ class Writing:
         :meth:`release_holder` gives up its unfilled slots at once. Raises
         :class:`CapacityError` if it does not fit now (check :meth:`can_allocate` first).
         """
+        (slot,) = self.open_groups(topic, (size,), holder=holder, now=now)
+        return slot
+
+    def open_groups(
+        self,
+        topic: str,
+        sizes: Sequence[int],
+        *,
+        holder: str | None = None,
+        now: float | None = None,
+    ) -> tuple[GroupSlot, ...]:
+        """Open one group per entry of ``sizes`` at once, all or none (see :meth:`open_group`):
+        they need ``sum(sizes)`` free slots together, and each is placed as if opened one after
+        the other (least-loaded unit first). Raises :class:`CapacityError` if they do not fit
+        now together (or never could), :class:`InvalidArgument` for no sizes or a size < 1.
+        """
         t = self._topic(topic)
-        int_at_least("size", size, 1)
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise InvalidArgument(f"sizes must be a sequence of ints, got {sizes!r}")
+        if not sizes:
+            raise InvalidArgument("sizes must name at least one group")
+        wanted = [int_at_least("size", size, 1) for size in sizes]
         deadline = self._deadline(t, now)
         if holder is not None:
             holder_name(holder)
-        self._fits(t, size, raise_full=True)
-        rows = t.new_groups(self._least_loaded(1), size, explicit=True, deadline=deadline)
-        gid = int(t.g.ids[rows][0])
-        t.g.owner[rows] = self._writes.holder_id(holder)
-        self._writes.group_deadline(topic, gid, deadline)
+        self._fits(t, sum(wanted), raise_full=True)
+        owner = self._writes.holder_id(holder)
+        slots = []
+        for size in wanted:  # one by one: each lands on the unit least loaded after the last
+            rows = t.new_groups(self._least_loaded(1), size, explicit=True, deadline=deadline)
+            gid = int(t.g.ids[rows][0])
+            t.g.owner[rows] = owner
+            self._writes.group_deadline(topic, gid, deadline)
+            unit = self._units[int(t.g.unit[rows][0])]
+            slots.append(GroupSlot(topic=topic, group_id=gid, unit=unit, size=size))
         t.changes += 1
-        return GroupSlot(
-            topic=topic, group_id=gid, unit=self._units[int(t.g.unit[rows][0])], size=size
-        )
+        return tuple(slots)
 
     def allocate(
         self,
@@ -127,7 +151,7 @@ class Writing:
         n: int,
         version: int,
         *,
-        group: int | None = None,
+        group: int | Sequence[int] | None = None,
         lengths: Sequence[int] | None = None,
         holder: str | None = None,
         now: float | None = None,
@@ -140,9 +164,12 @@ class Writing:
         ``now`` and a topic ``write_ttl``, samples not committed within ``write_ttl`` seconds are
         dropped by :meth:`expire` (reported in :attr:`Update.abandoned`); ``holder`` names the
         writer, and :meth:`release_holder` drops its uncommitted samples at once.
-        Raises :class:`StaleVersionError` if ``version`` is outside the window (or the group is
-        stale), :class:`GroupError` if the group has fewer than ``n`` free slots,
-        :class:`UnknownGroup`, :class:`CapacityError` if ungrouped samples do not fit now.
+        ``group`` may also be a sequence of ``n`` group ids, one per sample (rows of several
+        open groups in one allocation, all or none).
+        Raises :class:`StaleVersionError` if ``version`` is outside the window (or a group is
+        stale), :class:`GroupError` if a group has fewer free slots than samples for it,
+        :class:`UnknownGroup`, :class:`CapacityError` if ungrouped samples do not fit now. An
+        error about one group names it in ``group_id`` (the first such group in row order).
         """
         t = self._topic(topic)
         int_at_least("n", n, 1)
@@ -161,25 +188,20 @@ class Writing:
                 f"topic {topic!r}: version {version} is outside the window (oldest fresh version "
                 f"{t.threshold}: latest {t.latest}, staleness {t.spec.staleness})"
             )
-        g = t.g
-        if group is not None:
-            gslot = t.group(group)
-            if g.doomed[gslot]:
-                raise StaleVersionError(f"topic {topic!r}: group {group} is stale (being evicted)")
-            pending = int(g.size[gslot] - g.alloc[gslot])
-            if n > pending:
-                raise GroupError(
-                    f"topic {topic!r}: group {group} has {pending} free slots, asked for {n}"
-                )
-            gslots = np.full(n, gslot, np.int64)
-            if g.deadline[gslot] != math.inf and deadline != math.inf:
-                g.deadline[gslot] = deadline  # the writer is alive: its open group lives on
-                self._writes.group_deadline(topic, group, deadline)
-            t.lower_group_hints(group)
-        else:
+        if group is None:
             self._fits(t, n, raise_full=True)
             rows = t.new_groups(self._least_loaded(n), 1, explicit=False, deadline=math.inf)
             gslots = np.arange(rows.start, rows.stop, dtype=np.int64)
+        elif isinstance(group, Sequence):
+            gslots, firsts = self._member_slots(t, group, n)
+            for gid, gslot in firsts.items():
+                self._extend_group(t, gslot, gid, deadline)
+            t.lower_group_hints(min(firsts))
+        else:
+            gslot = self._member_slot(t, group, n)
+            gslots = np.full(n, gslot, np.int64)
+            self._extend_group(t, gslot, group, deadline)
+            t.lower_group_hints(group)
         rows = t.new_samples(gslots, version, lens)
         ids = t.s.ids[rows]
         self._writes.allocated(topic, ids, holder, deadline)
@@ -191,6 +213,46 @@ class Writing:
             units=tuple(self._unit_names[t.s.unit[rows]].tolist()),
             group_ids=tuple(t.s.gid[rows].tolist()),
         )
+
+    @staticmethod
+    def _member_slot(t: Topic, group: int, n: int) -> int:
+        """The slot of open group ``group`` if ``n`` more members fit in it (else raises, naming
+        the group)."""
+        gslot = t.group(group)
+        if t.g.doomed[gslot]:
+            raise about_group(
+                StaleVersionError(f"topic {t.name!r}: group {group} is stale (being evicted)"),
+                group,
+            )
+        pending = int(t.g.size[gslot] - t.g.alloc[gslot])
+        if n > pending:
+            raise about_group(
+                GroupError(
+                    f"topic {t.name!r}: group {group} has {pending} free slots, asked for {n}"
+                ),
+                group,
+            )
+        return gslot
+
+    def _member_slots(self, t: Topic, groups: Sequence[int], n: int) -> tuple[Ints, dict[int, int]]:
+        """Slots of the groups of ``n`` rows (one group id each), and each group's slot (in
+        order of first appearance), checking every group before anything changes."""
+        if len(groups) != n:
+            raise InvalidArgument(f"group has {len(groups)} entries, expected n={n}")
+        counts: dict[int, int] = {}
+        for gid in groups:
+            if not isinstance(gid, int) or isinstance(gid, bool):
+                raise InvalidArgument(f"group ids must be ints, got {gid!r}")
+            counts[gid] = counts.get(gid, 0) + 1
+        slots = {gid: self._member_slot(t, gid, k) for gid, k in counts.items()}
+        gslots = np.fromiter((slots[gid] for gid in groups), np.int64, count=n)
+        return gslots, slots
+
+    def _extend_group(self, t: Topic, gslot: int, gid: int, deadline: float) -> None:
+        """A member was allocated into the group: the writer is alive, its open group lives on."""
+        if t.g.deadline[gslot] != math.inf and deadline != math.inf:
+            t.g.deadline[gslot] = deadline
+            self._writes.group_deadline(t.name, gid, deadline)
 
     def shrink_group(self, topic: str, group_id: int, slots: int) -> Update:
         """Give up ``slots`` not-yet-allocated member slots of a group (a writer that will not
@@ -292,15 +354,24 @@ class Writing:
         Raises :class:`UnknownGroup`, :class:`UnknownColumn`, :class:`SchemaError` (a per-sample
         column: use :meth:`commit_write`), :class:`InvalidArgument` for bad sizes.
         """
+        self.commit_shared_groups(topic, {group_id: columns})
+
+    def commit_shared_groups(self, topic: str, columns: Mapping[int, Mapping[str, int]]) -> None:
+        """:meth:`commit_shared` of several groups (group id -> its columns), all or none: every
+        group and size is checked before any is recorded."""
         t = self._topic(topic)
-        gslot = t.group(group_id)
-        if not columns:
-            raise InvalidArgument("columns must name at least one column")
-        per_sample, mask = t.masks(columns)
-        if per_sample:
-            names = sorted(c for c in columns if c in t.col_bit)
-            raise SchemaError(
-                f"topic {topic!r}: columns {names} are per-sample; write them with commit_write"
-            )
-        sizes = {c: int_at_least(f"nbytes of {c!r}", v, 0) for c, v in columns.items()}
-        t.write_shared(gslot, sizes, mask)
+        checked = []
+        for group_id, cols in columns.items():
+            gslot = t.group(group_id)
+            if not cols:
+                raise InvalidArgument("columns must name at least one column")
+            per_sample, mask = t.masks(cols)
+            if per_sample:
+                names = sorted(c for c in cols if c in t.col_bit)
+                raise SchemaError(
+                    f"topic {topic!r}: columns {names} are per-sample; write them with commit_write"
+                )
+            sizes = {c: int_at_least(f"nbytes of {c!r}", v, 0) for c, v in cols.items()}
+            checked.append((gslot, sizes, mask))
+        for gslot, sizes, mask in checked:
+            t.write_shared(gslot, sizes, mask)
