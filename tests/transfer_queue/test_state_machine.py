@@ -36,6 +36,7 @@ from asyncflow_actors.transfer_queue import (
     ShareMismatch,
     StaleVersionError,
     TopicSpec,
+    UnknownGroup,
     UnknownLease,
     UnknownSample,
     Update,
@@ -105,6 +106,119 @@ class TQMachine(Model, RuleBasedStateMachine):
         if prompt:
             self.state.commit_shared(T, slot.group_id, {"prompt": 100})
             self.groups[slot.group_id].shared.add("prompt")
+
+    @rule(
+        sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+        prompts=st.lists(st.booleans(), min_size=4, max_size=4),
+        holder=st.sampled_from(HOLDERS),
+    )
+    def open_groups(self, sizes: list[int], prompts: list[bool], holder: str) -> None:
+        """Several groups at once: all fit together or none opens (the state is unchanged)."""
+        cap = self.spec.capacity
+        if cap is not None and self.occupied() + sum(sizes) > cap:
+            before = self.state.export_inventory()
+            with pytest.raises(CapacityError):
+                self.state.open_groups(T, sizes, holder=holder, now=self.now)
+            assert self.state.export_inventory() == before
+            assert self.state.statistics().topics[0].occupied == self.occupied()
+            return
+        slots = self.state.open_groups(T, sizes, holder=holder, now=self.now)
+        assert [s.size for s in slots] == sizes
+        assert len({s.group_id for s in slots}) == len(sizes)
+        for slot in slots:
+            assert slot.group_id not in self.groups
+            self.groups[slot.group_id] = MGroup(
+                size=slot.size,
+                allocated=0,
+                unit=slot.unit,
+                deadline=self.now + WRITE_TTL,
+                owner=holder,
+            )
+        with_prompt = [s.group_id for s, p in zip(slots, prompts, strict=False) if p]
+        if with_prompt:
+            self.state.commit_shared_groups(T, {gid: {"prompt": 100} for gid in with_prompt})
+            for gid in with_prompt:
+                self.groups[gid].shared.add("prompt")
+
+    @rule(data=st.data())
+    def commit_shared_groups_with_a_gone_group(self, data: st.DataObject) -> None:
+        """One unknown group fails the whole batch: no group's shared column is recorded."""
+        live = sorted(self.groups)
+        picked = data.draw(st.lists(st.sampled_from(live), max_size=3, unique=True)) if live else []
+        gone = self._gone_group(data)
+        order = data.draw(st.permutations([*picked, gone]))
+        before = self.state.export_inventory()
+        with pytest.raises(UnknownGroup) as err:
+            self.state.commit_shared_groups(T, {gid: {"prompt": 100} for gid in order})
+        assert err.value.group_id == gone
+        assert self.state.export_inventory() == before
+
+    def _gone_group(self, data: st.DataObject) -> int:
+        """A group id that is not live: freed, evicted, lost or never opened."""
+        known = set(self.group_of.values()) | set(self.groups)
+        gone = sorted(known - set(self.groups))
+        never = max(known, default=0) + 1000
+        return data.draw(st.sampled_from([*gone, never]))
+
+    @rule(
+        data=st.data(),
+        dv=st.integers(-2, 1),
+        write=st.sampled_from([(), ("resp",), ("resp", "lp")]),
+        holder=st.sampled_from(HOLDERS),
+        with_gone=st.booleans(),
+    )
+    def allocate_members_of_groups(
+        self,
+        data: st.DataObject,
+        dv: int,
+        write: tuple[str, ...],
+        holder: str,
+        with_gone: bool,
+    ) -> None:
+        """Rows of several groups in one allocation (rows in any order): all or none, and a
+        failure names the first failing group in row order."""
+        explicit = sorted(gid for gid, g in self.groups.items() if g.explicit)
+        if not explicit:
+            return
+        gids = data.draw(st.lists(st.sampled_from(explicit), min_size=1, max_size=3, unique=True))
+        if with_gone:
+            gids.insert(data.draw(st.integers(0, len(gids))), self._gone_group(data))
+        counts = {gid: data.draw(st.integers(1, 3)) for gid in gids}
+        rows = data.draw(st.permutations([gid for gid in gids for _ in range(counts[gid])]))
+        version = self._versions(dv)
+        kw = {"group": rows, "holder": holder, "now": self.now}
+        failing: tuple[type[Exception], int | None] | None = None
+        if version < self.threshold:
+            failing = (StaleVersionError, None)
+        else:
+            for gid in dict.fromkeys(rows):
+                if gid not in self.groups:
+                    failing = (UnknownGroup, gid)
+                elif self.stale(gid):
+                    failing = (StaleVersionError, gid)
+                elif counts[gid] > self.groups[gid].pending:
+                    failing = (GroupError, gid)
+                if failing is not None:
+                    break
+        if failing is not None:
+            before = self.state.export_inventory()
+            with pytest.raises(failing[0]) as err:
+                self.state.allocate(T, len(rows), version, **kw)  # type: ignore[arg-type]
+            assert err.value.group_id == failing[1]  # type: ignore[attr-defined]
+            assert self.state.export_inventory() == before
+            return
+        alloc = self.state.allocate(T, len(rows), version, **kw)  # type: ignore[arg-type]
+        assert list(alloc.group_ids) == rows
+        for index, gid, unit in zip(alloc.indexes, rows, alloc.units, strict=True):
+            g = self.groups[gid]
+            assert unit == g.unit
+            self._record((index,), version, gid, unit, holder)
+        for gid in counts:
+            g = self.groups[gid]
+            if g.deadline != math.inf:
+                g.deadline = self.now + WRITE_TTL  # the writer is alive: its group lives on
+        if write:
+            self._write(alloc.indexes, write)
 
     def _versions(self, dv: int) -> int:
         return max(self.latest + dv, 0)
