@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import trio
 import trio.testing
@@ -48,6 +49,9 @@ SPEC = tq.TopicSpec.from_dict(
 ops = st.one_of(
     st.tuples(st.just("put"), st.integers(1, 4), st.booleans(), st.integers(0, 4)),
     st.tuples(st.just("group"), st.integers(2, 3)),
+    st.tuples(
+        st.just("groups"), st.lists(st.integers(1, 3), min_size=1, max_size=3), st.booleans()
+    ),
     st.tuples(
         st.just("get"), st.sampled_from(["fwd", "trainer"]), st.integers(1, 4), st.booleans()
     ),
@@ -117,6 +121,8 @@ class Replay:
                 self.put[index] = self.version
                 self.serial[index] = serial
                 self.resp_len[index] = 2
+        elif kind == "groups":
+            await self.groups(op[1], op[2])
         elif kind == "get":
             consumer, count, whole = op[1], op[2], op[3]
             columns = COLUMNS[consumer]
@@ -162,6 +168,39 @@ class Replay:
             await self.crash_mid_flush(f"unit-{op[1]}")
         elif kind == "get_cancelled":
             await self.get_cancelled(op[1])
+
+    async def groups(self, sizes: list[int], overfill: bool) -> None:
+        """Several groups opened at once, their rows put in one call (interleaved); with
+        ``overfill``, a put with a row too many for the last group is refused first, naming it,
+        and stores nothing."""
+        c = self.client
+        shared = [{"prompt": torch.tensor([size, 7])} for size in sizes]
+        slots = await c.open_groups("t", sizes, shared=shared)
+        order = [s.group_id for k in range(max(sizes)) for s in slots if k < s.size]
+        if overfill:
+            before = (await c.statistics()).controller.state.topics[0].allocated_total
+            with pytest.raises(tq.GroupError) as refused:
+                await c.put("t", self.rows(len(order) + 1)[0], version=self.version,
+                            group=[*order, slots[-1].group_id])  # fmt: skip
+            assert refused.value.group_id == slots[-1].group_id
+            after = (await c.statistics()).controller.state.topics[0].allocated_total
+            assert after == before, "a refused multi-group put allocated something"
+        data, serials = self.rows(len(order))
+        indexes = await c.put("t", data, version=self.version, group=order)
+        assert indexes[0] > max(self.put, default=-1), "indexes are never reused"
+        for index, serial in zip(indexes, serials, strict=True):
+            self.put[index] = self.version
+            self.serial[index] = serial
+            self.resp_len[index] = 2
+
+    def rows(self, n: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+        serials = list(range(self.next_serial, self.next_serial + n))
+        self.next_serial += n
+        data = {
+            "tokens": torch.stack([tokens_of(k) for k in serials]),
+            "resp": torch.stack([resp_of(k, 2) for k in serials]),
+        }
+        return data, serials
 
     async def crash_mid_flush(self, unit: str) -> None:
         """The controller crashes while delivering bookkeeping (an ack's deletes and marks,
