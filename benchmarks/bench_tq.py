@@ -19,7 +19,13 @@ puts while one consumer task gets and acks. Prints JSON lines (medians over repe
 - ``tq_clients_1024`` (samples/s): 1024 concurrent client tasks in this process, 512 putting
   groups of 4 (versions advancing) and 512 getting whole groups, units in node processes; and
   ``tq_clients_1024_unit_rss`` (MB): the largest peak RSS of a unit process during that run;
-- ``tq_group_dedup_bytes_saved`` (bytes a batch): 32 groups of 8 sharing their prompt.
+- ``tq_group_dedup_bytes_saved`` (bytes a batch): 32 groups of 8 sharing their prompt;
+- ``tq_group_batch_cpu_ms`` (ms of process CPU a step, baseline: the per-group calls) and
+  ``tq_group_batch_requests`` (client requests a step, same baseline): one training step's
+  writes, 16 groups of 8 each sharing its prompt, written with ``open_groups`` + one put of
+  the 128 rows against 16 ``open_group`` + 16 puts, alternated in one process (units in this
+  process, as in the async pipeline; the step ends with ``flush``, so the controller's
+  bookkeeping to the units counts); ``tq_group_batch_speedup``: per-group CPU / batched CPU.
 
 ``--only latency,controller`` (say) measures only those figures (names: ``FIGURES``).
 """
@@ -244,6 +250,117 @@ async def dedup_saved() -> int:
         return int(stats.controller.state.topics[0].dedup_bytes_saved)
 
 
+GROUPS, GROUP_SIZE = 16, 8
+GROUP_SPEC = tq.TopicSpec(
+    name="rollout",
+    columns={
+        "prompt_ids": tq.ColumnSpec(dtype="int64", shape=(256,), shared=True),
+        "response_ids": tq.ColumnSpec(dtype="int64", shape=(512,)),
+        "old_logprobs": tq.ColumnSpec(dtype="float32", shape=(512,)),
+    },
+    consumers=("trainer",),
+    staleness=4,
+)
+
+
+class _Counted(afa.ActorRef[Any]):
+    """Passes everything to ``ref``, counting requests (asks) and tells."""
+
+    def __init__(self, ref: afa.ActorRef[Any], counter: list[int]) -> None:
+        self.ref, self.counter = ref, counter
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+    async def ask(self, request: Any) -> Any:
+        self.counter[0] += 1
+        return await self.ref.ask(request)
+
+    async def send(self, msg: Any) -> None:
+        self.counter[0] += 1
+        await self.ref.send(msg)
+
+    def send_nowait(self, msg: Any) -> None:
+        self.counter[0] += 1
+        self.ref.send_nowait(msg)
+
+    async def send_tracked(self, msg: Any) -> afa.Tracker:
+        self.counter[0] += 1
+        return await self.ref.send_tracked(msg)
+
+    async def stop(self) -> None:
+        await self.ref.stop()
+
+    def statistics(self) -> Any:
+        return self.ref.statistics()
+
+    def _watch(self, watcher: Any) -> None:
+        self.ref._watch(watcher)
+
+    def _unwatch(self, watcher: Any) -> None:
+        self.ref._unwatch(watcher)
+
+
+async def group_batches(steps: int = 20, repeats: int = REPEATS) -> dict[str, list[float]]:
+    """Per repeat, the medians over ``steps`` steps of CPU ms and client requests a step, of the
+    per-group calls (``old``), of ``open_groups`` with per-group puts (``open``) and of the
+    batched calls (``new``), in rotation step by step."""
+    prompts = [torch.full((256,), g) for g in range(GROUPS)]
+    rows = GROUPS * GROUP_SIZE
+    data = {
+        "response_ids": torch.arange(rows * 512).reshape(rows, 512),
+        "old_logprobs": torch.rand(rows, 512),
+    }
+    per_group = [{k: v[g * 8 : g * 8 + 8] for k, v in data.items()} for g in range(GROUPS)]
+
+    async def per_group_step(client: tq.TransferQueueClient, version: int) -> None:
+        for g in range(GROUPS):
+            shared = {"prompt_ids": prompts[g]}
+            slot = await client.open_group("rollout", GROUP_SIZE, shared=shared)
+            await client.put("rollout", per_group[g], version=version, group=slot)
+
+    async def opened_step(client: tq.TransferQueueClient, version: int) -> None:
+        shared = [{"prompt_ids": p} for p in prompts]
+        slots = await client.open_groups("rollout", [GROUP_SIZE] * GROUPS, shared=shared)
+        for g, slot in enumerate(slots):
+            await client.put("rollout", per_group[g], version=version, group=slot)
+
+    async def batched_step(client: tq.TransferQueueClient, version: int) -> None:
+        shared = [{"prompt_ids": p} for p in prompts]
+        slots = await client.open_groups("rollout", [GROUP_SIZE] * GROUPS, shared=shared)
+        owners = [s.group_id for s in slots for _ in range(GROUP_SIZE)]
+        await client.put("rollout", data, version=version, group=owners)
+
+    kinds = {"old": per_group_step, "open": opened_step, "new": batched_step}
+    out: dict[str, list[float]] = {f"{m}_{k}": [] for m in ("cpu", "req") for k in kinds}
+    cfg = tq.TransferQueueConfig(topics=(GROUP_SPEC,), units=2)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, cfg) as queue:
+        client = await queue.client()
+        counter = [0]
+        client.controller = _Counted(client.controller, counter)
+        client.io.units = {u: _Counted(r, counter) for u, r in client.io.units.items()}
+        reader = await queue.client()
+        for repeat in range(repeats + 1):  # the first: warm-up
+            figures: dict[str, list[float]] = {k: [] for k in out}
+            for step in range(len(kinds) * steps):
+                kind = list(kinds)[(step + repeat) % len(kinds)]
+                await client.flush()
+                counter[0] = 0
+                t0 = time.process_time()
+                await kinds[kind](client, 0)
+                await client.flush()
+                figures[f"cpu_{kind}"].append((time.process_time() - t0) * 1e3)
+                figures[f"req_{kind}"].append(counter[0] - 1)  # not the flush
+                batch = await reader.get("rollout", "trainer", ["response_ids"], rows)
+                assert batch is not None and len(batch) == rows
+                await reader.ack(batch)
+            if repeat:
+                for key, values in figures.items():
+                    out[key].append(statistics.median(values))
+    return out
+
+
 def spread(values: list[float]) -> str:
     return f"[{min(values):.3g}, {max(values):.3g}]"
 
@@ -259,7 +376,16 @@ async def latency_rounds() -> list[float]:
         return [await latency(client, small) for _ in range(REPEATS)]
 
 
-FIGURES = ("throughput", "latency", "startup", "controller", "claims", "clients", "dedup")
+FIGURES = (
+    "throughput",
+    "latency",
+    "startup",
+    "controller",
+    "claims",
+    "clients",
+    "dedup",
+    "groups",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,6 +426,17 @@ def main(argv: list[str] | None = None) -> None:
         emit("tq_clients_1024_unit_rss", rss, "MB")
     if "dedup" in only:
         emit("tq_group_dedup_bytes_saved", trio.run(dedup_saved), "bytes")
+    if "groups" in only:
+        g = trio.run(group_batches)
+        print(
+            f"# group batches: CPU ms a step per-group {spread(g['cpu_old'])}, open_groups + "
+            f"per-group puts {spread(g['cpu_open'])}, batched {spread(g['cpu_new'])}; requests "
+            f"{med(g['req_old'])}, {med(g['req_open'])}, {med(g['req_new'])}",
+            file=sys.stderr,
+        )
+        emit("tq_group_batch_cpu_ms", med(g["cpu_new"]), "ms", med(g["cpu_old"]))
+        emit("tq_group_batch_requests", med(g["req_new"]), "requests", med(g["req_old"]))
+        emit("tq_group_batch_speedup", med(g["cpu_old"]) / med(g["cpu_new"]), "x")
 
 
 if __name__ == "__main__":
