@@ -93,7 +93,7 @@ async def test_open_group_leaves_nothing_behind_when_its_commit_fails() -> None:
         client = await q.client()
 
         async def refuse(msg: Any) -> None:
-            if isinstance(msg, M.CommitShared):
+            if isinstance(msg, M.CommitSharedGroups):
                 raise tq.TransferQueueError("injected commit failure")
 
         real = client.controller

@@ -110,9 +110,9 @@ async def test_rows_of_different_lengths_come_back_exactly(unit: Any) -> None:
 async def test_shared_bytes_are_counted_exactly(unit: Any) -> None:
     ref, me = unit
     for gid in range(3):
-        await ref.ask(S.StoreShared("t", me, gid, {"prompt": raw(torch.arange(5))}))
+        await ref.ask(S.StoreGroups("t", me, {gid: {"prompt": raw(torch.arange(5))}}))
     assert (await ref.ask(S.GetStorageStatistics())).shared_nbytes == 3 * 40
-    await ref.ask(S.StoreShared("t", me, 0, {"prompt": raw(torch.arange(2))}))  # rewrite
+    await ref.ask(S.StoreGroups("t", me, {0: {"prompt": raw(torch.arange(2))}}))  # rewrite
     assert (await ref.ask(S.GetStorageStatistics())).shared_nbytes == 2 * 40 + 16
     await ref.ask(S.UnitBatch(me, [S.Delete("t", [], [0, 1, 2])]))
     stats = await ref.ask(S.GetStorageStatistics())

@@ -239,30 +239,9 @@ class TransferQueueClient:
     ) -> GroupSlot:
         """Open a group of ``size`` members (one prompt, ``size`` responses), storing its
         group-shared columns once. Waits while the topic is at capacity. If storing the shared
-        columns fails, the group is closed again and nothing stays behind."""
-        spec = self._spec(topic)
-        blobs = prepare(spec, shared, shared=True) if shared else None
-        put_id = next(_request_ids)
-        opened: M.Opened = await self._waiting(
-            M.OpenGroup(topic, size, put_id, self.holder), M.CancelPut(put_id)
-        )
-        slot = opened.slot
-        self.incarnations[slot.unit] = opened.incarnation
-        if blobs is None:
-            return slot
-        try:
-            await self.io.store_shared(
-                topic, slot.unit, opened.incarnation, slot.group_id, blobs.columns
-            )
-            await self._ask(M.CommitShared(topic, slot.group_id, blobs.sizes))  # type: ignore[arg-type]
-        except BaseException:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                try:  # no member yet: giving up every slot frees the group and its blob
-                    await self._ask(M.ShrinkGroup(topic, slot.group_id, size, next(_request_ids)))
-                except TransferQueueError:
-                    pass
-            self.io.forget(topic, {slot.unit: []}, [slot.group_id])
-            raise
+        columns fails, the group is closed again and nothing stays behind. (``open_groups`` of
+        one group: the same three requests.)"""
+        (slot,) = await self.open_groups(topic, (size,), None if shared is None else (shared,))
         return slot
 
     async def open_groups(

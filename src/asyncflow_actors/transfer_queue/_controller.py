@@ -87,7 +87,7 @@ class _Allocated:
 
 @attrs.define(eq=False)
 class _WaitingPut:
-    msg: M.Allocate | M.OpenGroup | M.OpenGroups
+    msg: M.Allocate | M.OpenGroups
     reply: Reply
 
 
@@ -166,7 +166,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
             self.shared.remember(msg.request_id, missing)
             return missing
-        if isinstance(msg, (M.Allocate, M.OpenGroup, M.OpenGroups)):
+        if isinstance(msg, (M.Allocate, M.OpenGroups)):
             size = _slots(msg)
             if size == 0:  # members of an open group use its reserved slots: never wait
                 return self._put(state, msg)
@@ -177,11 +177,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             if msg.topic in self.shared.outbox.deleting:
                 self.flush_now.set()  # the slots it waits for free once units took deletes
             return None
-        if isinstance(msg, M.CommitShared):
-            state.commit_shared(msg.topic, msg.group_id, msg.columns)
-            self._group_infos(msg.topic, (msg.group_id,))
-            self._kick(msg.topic)
-        elif isinstance(msg, M.CommitSharedGroups):
+        if isinstance(msg, M.CommitSharedGroups):
             state.commit_shared_groups(msg.topic, msg.columns)
             self._group_infos(msg.topic, tuple(msg.columns))
             self._kick(msg.topic)
@@ -265,7 +261,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
     def _incarnations(self, units: Any) -> dict[str, str]:
         return {u: self.shared.known.get(u) or "" for u in units}
 
-    def _put(self, state: ControllerState, msg: M.Allocate | M.OpenGroup | M.OpenGroups) -> Any:
+    def _put(self, state: ControllerState, msg: M.Allocate | M.OpenGroups) -> Any:
         now = trio.current_time()
         if isinstance(msg, M.OpenGroups):
             slots = state.open_groups(msg.topic, msg.sizes, holder=msg.holder, now=now)
@@ -274,13 +270,6 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             self._granted(msg.put_id, slots)
             self._write_deadline(msg.topic, now)
             return M.OpenedGroups(slots, self._incarnations({s.unit for s in slots}))
-        if isinstance(msg, M.OpenGroup):
-            slot = state.open_group(msg.topic, msg.size, holder=msg.holder, now=now)
-            self._group_infos(msg.topic, (slot.group_id,))
-            self._records(msg.topic)
-            self._granted(msg.put_id, slot)
-            self._write_deadline(msg.topic, now)
-            return M.Opened(slot, self.shared.known.get(slot.unit) or "")
         allocation = state.allocate(
             msg.topic,
             msg.n,
@@ -360,8 +349,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         granted = self.granted_puts.pop(put_id, None)
         if granted is None:
             return
-        if isinstance(granted, (GroupSlot, tuple)):  # opened, but the writer never saw them
-            slots = granted if isinstance(granted, tuple) else (granted,)
+        if isinstance(granted, tuple):  # groups opened, but the writer never saw them
+            slots: tuple[GroupSlot, ...] = granted
             for slot in slots:
                 topic, gid = slot.topic, slot.group_id
                 try:
@@ -606,10 +595,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             await ctx.self.send(_Tick())
 
 
-def _slots(msg: M.Allocate | M.OpenGroup | M.OpenGroups) -> int:
+def _slots(msg: M.Allocate | M.OpenGroups) -> int:
     """Capacity slots a put needs (0: members of open groups use their reserved slots)."""
-    if isinstance(msg, M.OpenGroup):
-        return msg.size
     if isinstance(msg, M.OpenGroups):
         return sum(msg.sizes)
     return msg.n if msg.group is None else 0

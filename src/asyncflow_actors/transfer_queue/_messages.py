@@ -92,12 +92,6 @@ class Placed:
 
 
 @attrs.frozen
-class Opened:
-    slot: GroupSlot
-    incarnation: str
-
-
-@attrs.frozen
 class OpenedGroups:
     """The groups an ``OpenGroups`` opened (in request order) and their units' incarnations."""
 
@@ -127,16 +121,6 @@ class Allocate(Request[Placed]):
     lengths: tuple[int, ...] | None = None
     put_id: int = 0  # names the request for CancelPut
     holder: str | None = None  # the writer: its uncommitted samples go when it does
-
-
-@attrs.frozen
-class OpenGroup(Request[Opened]):
-    """Open a group of ``size`` members; waits while the topic is at capacity."""
-
-    topic: str
-    size: int
-    put_id: int = 0
-    holder: str | None = None
 
 
 @attrs.frozen
@@ -176,15 +160,9 @@ class Commit(Request[None]):
 
 
 @attrs.frozen
-class CommitShared(Request[None]):
-    topic: str
-    group_id: int
-    columns: dict[str, int]
-
-
-@attrs.frozen
 class CommitSharedGroups(Request[None]):
-    """``CommitShared`` of several groups (group id -> nbytes per column), all or none."""
+    """The group-shared columns of these groups are stored (group id -> nbytes per column):
+    record them, all or none."""
 
     topic: str
     columns: dict[int, dict[str, int]]
@@ -311,10 +289,8 @@ ControllerMessage = (
     CreateTopic
     | GetTopology
     | Allocate
-    | OpenGroup
     | OpenGroups
     | Commit
-    | CommitShared
     | CommitSharedGroups
     | Claim
     | CancelClaim

@@ -38,7 +38,6 @@ from ._unit_messages import (
     Store,
     Stored,
     StoreGroups,
-    StoreShared,
     TopicInfo,
     UnitBatch,
     UnitError,
@@ -126,7 +125,7 @@ class StorageUnit(Actor[StorageMessage]):
         try:
             return self._receive(msg)
         except (UnitError, IncarnationMismatch) as exc:  # bad request: answer it, do not crash
-            if isinstance(msg, (Store, StoreShared, StoreGroups, Fetch, UnitBatch, GetInventory)):
+            if isinstance(msg, (Store, StoreGroups, Fetch, UnitBatch, GetInventory)):
                 ctx.reply_error(exc)
             return None
 
@@ -170,9 +169,6 @@ class StorageUnit(Actor[StorageMessage]):
                 shelf.pool.drain()
                 return Stored(shelf.pool.hints(BATCH_HINTS))
             return Stored()
-        elif isinstance(msg, StoreShared):
-            self._check(msg.incarnation)
-            shelf.store_shared(msg.topic, msg.group_id, msg.columns)
         elif isinstance(msg, StoreGroups):
             self._check(msg.incarnation)
             for group_id, columns in msg.groups.items():

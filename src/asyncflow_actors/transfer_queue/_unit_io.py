@@ -36,7 +36,6 @@ from ._unit_messages import (
     Store,
     Stored,
     StoreGroups,
-    StoreShared,
 )
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
@@ -262,11 +261,6 @@ class UnitIO:
         }
         fill = functools.partial(filler.write, name, bodies, claimed=bool(reused))
         return name, out, reused, Fill(fill, total, lock)
-
-    async def store_shared(
-        self, topic: str, unit: str, incarnation: str, group_id: int, columns: Mapping[str, Any]
-    ) -> None:
-        await self._ask(unit, StoreShared(topic, incarnation, group_id, dict(columns)))
 
     async def store_groups(
         self,

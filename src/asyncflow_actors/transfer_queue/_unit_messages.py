@@ -82,19 +82,9 @@ class Store(Request[Stored]):
 
 
 @attrs.frozen
-class StoreShared(Request[None]):
-    """Store the group-shared columns of one group (stored once for all its members; small, so
-    always over the socket)."""
-
-    topic: str
-    incarnation: str
-    group_id: int
-    columns: dict[str, Any]
-
-
-@attrs.frozen
 class StoreGroups(Request[None]):
-    """``StoreShared`` of several groups on this unit at once (group id -> its columns)."""
+    """Store the group-shared columns of groups on this unit (group id -> its columns; stored
+    once for all members of a group; small, so always over the socket)."""
 
     topic: str
     incarnation: str
@@ -276,7 +266,6 @@ class GetShm(Request["ShmInfo | None"]):
 
 StorageMessage = (
     Store
-    | StoreShared
     | StoreGroups
     | Fetch
     | Delete
