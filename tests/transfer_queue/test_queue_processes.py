@@ -303,3 +303,35 @@ async def test_big_puts_are_stored_while_their_segment_is_filled_and_read_back_e
             await client.flush()
         stats = await client.statistics()
         assert sum(u.shm_stores for u in stats.units.values() if u) == 6  # 64 rows: one unit
+
+
+async def test_batched_group_writes_reach_units_in_node_processes() -> None:
+    """``open_groups`` stores the shared columns of each unit's groups in one request over its
+    socket, and a put of several groups' rows lands on both units (their parts by group)."""
+    config = tq.TransferQueueConfig(topics=(SPEC,), units=2, placement="process")
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, config, options=FAST) as queue,
+    ):
+        client = await queue.client()
+        shared = [{"prompt": torch.arange(k + 3)} for k in range(4)]
+        slots = await client.open_groups("rollout", [2, 2, 2, 2], shared=shared)
+        assert {s.unit for s in slots} == set(queue.units)
+        owners = [s.group_id for s in reversed(slots) for _ in range(2)]
+        tokens = torch.arange(8 * 4096).reshape(8, 4096)
+        data = {"tokens": tokens, "logp": tokens.to(torch.bfloat16), "reward": torch.arange(8.0)}
+        indexes = await client.put("rollout", data, version=0, group=owners)
+        got = await client.get(
+            "rollout", "trainer", ["tokens", "prompt"], 8, sampler=tq.WHOLE_GROUPS
+        )
+        assert got is not None
+        row = {index: k for k, index in enumerate(indexes)}
+        for index, gid, value in zip(got.indexes, got.group_ids, got["tokens"], strict=True):
+            assert gid == owners[row[index]] and torch.equal(value, tokens[row[index]])
+        for k, slot in enumerate(slots):
+            assert torch.equal(got.shared["prompt"][slot.group_id], shared[k]["prompt"])
+        await client.ack(got)
+        await client.flush()
+        stats = await client.statistics()
+        for unit in stats.units.values():
+            assert unit is not None and (unit.samples, unit.groups, unit.nbytes) == (0, 0, 0)
