@@ -197,6 +197,9 @@ async def test_open_groups_is_admitted_all_or_nothing_and_a_cancelled_one_leaves
         (big,) = await client.open_groups("capped", [6])  # 2 of 8 slots left
         with pytest.raises(tq.CapacityError):  # could never fit: fails at once
             await client.open_groups("capped", [4, 5])
+        for sizes, shared in [([], None), ([2, 0], None), ([2], prompts(2)), ([1.5], None)]:
+            with pytest.raises(tq.InvalidArgument):
+                await client.open_groups("capped", sizes, shared=shared)  # type: ignore[arg-type]
         opened: list[tuple[tq.GroupSlot, ...]] = []
         async with trio.open_nursery() as nursery:
 

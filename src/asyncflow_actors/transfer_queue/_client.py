@@ -465,9 +465,12 @@ class TransferQueueClient:
 
 def _size(size: Any) -> int:
     try:
-        return operator.index(size)
+        value = operator.index(size)
     except TypeError:
-        raise InvalidArgument(f"group sizes must be ints, got {size!r}") from None
+        value = 0
+    if value < 1:
+        raise InvalidArgument(f"group sizes must be ints >= 1, got {size!r}")
+    return value
 
 
 def _group_ids(
