@@ -429,9 +429,11 @@ def main(argv: list[str] | None = None) -> None:
     if "groups" in only:
         g = trio.run(group_batches)
         print(
-            f"# group batches: CPU ms a step per-group {spread(g['cpu_old'])}, open_groups + "
-            f"per-group puts {spread(g['cpu_open'])}, batched {spread(g['cpu_new'])}; requests "
-            f"{med(g['req_old'])}, {med(g['req_open'])}, {med(g['req_new'])}",
+            "# group batches: CPU ms a step (median [spread of the repeats]) per-group "
+            f"{med(g['cpu_old']):.3g} {spread(g['cpu_old'])}, open_groups + per-group puts "
+            f"{med(g['cpu_open']):.3g} {spread(g['cpu_open'])}, batched {med(g['cpu_new']):.3g} "
+            f"{spread(g['cpu_new'])}; requests {med(g['req_old'])}, {med(g['req_open'])}, "
+            f"{med(g['req_new'])}",
             file=sys.stderr,
         )
         emit("tq_group_batch_cpu_ms", med(g["cpu_new"]), "ms", med(g["cpu_old"]))
