@@ -35,6 +35,7 @@ from ._manifest import Piece as Piece
 from ._manifest import TensorSpec as TensorSpec
 from ._manifest import plan_buckets as plan_buckets
 from ._messages import SYNC_MESSAGES as SYNC_MESSAGES
+from ._messages import FusedAck as FusedAck
 from ._messages import GetReceiverStatistics as GetReceiverStatistics
 from ._messages import JoinGroup as JoinGroup
 from ._messages import PutBucket as PutBucket
@@ -43,6 +44,7 @@ from ._messages import ReceiveBroadcast as ReceiveBroadcast
 from ._messages import ReceiverStatistics as ReceiverStatistics
 from ._messages import Resumed as Resumed
 from ._messages import SyncFinalize as SyncFinalize
+from ._messages import SyncFused as SyncFused
 from ._messages import SyncMessage as SyncMessage
 from ._messages import SyncPause as SyncPause
 from ._messages import SyncPrepare as SyncPrepare
