@@ -287,3 +287,31 @@ async def test_a_fused_request_whose_bucket_does_not_match_is_refused(autojump_c
         stats = await ref.ask(GetReceiverStatistics())
         assert stats.leases_expired == 1 and stats.sync_id is None
         assert stats.pending_version is None and world.engines[0].version == -1
+
+
+def test_the_sender_reuses_its_plan_only_for_the_same_layout() -> None:
+    """Planning is cached on the tensors' names, dtypes, shapes and order, the bucket size and
+    the transport's splitting: any change plans again (and bytes always come from the tensors
+    given)."""
+    engine = CheckpointEngine([], config())
+    weights = weights_of(0)
+    first = engine._plan(0, weights).manifest
+    other = random_weights(1)  # other values, same layout
+    again = engine._plan(1, other)
+    assert again.manifest is first
+    assert again.source.tensors[0] is other["embed.weight"]  # bytes from this sync's tensors
+    reshaped = {**weights, "embed.weight": torch.zeros(8, 16)}
+    retyped = {**weights, "norm.weight": torch.zeros(8, dtype=torch.float32)}
+    renamed = {("w." + k): v for k, v in weights.items()}
+    reordered = dict(reversed(list(weights.items())))
+    for changed in (reshaped, retyped, renamed, reordered):
+        manifest = engine._plan(2, changed).manifest
+        assert manifest is not first
+        assert [(t.name, t.dtype, t.shape) for t in manifest.tensors] == [
+            (spec_of(k, v).name, spec_of(k, v).dtype, tuple(v.shape)) for k, v in changed.items()
+        ]
+        assert engine._plan(3, changed).manifest is manifest  # and cached in turn
+    assert engine._plan(4, weights).manifest == first
+    engine.config = config(bucket_bytes=256)
+    smaller = engine._plan(5, weights).manifest
+    assert smaller != first and len(smaller.buckets) > 1

@@ -37,7 +37,7 @@ from ..actors import ActorCrashed, ActorRef
 from ._buckets import PROCESS_TOKEN, BucketSource
 from ._config import PHASES, CheckpointConfig
 from ._errors import ChecksumMismatch, IncompleteSync, ManifestError, StaleSync, SyncFailed
-from ._manifest import collect, plan_buckets, spec_of
+from ._manifest import Manifest, collect, plan_buckets, spec_of
 from ._messages import (
     FusedAck,
     Resumed,
@@ -182,6 +182,7 @@ class CheckpointEngine:
         self._lock = trio.Lock()
         self._syncs = self._failed = self._bytes = 0
         self._last_version: int | None = None
+        self._layout: tuple[Any, Manifest] | None = None  # the last plan and what it was of
 
     @property
     def targets(self) -> tuple[ActorRef[Any], ...]:
@@ -245,8 +246,19 @@ class CheckpointEngine:
         named = [(name, tensor) for name, tensor in collect(weights) if keep(name)]
         if not named:
             raise ManifestError(f"no tensor to sync: none matched {keep}")
-        specs = [spec_of(name, tensor) for name, tensor in named]
-        manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
+        # The same names, dtypes and shapes in the same order (every step of a run): the same
+        # plan. Anything else (and another bucket size or transport) plans again.
+        key = (
+            config.bucket_bytes,
+            self.transport.split,
+            [(name, tensor.dtype, tensor.shape) for name, tensor in named],
+        )
+        if self._layout is not None and self._layout[0] == key:
+            manifest = self._layout[1]
+        else:
+            specs = [spec_of(name, tensor) for name, tensor in named]
+            manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
+            self._layout = (key, manifest)
         self.transport.check(manifest)
         checksum = config.checksum == "crc32"
         source = BucketSource([t for _, t in named], manifest, with_checksum=checksum)
