@@ -131,7 +131,7 @@ async def main_small(env: dict[str, str]) -> None:
         wall: dict[str, list[float]] = {name: [] for name in engines}
         cpu: dict[str, list[float]] = {name: [] for name in engines}
         version = 0
-        await small_round(engines, state, version)  # warm
+        version = (await small_round(engines, state, version))[2]  # warm
         for _ in range(ROUNDS):
             walls, cpus, version = await small_round(engines, state, version)
             for name in engines:
