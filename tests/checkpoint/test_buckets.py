@@ -225,11 +225,7 @@ def test_copy_bytes_copies_exactly_below_and_above_the_small_copy_size(n: int) -
     raw = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).tolist())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a read-only frame, as a received one may be
-        src = (
-            torch.frombuffer(raw, dtype=torch.uint8)
-            if n
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        src = torch.frombuffer(raw, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
     dst = torch.full((n + 8,), 7, dtype=torch.uint8)
     copy_bytes(dst[4 : 4 + n], src)
     assert bytes(dst[4 : 4 + n].tolist()) == raw
