@@ -1,8 +1,9 @@
 """Weight sync from the trainer to rollout engines and forward workers (``docs/weight_sync.md``).
 
 ``CheckpointEngine`` (the sender: ``await engine.sync(version, state_dict)``) runs the
-pause → prepare → topology → broadcast → finalize → resume protocol with every target; each
-target hosts a ``WeightReceiver`` (or is a ``SyncTargetActor``) around a ``SyncTarget``. Buckets
+pause → prepare → topology → broadcast → finalize → resume protocol with every target (weights in
+one small bucket: one fused round, then the resume); each target hosts a ``WeightReceiver`` (or
+is a ``SyncTargetActor``) around a ``SyncTarget``. Buckets
 with a manifest and checksums, double buffering, transports (in-process and zmq by actor
 messages, ``torch.distributed`` gloo/nccl/hccl, safetensors files), LoRA-only filtering, and a
 host cache loaded lazily at the receiver's next batch boundary.
