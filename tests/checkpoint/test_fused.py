@@ -315,3 +315,62 @@ def test_the_sender_reuses_its_plan_only_for_the_same_layout() -> None:
     engine.config = config(bucket_bytes=256)
     smaller = engine._plan(5, weights).manifest
     assert smaller != first and len(smaller.buckets) > 1
+
+
+async def test_a_fused_sync_never_stops_a_receiver_without_pause(autojump_clock: Any) -> None:
+    """The pipeline's receivers (lazy, ``pause=False``): the fused round acknowledges without
+    pausing, the engine decodes on its old weights and switches at its next boundary."""
+    world = World()
+    async with afa.open_actor_system() as system:
+        refs = await spawn(system, world, load="lazy", pause=False)
+        engine = CheckpointEngine(refs, config(pause_mode=PauseMode.KEEP))
+        await trio.sleep(5.5)  # mid-batch
+        result = await engine.sync(0, weights_of(0))
+        assert result.fused
+        assert [(a.mode, a.version) for a in result.acks] == [(PauseMode.KEEP, -1)] * 2
+        assert [(r.version, r.pending) for r in result.resumed] == [(-1, 0)] * 2
+        await settle()
+        check_engines(world, 0)
+        for double in world.engines.values():
+            assert double.pauses == [] and ("paused",) not in double.events
+            load = double.events.index(("load", 0))
+            assert double.events[load - 1] == ("boundary",)
+
+
+async def test_a_fused_bucket_of_megabytes_is_copied_and_checked_in_worker_threads(
+    monkeypatch: Any,
+) -> None:
+    """Up to ``fused_bytes`` (4 MiB): a bucket of 1 MiB or more is packed, copied (a receiver in
+    the sender's process) and checksummed in worker threads on both sides, bit-exact."""
+    import threading
+
+    from asyncflow_actors.checkpoint import BucketSource, HostCache
+
+    threads: set[str] = set()
+    digest, pack = HostCache.digest, BucketSource.pack
+
+    def digested(self: HostCache, index: int, data: torch.Tensor) -> int:
+        threads.add(f"digest {threading.current_thread() is threading.main_thread()}")
+        return digest(self, index, data)
+
+    def packed(self: BucketSource, index: int, out: torch.Tensor) -> int:
+        threads.add(f"pack {threading.current_thread() is threading.main_thread()}")
+        return pack(self, index, out)
+
+    monkeypatch.setattr(HostCache, "digest", digested)
+    monkeypatch.setattr(BucketSource, "pack", packed)
+    specs = {"w": ("float32", [3 << 18]), "b": ("bfloat16", [5])}  # 3 MiB and 10 bytes
+    world = World()
+    async with afa.open_actor_system() as system:
+        refs = await spawn(system, world, specs=specs, tick=0, load="eager", offload=True)
+        engine = CheckpointEngine(refs, config(offload=True, bucket_bytes=4 << 20))
+        for version in range(2):
+            sent = random_weights(version, specs)
+            result = await engine.sync(version, sent)
+            assert result.fused and result.payload_bytes > 3 << 20
+            for ref in refs:
+                got = await ref.ask(GetWeights())
+                assert all(same_bytes(got[k], v) for k, v in sent.items())
+        assert threads == {"digest False", "pack False"}  # never on the event loop
+        too_big = config(offload=True, bucket_bytes=4 << 20, fused_bytes=3 << 20)
+        assert not (await CheckpointEngine(refs, too_big).sync(2, random_weights(2, specs))).fused
