@@ -144,7 +144,8 @@ def _cancelled(exc: BaseException) -> bool:
 def _fused_phase(cause: BaseException) -> str:
     """The phase a failure of the fused round belongs to, from its cause: no answer in time is
     a pause not acknowledged; a refused manifest or version is prepare's; a bucket that did not
-    verify is finalize's; anything else (a receiver crashed, a bad bucket) is broadcast's."""
+    verify is finalize's (a bucket of the wrong size is refused as a ``ManifestError``:
+    prepare's); anything else (a receiver crashed, its node died) is broadcast's."""
     if isinstance(cause, trio.TooSlowError):
         return "pause"
     if isinstance(cause, (ChecksumMismatch, IncompleteSync)):
