@@ -32,6 +32,7 @@ from asyncflow_actors.checkpoint import (
     PauseAck,
     PauseMode,
     PutBucket,
+    SyncFused,
     SyncMessage,
     WeightReceiver,
 )
@@ -228,10 +229,18 @@ class GetWeights(afa.Request[dict[str, torch.Tensor]]):
 DoubleMsg = SyncMessage | GetState | GetWeights
 
 
-def _corrupt(msg: PutBucket) -> PutBucket:
-    data = msg.data.clone()
+def _flip(data: torch.Tensor) -> torch.Tensor:
+    data = data.clone()
     data[len(data) // 2] ^= 0x10
-    return PutBucket(msg.sync_id, msg.index, data)
+    return data
+
+
+def _corrupt(msg: PutBucket) -> PutBucket:
+    return PutBucket(msg.sync_id, msg.index, _flip(msg.data))
+
+
+#: what a ``SyncFused`` request carries: a hook on any of these fires on it
+FUSED_CARRIES = ("SyncFused", "SyncPause", "SyncPrepare", "PutBucket", "SyncFinalize")
 
 
 class DoubleActor(afa.Actor[DoubleMsg]):
@@ -294,6 +303,8 @@ class DoubleActor(afa.Actor[DoubleMsg]):
             ctx.start_soon(self.engine.run, self.receiver)
 
     def _inject(self, msg: Any) -> Any:
+        if isinstance(msg, SyncFused):
+            return self._inject_fused(msg)
         if isinstance(msg, PutBucket) and msg.index == self.corrupt_bucket:
             return _corrupt(msg)
         f = self.world
@@ -309,13 +320,32 @@ class DoubleActor(afa.Actor[DoubleMsg]):
                 return _corrupt(msg)
         return msg
 
+    def _inject_fused(self, msg: SyncFused) -> SyncFused:
+        """The hooks of the messages a fused request carries (bucket hooks: its bucket 0).
+        Logged as ``("fused", engine)``: its bucket is staged after this receiver's own pause,
+        not after every receiver's (``docs/weight_sync.md``)."""
+        f = self.world
+        corrupt = self.corrupt_bucket == 0
+        if f is not None:
+            if f.cancel_on in FUSED_CARRIES and f.scope is not None:
+                f.scope.cancel()
+            f.log.append(("fused", self.index))
+            if msg.data is not None and f.crash_engine == self.index and f.crash_on_bucket == 0:
+                raise RuntimeError(f"engine {self.index} killed at its fused bucket")
+            corrupt = corrupt or (f.corrupt_engine == self.index and f.corrupt_bucket == 0)
+        if corrupt and msg.data is not None:
+            return attrs.evolve(msg, data=_flip(msg.data))
+        return msg
+
     async def receive(self, msg: DoubleMsg, ctx: afa.ActorContext[DoubleMsg]) -> Any:
-        if isinstance(msg, PutBucket) and self.stall_file and not os.path.exists(self.stall_file):
+        stalls = isinstance(msg, (PutBucket, SyncFused))
+        if stalls and self.stall_file and not os.path.exists(self.stall_file):
             Path(self.stall_file).write_text(str(os.getpid()))  # tell the test, once: kill us
             await trio.sleep_forever()
         if isinstance(msg, SYNC_MESSAGES):
             reply = await self.receiver.handle(self._inject(msg), ctx)
-            if self.world is not None and type(msg).__name__ == "SyncPause" and reply is not None:
+            acked = type(msg).__name__ in ("SyncPause", "SyncFused")
+            if self.world is not None and acked and reply is not None:
                 self.world.log.append(("acked", self.index))
             return reply
         if isinstance(msg, GetState):

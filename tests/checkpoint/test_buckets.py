@@ -214,3 +214,19 @@ def test_collect_refuses_bad_weights() -> None:
         collect({"h": torch.zeros(2, dtype=torch.float8_e4m3fnuz)})
     with pytest.raises(ManifestError, match="bucket_bytes"):
         plan_buckets([], 4)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 3])
+def test_copy_bytes_copies_exactly_below_and_above_the_small_copy_size(n: int) -> None:
+    import warnings
+
+    from asyncflow_actors.checkpoint._buckets import copy_bytes
+
+    raw = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).tolist())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only frame, as a received one may be
+        src = torch.frombuffer(raw, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    dst = torch.full((n + 8,), 7, dtype=torch.uint8)
+    copy_bytes(dst[4 : 4 + n], src)
+    assert bytes(dst[4 : 4 + n].tolist()) == raw
+    assert dst[:4].tolist() == [7] * 4 and dst[4 + n :].tolist() == [7] * 4

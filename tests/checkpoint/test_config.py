@@ -54,6 +54,8 @@ broadcast = 90.5
         ({"deadlines": {"lunch": 1}}, "unknown phases"),
         ({"include": ["("]}, "invalid"),
         ({"keep_versions": 0}, "keep_versions"),
+        ({"fused_bytes": -1}, "fused_bytes"),
+        ({"fused_bytes": True}, "fused_bytes"),
         ({"bukcet_bytes": 1}, "unknown keys"),
     ],
 )

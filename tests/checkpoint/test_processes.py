@@ -222,3 +222,65 @@ def test_the_hccl_transport_refuses_to_start_without_torch_npu() -> None:
         pytest.skip("torch_npu is importable here")
     with pytest.raises(ManifestError, match="torch_npu"):
         CollectiveTransport("hccl").check(None)  # type: ignore[arg-type]
+
+
+async def test_fused_syncs_to_node_processes(tmp_path: Path) -> None:
+    """Small weights in one fused round over zmq ipc: bit-exact; a bit flipped on the wire
+    caught before the commit; a receiver node killed in the round leaves the other on its old
+    weights, resumed, and the restarted node gets the next sync whole."""
+    stall = tmp_path / "stall"
+    async with afa.open_actor_system() as system:
+        nodes = [await system.start_node(f"f{i}", allow=ALLOW, options=FAST) for i in range(2)]
+        lazy: dict[str, Any] = {"tick": 0.005, "load": "lazy"}
+        refs = await spawn_all(nodes, [lazy, lazy])
+        engine = CheckpointEngine(refs, CheckpointConfig(bucket_bytes=4096, deadlines=DEADLINES))
+
+        async def converged(version: int, sent: dict[str, torch.Tensor], n: int = 2) -> None:
+            with trio.fail_after(60):
+                for ref in refs[:n]:
+                    while (await ref.ask(GetState())).version != version:
+                        await trio.sleep(0.01)  # lazy: the next batch boundary
+                    assert exact(await ref.ask(GetWeights()), sent)
+
+        sent = random_weights(0)
+        result = await engine.sync(0, sent)
+        assert result.fused and result.buckets == 1
+        await converged(0, sent)
+        corrupter = await nodes[0].spawn(
+            "tests.checkpoint.doubles:DoubleActor",
+            name="corrupter",
+            kwargs={**lazy, "corrupt_bucket": 0},
+        )
+        with pytest.raises(SyncFailed) as info:
+            await CheckpointEngine([*refs, corrupter], engine.config).sync(1, random_weights(1))
+        assert info.value.phase == "finalize" and info.value.receiver == "f0/corrupter"
+        assert isinstance(info.value.__cause__, ChecksumMismatch)
+        await converged(0, sent)  # still version 0 everywhere
+        stalling = await nodes[1].spawn(
+            "tests.checkpoint.doubles:DoubleActor",
+            name="stalling",
+            kwargs={**lazy, "stall_file": str(stall)},
+        )
+        failure: list[BaseException] = []
+
+        async def sync() -> None:
+            try:
+                await CheckpointEngine([refs[0], stalling], engine.config).sync(2, weights_of(2))
+            except SyncFailed as exc:
+                failure.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sync)
+            with trio.fail_after(30):
+                while not stall.exists() or not stall.read_text():
+                    await trio.sleep(0.02)
+            os.kill(int(stall.read_text()), signal.SIGKILL)  # kill -9 in the fused round
+        (error,) = failure
+        assert isinstance(error, SyncFailed) and error.phase == "broadcast"
+        assert error.receiver == "f1/stalling" and not error.committed
+        await converged(0, sent, n=1)  # refs[0] dropped version 2, decodes on version 0
+        assert not (await refs[0].ask(GetState())).paused  # (refs[1] died with node f1)
+        sent = weights_of(3)
+        with trio.fail_after(60):  # the node restarts; the next sync reaches every receiver
+            assert (await engine.sync(3, sent)).fused
+        await converged(3, sent)

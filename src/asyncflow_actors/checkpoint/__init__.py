@@ -1,8 +1,9 @@
 """Weight sync from the trainer to rollout engines and forward workers (``docs/weight_sync.md``).
 
 ``CheckpointEngine`` (the sender: ``await engine.sync(version, state_dict)``) runs the
-pause → prepare → topology → broadcast → finalize → resume protocol with every target; each
-target hosts a ``WeightReceiver`` (or is a ``SyncTargetActor``) around a ``SyncTarget``. Buckets
+pause → prepare → topology → broadcast → finalize → resume protocol with every target (weights in
+one small bucket: one fused round, then the resume); each target hosts a ``WeightReceiver`` (or
+is a ``SyncTargetActor``) around a ``SyncTarget``. Buckets
 with a manifest and checksums, double buffering, transports (in-process and zmq by actor
 messages, ``torch.distributed`` gloo/nccl/hccl, safetensors files), LoRA-only filtering, and a
 host cache loaded lazily at the receiver's next batch boundary.
@@ -35,6 +36,7 @@ from ._manifest import Piece as Piece
 from ._manifest import TensorSpec as TensorSpec
 from ._manifest import plan_buckets as plan_buckets
 from ._messages import SYNC_MESSAGES as SYNC_MESSAGES
+from ._messages import FusedAck as FusedAck
 from ._messages import GetReceiverStatistics as GetReceiverStatistics
 from ._messages import JoinGroup as JoinGroup
 from ._messages import PutBucket as PutBucket
@@ -43,6 +45,7 @@ from ._messages import ReceiveBroadcast as ReceiveBroadcast
 from ._messages import ReceiverStatistics as ReceiverStatistics
 from ._messages import Resumed as Resumed
 from ._messages import SyncFinalize as SyncFinalize
+from ._messages import SyncFused as SyncFused
 from ._messages import SyncMessage as SyncMessage
 from ._messages import SyncPause as SyncPause
 from ._messages import SyncPrepare as SyncPrepare

@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 PROCESS_TOKEN: Final = secrets.token_hex(8)
 
 
+#: CPU copies of fewer bytes go through numpy (one thread, a memcpy): torch splits copies of
+#: 32 Ki elements and more across its intra-op threads, and on a busy machine each such copy then
+#: waits for a thread to be scheduled: a millisecond apiece for the pieces of a small bucket.
+SMALL_COPY: Final = 1 << 20
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for flat uint8 tensors of the same size (numpy when small, on CPU)."""
+    if dst.numel() < SMALL_COPY and dst.device.type == "cpu" and src.device.type == "cpu":
+        dst.numpy()[:] = src.numpy()
+    else:
+        dst.copy_(src)
+
+
 def checksum(data: torch.Tensor) -> int:
     """CRC-32 of a flat uint8 tensor's bytes (copied to host memory first if on a device)."""
     if data.device.type != "cpu":
@@ -89,7 +103,7 @@ class BucketSource:
             if piece.start > end:
                 out[end : piece.start].zero_()
             src = self._bytes_of(piece.tensor)[piece.offset : piece.offset + piece.nbytes]
-            out[piece.start : piece.start + piece.nbytes].copy_(src)
+            copy_bytes(out[piece.start : piece.start + piece.nbytes], src)
             end = piece.start + piece.nbytes
         if end < bucket.nbytes:
             out[end:].zero_()
@@ -152,7 +166,11 @@ class HostCache:
         if data.device.type != "cpu":
             data = data.cpu()
         elif self.copy:
-            data = data.clone()
+            import torch
+
+            kept = torch.empty_like(data)
+            copy_bytes(kept, data)
+            data = kept
         self.crcs[index] = checksum(data) if self.with_checksum else 0
         keep = False
         for piece in spec.pieces:
@@ -161,7 +179,7 @@ class HostCache:
                 keep = True  # a whole tensor lies in this bucket: keep it and view it later
             else:
                 src = data[piece.start : piece.start + piece.nbytes]
-                dest[piece.offset : piece.offset + piece.nbytes].copy_(src)
+                copy_bytes(dest[piece.offset : piece.offset + piece.nbytes], src)
         self.buckets[index] = data if keep else None
         return spec.nbytes
 

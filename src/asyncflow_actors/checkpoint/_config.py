@@ -131,6 +131,10 @@ class CheckpointConfig:
       versions it keeps there.
     - ``offload``: copy and checksum in worker threads so no event loop blocks (``False`` runs
       them inline: deterministic tests under a mock clock, tiny models).
+    - ``fused_bytes``: with the actor transport, weights that fit in one bucket of at most this
+      many bytes travel in one fused request (pause, manifest, the bucket and its checksum),
+      answered once the receiver verified them: a sync of two round trips instead of five
+      (``docs/weight_sync.md``). ``0`` always runs the five phases.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -146,6 +150,7 @@ class CheckpointConfig:
     directory: str | None = None
     keep_versions: int = 2
     offload: bool = True
+    fused_bytes: int = 4 * MiB
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < ALIGNMENT:
@@ -158,6 +163,12 @@ class CheckpointConfig:
             raise ManifestError(f"checksum {self.checksum!r} is not 'crc32' or 'none'")
         if self.transport == "file" and not self.directory:
             raise ManifestError("the file transport needs a directory")
+        if (
+            not isinstance(self.fused_bytes, int)
+            or isinstance(self.fused_bytes, bool)
+            or self.fused_bytes < 0
+        ):
+            raise ManifestError(f"fused_bytes must be an int >= 0, got {self.fused_bytes!r}")
         if not isinstance(self.keep_versions, int) or self.keep_versions < 1:
             raise ManifestError(f"keep_versions must be an int >= 1, got {self.keep_versions!r}")
         self.tensor_filter()  # validates the patterns

@@ -10,6 +10,12 @@ engines and forward workers, each hosting a ``WeightReceiver``), each phase unde
     finalize  every receiver verifies what it got                 <- the commit point
     resume    shielded, under its own deadline, ALWAYS: commit or drop, then resume
 
+Weights that fit in one bucket of at most ``config.fused_bytes`` (the actor transport) take two
+round trips instead of five: one ``SyncFused`` request carries the pause, the manifest, the bucket
+and its checksum, and each receiver answers once it paused, staged and verified them (its vote);
+then the resume commits or drops, as above. It is the same two-phase commit: the commit point is
+still every receiver's verified answer.
+
 Before the commit point nothing any target holds changes: a failed or cancelled sync drops the
 staged copies and every target resumes on its old, complete weights. After it, every receiver
 switches (at once, or lazily at its next batch boundary) and resumes. The next sync starts from
@@ -30,9 +36,17 @@ import trio
 from ..actors import ActorCrashed, ActorRef
 from ._buckets import PROCESS_TOKEN, BucketSource
 from ._config import PHASES, CheckpointConfig
-from ._errors import ManifestError, SyncFailed
-from ._manifest import collect, plan_buckets, spec_of
-from ._messages import Resumed, SyncFinalize, SyncPause, SyncPrepare, SyncResume
+from ._errors import ChecksumMismatch, IncompleteSync, ManifestError, StaleSync, SyncFailed
+from ._manifest import Manifest, collect, plan_buckets, spec_of
+from ._messages import (
+    FusedAck,
+    Resumed,
+    SyncFinalize,
+    SyncFused,
+    SyncPause,
+    SyncPrepare,
+    SyncResume,
+)
 from ._target import PauseAck
 from ._transport import ActorTransport, ReceiverFailed, SyncSession, Transport, ask_all
 
@@ -50,7 +64,9 @@ class SyncResult:
 
     ``payload_bytes``: tensor bytes sent to each receiver; ``bytes_moved``: bucket bytes
     (padding included) times receivers. ``acks``: each target's pause acknowledgement,
-    ``resumed``: what each holds afterwards, both in target order.
+    ``resumed``: what each holds afterwards, both in target order. ``fused``: the sync ran as
+    one ``SyncFused`` round and the resume; its round (packing included) is timed as
+    ``broadcast_s``, ``prepare_s`` is the planning, and pause, topology and finalize are 0.
     """
 
     version: int
@@ -70,6 +86,7 @@ class SyncResult:
     total_s: float
     acks: tuple[PauseAck, ...]
     resumed: tuple[Resumed, ...]
+    fused: bool = False
 
     @property
     def bandwidth(self) -> float:
@@ -124,6 +141,20 @@ def _cancelled(exc: BaseException) -> bool:
     return any(isinstance(leaf, trio.Cancelled) for leaf in _leaves(exc))
 
 
+def _fused_phase(cause: BaseException) -> str:
+    """The phase a failure of the fused round belongs to, from its cause: no answer in time is
+    a pause not acknowledged; a refused manifest or version is prepare's; a bucket that did not
+    verify is finalize's (a bucket of the wrong size is refused as a ``ManifestError``:
+    prepare's); anything else (a receiver crashed, its node died) is broadcast's."""
+    if isinstance(cause, trio.TooSlowError):
+        return "pause"
+    if isinstance(cause, (ChecksumMismatch, IncompleteSync)):
+        return "finalize"
+    if isinstance(cause, (ManifestError, StaleSync)):
+        return "prepare"
+    return "broadcast"
+
+
 def _root_cause(exc: BaseException) -> tuple[BaseException, str | None]:
     """The first error inside trio's exception groups, and the receiver it came from."""
     first = _leaves(exc)[0]
@@ -152,6 +183,7 @@ class CheckpointEngine:
         self._lock = trio.Lock()
         self._syncs = self._failed = self._bytes = 0
         self._last_version: int | None = None
+        self._layout: tuple[Any, Manifest] | None = None  # the last plan and what it was of
 
     @property
     def targets(self) -> tuple[ActorRef[Any], ...]:
@@ -215,8 +247,19 @@ class CheckpointEngine:
         named = [(name, tensor) for name, tensor in collect(weights) if keep(name)]
         if not named:
             raise ManifestError(f"no tensor to sync: none matched {keep}")
-        specs = [spec_of(name, tensor) for name, tensor in named]
-        manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
+        # The same names, dtypes and shapes in the same order (every step of a run): the same
+        # plan. Anything else (and another bucket size or transport) plans again.
+        key = (
+            config.bucket_bytes,
+            self.transport.split,
+            [(name, tensor.dtype, tensor.shape) for name, tensor in named],
+        )
+        if self._layout is not None and self._layout[0] == key:
+            manifest = self._layout[1]
+        else:
+            specs = [spec_of(name, tensor) for name, tensor in named]
+            manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
+            self._layout = (key, manifest)
         self.transport.check(manifest)
         checksum = config.checksum == "crc32"
         source = BucketSource([t for _, t in named], manifest, with_checksum=checksum)
@@ -245,6 +288,55 @@ class CheckpointEngine:
         await self._phase("finalize", timings, ask_all, targets, lambda _: finalize)
         return acks
 
+    def _fusable(self, session: SyncSession) -> bool:
+        manifest = session.manifest
+        return (
+            isinstance(self.transport, ActorTransport)
+            and len(manifest.buckets) <= 1
+            and manifest.bucket_total <= self.config.fused_bytes
+        )
+
+    def _fused_deadline(self) -> float:
+        """The fused round's deadline: the four phases it folds together, each its own."""
+        d = self.config.deadlines
+        return d.pause + d.prepare + d.broadcast + d.finalize
+
+    async def _converse_fused(
+        self, session: SyncSession, timings: dict[str, float], progress: list[str]
+    ) -> list[PauseAck]:
+        """One ``SyncFused`` round: every receiver paused, staged and verified (its vote)."""
+        assert isinstance(self.transport, ActorTransport)
+        sync_id, targets, config = session.sync_id, session.receivers, self.config
+        buffers = self.transport.buffers
+        started = time.perf_counter()
+        progress[0] = "broadcast"
+        completed = False
+        try:
+            with trio.fail_after(self._fused_deadline()):
+                data = await session.bucket(0, buffers, 0) if session.manifest.buckets else None
+                fused = SyncFused(
+                    sync_id,
+                    config.pause_mode,
+                    config.lease,
+                    session.version,
+                    session.manifest,
+                    PROCESS_TOKEN,
+                    config.checksum == "crc32",
+                    data,
+                    tuple(session.checksums) if config.checksum == "crc32" else (),
+                )
+                answers: list[FusedAck] = await ask_all(targets, lambda _: fused)
+            completed = True
+        except BaseException as exc:
+            if not _cancelled(exc) and isinstance(exc, Exception):
+                progress[0] = _fused_phase(_root_cause(exc)[0])
+            raise
+        finally:
+            timings["broadcast"] = time.perf_counter() - started
+            if not completed:
+                buffers.discard()  # a receiver may still read the buffer
+        return [answer.ack for answer in answers]
+
     async def _sync(
         self,
         version: int,
@@ -256,8 +348,12 @@ class CheckpointEngine:
         progress = ["pause"]
         acks: list[PauseAck] = []
         failure: BaseException | None = None
+        fused = self._fusable(session)
         try:
-            acks = await self._converse(session, timings, progress)
+            if fused:
+                acks = await self._converse_fused(session, timings, progress)
+            else:
+                acks = await self._converse(session, timings, progress)
         except BaseException as exc:
             failure = exc
         committed = failure is None
@@ -284,7 +380,10 @@ class CheckpointEngine:
             phase = progress[0]
             cause, receiver = _root_cause(failure)
             if isinstance(cause, trio.TooSlowError):
-                detail = f"deadline of {getattr(self.config.deadlines, phase)} s passed"
+                limit = self._fused_deadline() if fused else getattr(self.config.deadlines, phase)
+                detail = f"deadline of {limit} s passed"
+                if fused:
+                    detail += " (the fused round: pause, prepare, broadcast and finalize)"
             else:
                 detail = f"{type(cause).__name__}: {cause}"
             where = f" at receiver {receiver!r}" if receiver else ""
@@ -329,6 +428,7 @@ class CheckpointEngine:
             total_s=total,
             acks=tuple(acks),
             resumed=tuple(r for r in resumed if r is not None),
+            fused=fused,
         )
         log.info("sync %s: %s", session.sync_id, result.metrics())
         return result

@@ -10,6 +10,13 @@ sync it is not part of. In order, for one receiver::
     SyncResume     -> Resumed           commit (or drop) the staged weights, resume the target
 
 ``SyncResume`` is sent whatever happened before, and is idempotent.
+
+Weights that fit in one small bucket (``CheckpointConfig.fused_bytes``, the actor transport)
+take two round trips instead::
+
+    SyncFused      -> FusedAck          pause, manifest, the bucket, its checksum: staged and
+                                        verified before the answer (the receiver's vote)
+    SyncResume     -> Resumed           the commit (or drop), as above
 """
 
 from __future__ import annotations
@@ -92,6 +99,32 @@ class SyncFinalize(Request[int]):
 
 
 @attrs.frozen
+class FusedAck:
+    """A receiver's answer to ``SyncFused``: its pause acknowledgement, and the bytes it staged
+    and verified (it is ready to commit)."""
+
+    ack: PauseAck
+    staged: int
+
+
+@attrs.frozen
+class SyncFused(Request[FusedAck]):
+    """``SyncPause``, ``SyncPrepare``, the one bucket (``data``; ``None`` when the manifest has
+    no bucket) and ``SyncFinalize`` in one request: the receiver pauses, checks the manifest,
+    stages the bucket and verifies it against ``checksums`` before it answers."""
+
+    sync_id: str
+    mode: PauseMode
+    lease: float
+    version: int
+    manifest: Manifest
+    sender: str
+    checksum: bool
+    data: torch.Tensor | None
+    checksums: tuple[int, ...]
+
+
+@attrs.frozen
 class Resumed:
     """What a receiver holds after ``SyncResume``: the target's version, and the version
     waiting in the host cache for the next batch boundary (``None``: nothing pending)."""
@@ -142,6 +175,7 @@ SyncMessage = (
     | ReadShard
     | SyncFinalize
     | SyncResume
+    | SyncFused
     | GetReceiverStatistics
 )
 """Every message a receiver answers: put it in your actor's ``Actor[M]`` union."""
@@ -155,6 +189,7 @@ SYNC_MESSAGES = (
     ReadShard,
     SyncFinalize,
     SyncResume,
+    SyncFused,
     GetReceiverStatistics,
 )
 """The same, as a tuple for ``isinstance(msg, SYNC_MESSAGES)``."""

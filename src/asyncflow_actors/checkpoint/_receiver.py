@@ -38,6 +38,7 @@ from ._buckets import PROCESS_TOKEN, HostCache
 from ._errors import ManifestError, StaleSync
 from ._manifest import TensorSpec, spec_of
 from ._messages import (
+    FusedAck,
     GetReceiverStatistics,
     JoinGroup,
     PutBucket,
@@ -46,6 +47,7 @@ from ._messages import (
     ReceiverStatistics,
     Resumed,
     SyncFinalize,
+    SyncFused,
     SyncMessage,
     SyncPause,
     SyncPrepare,
@@ -217,6 +219,8 @@ class WeightReceiver:
             return await self._pause(msg, ctx)
         if isinstance(msg, SyncResume):
             return await self._resume(msg)
+        if isinstance(msg, SyncFused):
+            return await self._fused(msg, ctx)
         if isinstance(msg, GetReceiverStatistics):
             await trio.lowlevel.checkpoint()
             return self.statistics()
@@ -244,17 +248,44 @@ class WeightReceiver:
             self._start_broadcast(sync, cache, ctx)
             return None
         if isinstance(msg, SyncFinalize):
-            await sync.digests.wait()
-
-            def verified() -> dict[str, torch.Tensor]:
-                cache.verify(msg.checksums)
-                return cache.tensors()
-
-            total = cache.manifest.bucket_total
-            sync.verified = await run_sync(offloads(self.offload, total), verified)
-            sync.cache = None
-            return cache.bytes
+            return await self._finalize(sync, cache, msg.checksums)
         raise TypeError(f"{self._who()}: not a sync message: {msg!r}")
+
+    async def _finalize(self, sync: _Sync, cache: HostCache, checksums: tuple[int, ...]) -> int:
+        """Verify every bucket (the receiver's vote); the verified tensors wait for the commit."""
+        await sync.digests.wait()
+
+        def verified() -> dict[str, torch.Tensor]:
+            cache.verify(checksums)
+            return cache.tensors()
+
+        total = cache.manifest.bucket_total
+        sync.verified = await run_sync(offloads(self.offload, total), verified)
+        sync.cache = None
+        return cache.bytes
+
+    async def _fused(self, msg: SyncFused, ctx: ActorContext[Any]) -> FusedAck:
+        """Pause, prepare, stage the one bucket, verify: the five-phase conversation's first
+        four steps in one request, in the same order and with the same checks."""
+        ack = await self._pause(SyncPause(msg.sync_id, msg.mode, msg.lease), ctx)
+        sync = self._current(msg.sync_id)
+        prepare = SyncPrepare(msg.sync_id, msg.version, msg.manifest, msg.sender, msg.checksum)
+        await self._prepare(sync, prepare)
+        cache = sync.cache
+        assert cache is not None
+        buckets = len(cache.manifest.buckets)
+        if (msg.data is None) != (buckets == 0) or buckets > 1:
+            raise ManifestError(
+                f"{self._who()}: a fused sync carries the manifest's one bucket, got "
+                f"{'no' if msg.data is None else 'one'} bucket for {buckets}"
+            )
+        if msg.data is not None:
+            cache.take(0, msg.data)
+            size = cache.manifest.buckets[0].nbytes
+            self._bytes += size
+            await run_sync(offloads(self.offload, size), cache.digest, 0, msg.data)
+        staged = await self._finalize(sync, cache, msg.checksums)
+        return FusedAck(ack, staged)
 
     def _who(self) -> str:
         return f"receiver {self.name!r}" if self.name else "receiver"
