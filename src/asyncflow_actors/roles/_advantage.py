@@ -8,6 +8,7 @@ instead of two of each.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,11 +33,12 @@ class Advantages:
         self.compute = compute
         self.generator = torch.Generator().manual_seed(spec.train.seed + 17)
 
-    async def __call__(
+    def estimate(
         self, batch: Any, rows: Sequence[int], lengths: Sequence[int], *, padded: bool = False
     ) -> Any:
         """Per-token advantages of ``batch`` at ``rows`` (whole groups), ``lengths`` tokens: a
-        tensor per row to write back, or one ``PaddedRows`` (``padded``) to train on."""
+        tensor per row to write back, or one ``PaddedRows`` (``padded``) to train on. Blocking:
+        call it in a compute thread (the trainer runs it in the thread of its update)."""
         import torch
 
         rewards = column(batch, S.REWARDS)
@@ -47,7 +49,15 @@ class Advantages:
         if self.spec.train.shuffle_rewards:
             rewards = rewards[torch.randperm(len(rows), generator=self.generator)]
         compute = self.compute.padded_advantages if padded else self.compute.group_advantages
-        return await in_thread(compute, self.spec.algorithm, rewards, group_ids, lengths)
+        return compute(self.spec.algorithm, rewards, group_ids, lengths)
+
+    async def __call__(
+        self, batch: Any, rows: Sequence[int], lengths: Sequence[int], *, padded: bool = False
+    ) -> Any:
+        """``estimate`` in a worker thread."""
+        return await in_thread(
+            functools.partial(self.estimate, batch, rows, lengths, padded=padded)
+        )
 
 
 class Advantage(Station, Actor[GetRoleStats]):

@@ -18,6 +18,7 @@ weights never change while a sync reads them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
 from typing import Any
 
 import trio
@@ -134,31 +135,22 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
             # whole columns, no per-row Python: fixed-shape ones are one tensor each
             data = {name: columns(batch, name) for name in self.columns}
-            lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
-            histogram = self._check_staleness(data[S.TOKEN_VERSIONS], batch.versions)
             with self.meter.track.span("train", samples=batch.indexes, version=self.version):
                 start = clock_ns()
-                if self.advantages is not None:
-                    rows = range(len(batch))
-                    data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths, padded=True)
-                # Up to the first optimizer step: reads the weights only, as a sync does.
-                updates = self.learner.updates(data)
-                await in_thread(next, updates)
+                # One compute thread up to the first optimizer step (the staleness check, the
+                # advantages, the first forward and backward): reads the weights only, as a
+                # sync does; the event loop stays free for the sync meanwhile.
+                updates, lags, lengths = await in_thread(self._prepare, batch, data)
+                histogram = self._count_staleness(lags)
                 if previous is not None:
                     self.meter.busy(start)
                     await previous.wait()  # the sync of the last version finished
                     start = clock_ns()
                 async with self._model_lock:  # no sync or checkpoint reads them meanwhile
-                    metrics = await in_thread(self.compute.finish, updates)
+                    metrics = await in_thread(self._finish, updates, batch, lengths)
                 self.meter.busy(start)
             await self.client.ack(batch)
             tokens = sum(lengths)
-            rewards = column(batch, S.REWARDS)
-            metrics["reward_mean"] = float(rewards.mean())
-            metrics["accuracy"] = float((rewards == 1.0).float().mean())
-            metrics["response_length"] = tokens / len(batch)
-            resumed = int((column(batch, S.RESUMES) > 0).sum())
-            metrics["partial_rollout_ratio"] = resumed / len(batch)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(len(batch), tokens)
             self.version += 1
@@ -177,12 +169,40 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             previous = _Answer(self.driver, done)
             nursery.start_soon(previous.run)
 
-    def _check_staleness(
-        self, token_versions: list[Any], versions: tuple[int, ...]
-    ) -> tuple[int, ...]:
+    def _prepare(
+        self, batch: Any, data: dict[str, Any]
+    ) -> tuple[Generator[None, None, dict[str, float]], list[int], list[int]]:
+        """The step up to its first optimizer step, in a compute thread: each sample's lag
+        (``StalenessViolation`` before any update if one lies outside the window), the
+        advantages (``trainer_advantage``), then ``Learner.updates`` up to its yield. Returns
+        the paused updates, the lags and the response lengths."""
+        lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
+        lags = self._lags(data[S.TOKEN_VERSIONS], batch.versions)
+        if self.advantages is not None:
+            rows = range(len(batch))
+            data[S.ADVANTAGES] = self.advantages.estimate(batch, rows, lengths, padded=True)
+        updates = self.learner.updates(data)
+        next(updates)
+        return updates, lags, lengths
+
+    def _finish(
+        self,
+        updates: Generator[None, None, dict[str, float]],
+        batch: Any,
+        lengths: list[int],
+    ) -> dict[str, float]:
+        """The rest of the updates and the batch's figures, in a compute thread."""
+        metrics: dict[str, float] = self.compute.finish(updates)
+        rewards = column(batch, S.REWARDS)
+        metrics["reward_mean"] = float(rewards.mean())
+        metrics["accuracy"] = float((rewards == 1.0).float().mean())
+        metrics["response_length"] = sum(lengths) / len(batch)
+        metrics["partial_rollout_ratio"] = int((column(batch, S.RESUMES) > 0).sum()) / len(batch)
+        return metrics
+
+    def _lags(self, token_versions: list[Any], versions: tuple[int, ...]) -> list[int]:
         """Per sample: trainer version - oldest token version, within [0, staleness]."""
         limit = self.spec.staleness
-        counts = [0] * (limit + 1)
         lags = [
             self.version - oldest
             for oldest in self.compute.oldest_versions(token_versions, versions)
@@ -193,6 +213,12 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
                     f"a sample of version {self.version - lag} reached the trainer at version "
                     f"{self.version}; the window is {limit}"
                 )
+        return lags
+
+    def _count_staleness(self, lags: list[int]) -> tuple[int, ...]:
+        """The samples per lag; the staleness histogram and off-policy counter."""
+        counts = [0] * (self.spec.staleness + 1)
+        for lag in lags:
             counts[lag] += 1
         self._staleness.observe_many(lags)
         self._offpolicy.inc(sum(counts[1:]))
