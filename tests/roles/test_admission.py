@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import outcome
+import pytest
 import trio
 import trio.testing
 
@@ -192,3 +193,31 @@ async def test_the_batcher_calls_once_for_what_is_submitted_together() -> None:
     assert isinstance(results[13], KeyError), "one item's error goes to its submitter only"
     assert isinstance(results[-1], _BatchFailed)
     assert isinstance(results[-1].__cause__, ValueError)
+
+
+@pytest.mark.parametrize("settle", [0, 8])
+async def test_the_batcher_waits_for_submitters_a_few_checkpoints_behind(settle: int) -> None:
+    # the groups of one decode stretch reach the scorer a checkpoint or a few apart
+    calls: list[list[int]] = []
+
+    async def same(items: list[int]) -> list[outcome.Outcome[int]]:
+        calls.append(sorted(items))
+        await trio.lowlevel.checkpoint()
+        return [outcome.Value(i) for i in items]
+
+    batcher: _Batcher[int, int] = _Batcher(same, settle)
+
+    async def late(item: int) -> None:
+        for _ in range(item):
+            await trio.lowlevel.checkpoint()
+        assert await batcher.submit(item) == item
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.serve)
+            for item in range(4):
+                nursery.start_soon(late, item)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    assert sorted(i for call in calls for i in call) == [0, 1, 2, 3]
+    assert (calls == [[0, 1, 2, 3]]) == (settle > 0)

@@ -68,13 +68,22 @@ class _Batcher(Generic[T, R]):
     decode step completes together are scored in one worker-thread call (one hop instead of
     one per group), and what is submitted while a call runs goes into the next one.
 
+    Woken by a first item, it lets the tasks already runnable submit theirs before it calls:
+    it yields to the scheduler until two yields in a row brought nothing new (at most
+    ``settle`` yields). The groups of one decode stretch do not reach it in the same scheduler
+    batch: a group's task returns from ``generate_many`` after a checkpoint per sample it still
+    has to collect, and tasks of one batch run in random order.
+
     ``fn`` gets the items and returns one ``outcome.Outcome`` per item, in order, so that one
     item's failure is raised to its own submitter only. ``serve`` runs it (a task for the life
     of the host); a cancelled submitter abandons its result, nothing else.
     """
 
-    def __init__(self, fn: Callable[[list[T]], Awaitable[list[outcome.Outcome[R]]]]) -> None:
+    def __init__(
+        self, fn: Callable[[list[T]], Awaitable[list[outcome.Outcome[R]]]], settle: int = 0
+    ) -> None:
         self._fn = fn
+        self._settle = settle
         self._queue: list[tuple[T, _Result[R]]] = []
         self._ready = trio.Event()
         self.calls = 0
@@ -91,6 +100,13 @@ class _Batcher(Generic[T, R]):
     async def serve(self) -> NoReturn:
         while True:
             await self._ready.wait()
+            seen, quiet = len(self._queue), 0
+            for _ in range(self._settle):
+                await trio.lowlevel.checkpoint()
+                quiet = quiet + 1 if len(self._queue) == seen else 0
+                seen = len(self._queue)
+                if quiet == 2:
+                    break
             self._ready = trio.Event()
             taken, self._queue = self._queue, []
             self.calls += 1
@@ -217,7 +233,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self._busy_since = 0
         self._paused = get_registry().gauge("afa_rollout_paused", worker=worker)
         self._new_weights = trio.Event()  # set (and replaced) whenever weights may have arrived
-        self._scorer: _Batcher[_ToScore, list[float]] = _Batcher(self._score_many)
+        settle = spec.rollout.group_size  # a checkpoint per sample (``_Batcher``)
+        self._scorer: _Batcher[_ToScore, list[float]] = _Batcher(self._score_many, settle)
         self._writer: _Batcher[_ToWrite, tuple[int, ...]] = _Batcher(self._write_many)
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
