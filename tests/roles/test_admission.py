@@ -221,3 +221,27 @@ async def test_the_batcher_waits_for_submitters_a_few_checkpoints_behind(settle:
             nursery.cancel_scope.cancel()
     assert sorted(i for call in calls for i in call) == [0, 1, 2, 3]
     assert (calls == [[0, 1, 2, 3]]) == (settle > 0)
+
+
+async def test_an_overlapping_batcher_does_not_wait_for_a_slow_call() -> None:
+    # the writer: a put held up (a storage unit restarting) holds up no other group's put
+    release = trio.Event()
+    calls: list[list[int]] = []
+
+    async def put(items: list[int]) -> list[outcome.Outcome[int]]:
+        calls.append(sorted(items))
+        if 0 in items:
+            await release.wait()
+        return [outcome.Value(i) for i in items]
+
+    batcher: _Batcher[int, int] = _Batcher(put, overlap=True)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.serve)
+            nursery.start_soon(batcher.submit, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert await batcher.submit(1) == 1
+            assert not release.is_set() and calls == [[0], [1]]
+            release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()

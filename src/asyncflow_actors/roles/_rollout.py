@@ -74,16 +74,24 @@ class _Batcher(Generic[T, R]):
     batch: a group's task returns from ``generate_many`` after a checkpoint per sample it still
     has to collect, and tasks of one batch run in random order.
 
+    With ``overlap`` a call does not wait for the one before it to return (a call then takes
+    what was submitted in one scheduler batch, plus ``settle``): for requests, where one slow
+    call must not hold up the next ones.
+
     ``fn`` gets the items and returns one ``outcome.Outcome`` per item, in order, so that one
     item's failure is raised to its own submitter only. ``serve`` runs it (a task for the life
     of the host); a cancelled submitter abandons its result, nothing else.
     """
 
     def __init__(
-        self, fn: Callable[[list[T]], Awaitable[list[outcome.Outcome[R]]]], settle: int = 0
+        self,
+        fn: Callable[[list[T]], Awaitable[list[outcome.Outcome[R]]]],
+        settle: int = 0,
+        overlap: bool = False,
     ) -> None:
         self._fn = fn
         self._settle = settle
+        self._overlap = overlap
         self._queue: list[tuple[T, _Result[R]]] = []
         self._ready = trio.Event()
         self.calls = 0
@@ -98,27 +106,35 @@ class _Batcher(Generic[T, R]):
         return result.value.unwrap()
 
     async def serve(self) -> NoReturn:
-        while True:
-            await self._ready.wait()
-            seen, quiet = len(self._queue), 0
-            for _ in range(self._settle):
-                await trio.lowlevel.checkpoint()
-                quiet = quiet + 1 if len(self._queue) == seen else 0
-                seen = len(self._queue)
-                if quiet == 2:
-                    break
-            self._ready = trio.Event()
-            taken, self._queue = self._queue, []
-            self.calls += 1
-            try:
-                values = await self._fn([item for item, _ in taken])
-                if len(values) != len(taken):
-                    raise RuntimeError(f"{len(values)} results for {len(taken)} items")
-            except Exception as exc:
-                values = [outcome.Error(_failed(exc)) for _ in taken]
-            for (_, result), value in zip(taken, values, strict=True):
-                result.value = value
-                result.done.set()
+        async with trio.open_nursery() as nursery:
+            while True:
+                await self._ready.wait()
+                seen, quiet = len(self._queue), 0
+                for _ in range(self._settle):
+                    await trio.lowlevel.checkpoint()
+                    quiet = quiet + 1 if len(self._queue) == seen else 0
+                    seen = len(self._queue)
+                    if quiet == 2:
+                        break
+                self._ready = trio.Event()
+                taken, self._queue = self._queue, []
+                self.calls += 1
+                if self._overlap:
+                    nursery.start_soon(self._call, taken)
+                else:
+                    await self._call(taken)
+        raise AssertionError("unreachable")
+
+    async def _call(self, taken: list[tuple[T, _Result[R]]]) -> None:
+        try:
+            values = await self._fn([item for item, _ in taken])
+            if len(values) != len(taken):
+                raise RuntimeError(f"{len(values)} results for {len(taken)} items")
+        except Exception as exc:
+            values = [outcome.Error(_failed(exc)) for _ in taken]
+        for (_, result), value in zip(taken, values, strict=True):
+            result.value = value
+            result.done.set()
 
 
 class _BatchFailed(RuntimeError):
@@ -235,7 +251,9 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self._new_weights = trio.Event()  # set (and replaced) whenever weights may have arrived
         settle = spec.rollout.group_size  # a checkpoint per sample (``_Batcher``)
         self._scorer: _Batcher[_ToScore, list[float]] = _Batcher(self._score_many, settle)
-        self._writer: _Batcher[_ToWrite, tuple[int, ...]] = _Batcher(self._write_many)
+        # the groups scored together reach the writer together; a slow put (a storage unit
+        # restarting) holds up no other group's
+        self._writer: _Batcher[_ToWrite, tuple[int, ...]] = _Batcher(self._write_many, overlap=True)
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
