@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
 
 import asyncflow_actors as afa
@@ -15,6 +18,9 @@ from asyncflow_actors.pipeline import open_pipeline, run_pipeline
 from asyncflow_actors.roles import GetRoleStats
 
 from .kit import tiny
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
 
 BATCH = 16
 
@@ -77,3 +83,48 @@ async def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert [Path(c).name for c in resumed.checkpoints] == ["step-000003", "step-000004"]
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["version"] for line in lines] == [1, 2, 3, 4]
+
+
+def fail_syncs(monkeypatch: Any, version: int, times: int) -> list[int]:
+    """The first ``times`` syncs of ``version`` fail before any receiver commits (once the
+    rollout has had time to lease the prompts admitted for ``version`` and wait for them)."""
+    from asyncflow_actors.checkpoint import CheckpointEngine, SyncFailed
+
+    sync = CheckpointEngine.sync
+    failed: list[int] = []
+
+    async def failing(self: CheckpointEngine, v: int, weights: Any, *args: Any, **kw: Any) -> Any:
+        if v == version and len(failed) < times:
+            await trio.sleep(0.05)  # the next prompts are admitted and leased meanwhile
+            failed.append(v)
+            raise SyncFailed(f"sync of {v} refused (test)", phase="prepare", version=v)
+        return await sync(self, v, weights, *args, **kw)
+
+    monkeypatch.setattr(CheckpointEngine, "sync", failing)
+    return failed
+
+
+async def test_a_retried_sync_keeps_staleness_zero_on_policy(monkeypatch: Any) -> None:
+    """The prompts of version 2 are admitted while its sync runs; the sync fails once and is
+    retried: the rollout waits for the retry, and no sample trains off-policy."""
+    failed = fail_syncs(monkeypatch, 2, times=1)
+    with trio.fail_after(60):
+        result = await run_pipeline(tiny("async", staleness=0, train={"steps": 4}))
+    assert failed == [2]
+    assert [r.sync.get("sync_retries") for r in result.records[:3]] == [0.0, 1.0, 0.0]
+    assert result.offpolicy_samples == 0
+    assert [r.staleness for r in result.records] == [(BATCH,)] * 4
+
+
+async def test_a_sync_that_fails_for_good_fails_the_run(monkeypatch: Any) -> None:
+    """Groups admitted for a version whose sync never succeeds wait for it; the run fails
+    (``RunFailed``) and stops instead of hanging on them."""
+    from asyncflow_actors.pipeline import RunFailed
+    from asyncflow_actors.roles import _trainer
+
+    monkeypatch.setattr(_trainer, "SYNC_ATTEMPTS", 2)
+    failed = fail_syncs(monkeypatch, 2, times=2)
+    with trio.fail_after(60), pytest.raises(ExceptionGroup) as info:
+        await run_pipeline(tiny("async", staleness=0, train={"steps": 4}))
+    assert info.group_contains(RunFailed)
+    assert failed == [2, 2]

@@ -78,6 +78,7 @@ async def test_rollout_takes_every_ready_prompt_in_one_lease() -> None:
                     S.ANSWER: [str(index + 1)],
                     S.GROUP: torch.tensor([slot.group_id]),
                     S.PROMPT_INDEX: torch.tensor([index]),
+                    S.MIN_VERSION: torch.tensor([0]),
                 }
                 await client.put(S.PROMPTS, prompt, version=0)
             ref = await system.spawn(
@@ -134,8 +135,11 @@ async def test_rollout_generates_a_global_batch_of_groups_at_once_by_default() -
     assert stats.extra["prompt_leases"] == 1, "32 prompts ready: one lease"
 
 
-async def put_prompts(client: afa.transfer_queue.TransferQueueClient, indexes: list[int]) -> None:
-    """The prompts ``indexes`` in one put, each naming a group it opens (as the Driver does)."""
+async def put_prompts(
+    client: afa.transfer_queue.TransferQueueClient, indexes: list[int], min_version: int = 0
+) -> None:
+    """The prompts ``indexes`` in one put, each naming a group it opens (as the Driver does),
+    admitted for ``min_version``."""
     groups = []
     for _ in indexes:
         slot = await client.open_group(S.ROLLOUT, 4, shared={S.PROMPT_IDS: torch.tensor([1])})
@@ -145,6 +149,7 @@ async def put_prompts(client: afa.transfer_queue.TransferQueueClient, indexes: l
         S.ANSWER: [str(index + 1) for index in indexes],
         S.GROUP: torch.tensor(groups),
         S.PROMPT_INDEX: torch.tensor(indexes),
+        S.MIN_VERSION: torch.full((len(indexes),), min_version, dtype=torch.int64),
     }
     await client.put(S.PROMPTS, prompts, version=0)
 

@@ -6,9 +6,11 @@
   prompt ids stored once, shared) and puts a ``prompts`` sample naming that group; the prompts
   whose slots are free at once go out in one put (the rollout takes them in one lease).
 - **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
-  (samples that fall out of the window are evicted), asks the Trainer to sync the weights, and
-  only then releases the batch's slots and answers: at staleness 0 no prompt is admitted before
-  every engine holds the new weights, so every trained sample is on-policy by construction.
+  (samples that fall out of the window are evicted), releases the batch's slots at once, asks
+  the Trainer to sync the weights and answers once the sync returned. The prompts admitted
+  meanwhile (the sync and the admission overlap) carry the version they were admitted for
+  (``min_version``): a rollout worker starts no group on weights older than that, so at
+  staleness 0 every trained sample is still on-policy by construction.
 - **Re-injection.** Groups the TQ reports evicted (stale) or lost (a storage unit died) and
   prompts lost before generation are injected again, keeping their slots.
 - **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
@@ -151,6 +153,9 @@ class Driver(Actor[StepDone | GetRoleStats]):
         prompts that name them, in one put."""
         import torch
 
+        # The version these prompts are admitted for, read before any await: the slots that
+        # admitted them were released once the Driver held it (``_step_done``).
+        version = self.version
         problems = [self.problem(index) for index in indexes]
         opened: list[int] = []
         for k, problem in enumerate(problems):
@@ -168,6 +173,7 @@ class Driver(Actor[StepDone | GetRoleStats]):
             S.ANSWER: [p.answer for p in problems],
             S.GROUP: torch.tensor(opened),
             S.PROMPT_INDEX: torch.tensor(indexes),
+            S.MIN_VERSION: torch.full((len(indexes),), version, dtype=torch.int64),
         }
         samples = await self.client.put(S.PROMPTS, data, version=0)
         for sample, group in zip(samples, opened, strict=True):
@@ -210,8 +216,12 @@ class Driver(Actor[StepDone | GetRoleStats]):
         self.version = msg.version
         self.meter.set_version(msg.version)
         await self.client.set_version(S.ROLLOUT, msg.version)
-        report = await trainer.ask(SyncWeights(msg.version))
+        # Admission overlaps the sync: the prompts these slots admit (``_inject`` runs while the
+        # sync is under way) carry ``min_version`` = this version, and the rollout starts their
+        # groups only once its weights reach it. Releasing after the sync instead put the
+        # injection (a TQ put and a group per prompt) on every step's critical path.
         self.flow.release(msg.samples)
+        report = await trainer.ask(SyncWeights(msg.version))
         now = trio.current_time()
         seconds, self._step_started = now - self._step_started, now
         self.meter.done(msg.samples, msg.tokens)

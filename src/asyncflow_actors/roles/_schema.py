@@ -1,7 +1,8 @@
 """The two topics of a run and the columns each station reads and writes.
 
 ``prompts``: one sample per prompt to generate (the Driver writes, Rollout consumes); it names
-the ``rollout`` group the Driver opened for it, so a lost or evicted group can be re-injected.
+the ``rollout`` group the Driver opened for it, so a lost or evicted group can be re-injected,
+and the policy version it was admitted for: no rollout worker starts its group on older weights.
 ``rollout``: one sample per response, grouped (the prompt stored once per group); stations add
 their columns and the Trainer consumes samples that have them all.
 """
@@ -21,6 +22,7 @@ PROMPT_TEXT: Final = "prompt"
 ANSWER: Final = "answer"
 GROUP: Final = "group"  # the rollout group id opened for this prompt
 PROMPT_INDEX: Final = "prompt_index"  # the prompt's position in the run's prompt stream
+MIN_VERSION: Final = "min_version"  # the version it was admitted for: its oldest token's, at least
 
 # rollout
 PROMPT_IDS: Final = "prompt_ids"  # shared by the group
@@ -52,6 +54,7 @@ def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
                 ANSWER: {},
                 GROUP: {"dtype": "int64", "shape": []},
                 PROMPT_INDEX: {"dtype": "int64", "shape": []},
+                MIN_VERSION: {"dtype": "int64", "shape": []},
             },
         },
         name=PROMPTS,
