@@ -4,10 +4,12 @@ weights. And the groups a decode step completes together are scored in one threa
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import outcome
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -23,9 +25,10 @@ from asyncflow_actors.roles import Driver, DriverHooks, GetRoleStats, Rollout, t
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._compute import build_policy
 from asyncflow_actors.roles._messages import StepDone, SyncReport, SyncWeights
-from asyncflow_actors.roles._rollout import _Batcher, _BatchFailed
+from asyncflow_actors.roles._rollout import _Batcher, _BatchFailed, _put_outcome, _ToWrite
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
+from ..transfer_queue.test_group_batches import Counting
 from .test_batching import SPEC, put_prompts
 
 PROMPTS = [S.PROMPT_TEXT, S.GROUP, S.MIN_VERSION]
@@ -245,3 +248,68 @@ async def test_an_overlapping_batcher_does_not_wait_for_a_slow_call() -> None:
             release.set()
             await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
+
+
+def group_rows(seed: int, n: int = 4) -> dict[str, Any]:
+    """A scored group's rows, as the rollout writes them (each row tagged with ``seed``)."""
+    return {
+        S.RESPONSE_IDS: [torch.tensor([seed, k, 2]) for k in range(n)],
+        S.BEHAVIOUR: [torch.full((3,), -0.5) for _ in range(n)],
+        S.TOKEN_VERSIONS: [torch.zeros(3, dtype=torch.int64) for _ in range(n)],
+        S.REWARDS: torch.full((n,), float(seed)),
+        S.RESUMES: torch.zeros(n, dtype=torch.int64),
+    }
+
+
+async def test_groups_of_one_version_are_written_in_one_put_each_to_its_group() -> None:
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=2)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("rollout-0")
+        counts: Counter[str] = Counter()
+        rollout = Rollout(SPEC, queue.controller, "rollout-0")
+        rollout.client = client
+        with trio.fail_after(60):
+            slots = await client.open_groups(
+                S.ROLLOUT, [4] * 5, [{S.PROMPT_IDS: torch.tensor([1])}] * 5
+            )
+            await client.set_version(S.ROLLOUT, 1)
+            client.controller = Counting(client.controller, counts)
+            todo = [
+                _ToWrite(s.group_id, group_rows(k), 1 if k < 4 else 0) for k, s in enumerate(slots)
+            ]
+            results = await rollout._write_many(todo)
+            assert counts["Allocate"] == 2, "versions 1 (four groups) and 0: one put each"
+            batch = await client.get(S.ROLLOUT, "trainer", [S.REWARDS, S.RESPONSE_IDS], 20)
+    assert batch is not None
+    written = [r.unwrap() for r in results]
+    assert [len(w) for w in written] == [4] * 5
+    for k, (slot, indexes) in enumerate(zip(slots, written, strict=True)):
+        for index in indexes:  # each row landed in its own group with its own data
+            row = batch.indexes.index(index)
+            assert batch.group_ids[row] == slot.group_id
+            assert float(batch[S.REWARDS][row]) == k
+            assert int(batch[S.RESPONSE_IDS][row][0]) == k
+
+
+async def test_a_group_refused_in_a_multi_group_put_fails_alone() -> None:
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("rollout-0")
+        rollout = Rollout(SPEC, queue.controller, "rollout-0")
+        rollout.client = client
+        with trio.fail_after(60):
+            slots = await client.open_groups(
+                S.ROLLOUT, [4] * 3, [{S.PROMPT_IDS: torch.tensor([1])}] * 3
+            )
+            await client.shrink_group(S.ROLLOUT, slots[1], 4)  # evicted meanwhile: gone
+            todo = [_ToWrite(s.group_id, group_rows(k), 0) for k, s in enumerate(slots)]
+            results = await rollout._write_many(todo)
+            batch = await client.get(S.ROLLOUT, "trainer", [S.REWARDS], 12, min_count=8)
+    assert len(results[0].unwrap()) == 4 and len(results[2].unwrap()) == 4
+    with pytest.raises(Exception) as refused:
+        results[1].unwrap()
+    assert _put_outcome(refused.value) == "gone"
+    assert batch is not None and sorted(set(batch.group_ids)) == [
+        slots[0].group_id,
+        slots[2].group_id,
+    ]

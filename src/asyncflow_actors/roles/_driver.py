@@ -157,15 +157,22 @@ class Driver(Actor[StepDone | GetRoleStats]):
         # admitted them were released once the Driver held it (``_step_done``).
         version = self.version
         problems = [self.problem(index) for index in indexes]
+        given: list[int | None] = list(groups) if groups is not None else [None] * len(indexes)
+        # the groups still to open, in one request (all or none: a failure opens none)
+        fresh = [k for k, group in enumerate(given) if group is None]
+        if fresh:
+            encode = self.tokenizer.encode
+            shared = [
+                {S.PROMPT_IDS: torch.tensor(encode(problems[k].prompt, add_bos=True))}
+                for k in fresh
+            ]
+            size = self.spec.rollout.group_size
+            slots = await self.client.open_groups(S.ROLLOUT, [size] * len(fresh), shared)
+            for k, slot in zip(fresh, slots, strict=True):
+                given[k] = slot.group_id
         opened: list[int] = []
-        for k, problem in enumerate(problems):
-            group = groups[k] if groups is not None else None
-            if group is None:
-                ids = torch.tensor(self.tokenizer.encode(problem.prompt, add_bos=True))
-                slot = await self.client.open_group(
-                    S.ROLLOUT, self.spec.rollout.group_size, shared={S.PROMPT_IDS: ids}
-                )
-                group = slot.group_id
+        for k, group in enumerate(given):
+            assert group is not None
             self.inflight[group] = indexes[k]
             opened.append(group)
         data = {

@@ -499,17 +499,23 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         return results
 
     async def _write_many(self, groups: list[_ToWrite]) -> list[outcome.Outcome[tuple[int, ...]]]:
-        """Write the groups scored together: one put each, concurrently (the outcome of each is
-        its own: stale, gone or written).
+        """Write the groups scored together: those of one version in one multi-group put (one
+        allocation, one store per unit, one commit), concurrently with the other versions'.
 
-        With a multi-group put (``put(..., group=[gid per row])``) this becomes one request:
-        concatenate the rows of ``groups`` and split the indexes it returns by group; with it,
-        one group's refusal must still be told apart from the others'."""
+        Each outcome is its group's own: stale, gone or written. A multi-group put is all or
+        nothing; when it is refused for one group (stale, evicted, full) nothing changed, and
+        the groups are put one by one so that each learns its own fate. Any other failure
+        (a unit or the controller lost after the allocation) is every group's, as it would
+        have been for one put each."""
         assert self.client is not None
         client = self.client
         results: list[outcome.Outcome[tuple[int, ...]]] = [outcome.Value(())] * len(groups)
+        by_version: dict[int, list[int]] = {}
+        for k, group in enumerate(groups):
+            by_version.setdefault(group.version, []).append(k)
 
-        async def one(k: int, group: _ToWrite) -> None:
+        async def one(k: int) -> None:
+            group = groups[k]
             try:
                 indexes = await client.put(
                     S.ROLLOUT, group.data, version=group.version, group=group.gid
@@ -519,9 +525,33 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             else:
                 results[k] = outcome.Value(indexes)
 
+        async def together(version: int, ks: list[int]) -> None:
+            if len(ks) == 1:
+                await one(ks[0])
+                return
+            data = _concat_rows([groups[k].data for k in ks])
+            gids = [groups[k].gid for k in ks for _ in range(_rows(groups[k].data))]
+            try:
+                indexes = await client.put(S.ROLLOUT, data, version=version, group=gids)
+            except Exception as exc:
+                if _put_outcome(exc) is None:
+                    for k in ks:
+                        results[k] = outcome.Error(exc)
+                    return
+                # refused for one group (its error names it): the others are intact
+                async with trio.open_nursery() as nursery:
+                    for k in ks:
+                        nursery.start_soon(one, k)
+                return
+            at = 0
+            for k in ks:
+                n = _rows(groups[k].data)
+                results[k] = outcome.Value(tuple(indexes[at : at + n]))
+                at += n
+
         async with trio.open_nursery() as nursery:
-            for k, group in enumerate(groups):
-                nursery.start_soon(one, k, group)
+            for version, ks in by_version.items():
+                nursery.start_soon(together, version, ks)
         return results
 
     async def receive(self, msg: Any, ctx: ActorContext[Any]) -> Any:
@@ -549,6 +579,23 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             self.meter.set_version(msg.version)
             return msg.version
         return await super().handle(msg, ctx)
+
+
+def _rows(data: Mapping[str, Any]) -> int:
+    return len(data[S.REWARDS])
+
+
+def _concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rows of several groups' columns, in order: lists are joined, tensors concatenated."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, first in parts[0].items():
+        if isinstance(first, list):
+            out[name] = [row for part in parts for row in part[name]]
+        else:
+            out[name] = torch.cat([part[name] for part in parts])
+    return out
 
 
 def _running(engine: GenerationEngine) -> int:
