@@ -221,3 +221,42 @@ def test_the_sweep_spares_a_segment_its_writer_holds_and_touched() -> None:
         assert not os.path.exists(_shm.path(name))
     finally:
         _shm.unlink(name)
+
+
+async def test_a_told_store_whose_segment_went_first_is_reported_lost() -> None:
+    """The backstop: a segment can still go before its told store reaches the unit (the store
+    waited in the controller's outbox past ``shm_orphan_age``). The unit reports the samples
+    it could not take, the controller reports them lost, and nobody is served a hole."""
+    async with lingering_queue() as queue:
+        writer, reader = await queue.client(), await queue.client()
+        indexes = await writer.put("rollout", {"tokens": tokens(6)}, version=0)
+        assert await unit_stores(writer) == 0  # the store waits in the outbox
+        (name,) = {n for n in segments(queue.namespace) if not n.endswith("probe")}
+        os.unlink(_shm.path(name))  # as the sweep would
+        with trio.fail_after(10):
+            await writer.flush()  # the unit takes its bookkeeping: the store finds no segment
+            lost: set[int] = set()
+            while lost != set(indexes):
+                batch = await writer.events(0)
+                lost = {i for e in batch.events if e.kind == "lost" for i in e.indexes}
+        assert await lost_samples(writer) == len(indexes)
+        assert await reader.get("rollout", "trainer", ["tokens"], 8, wait=False) is None
+        await writer.flush()
+        (unit,) = (await writer.statistics()).units.values()
+        assert unit is not None and (unit.stores, unit.samples, unit.segments) == (0, 0, 0)
+        namespace = queue.namespace
+    assert not segments(namespace)
+
+
+async def test_a_reader_asking_for_rows_whose_segment_went_gets_storage_unavailable() -> None:
+    async with lingering_queue() as queue:
+        writer, reader = await queue.client(), await queue.client()
+        indexes = await writer.put("rollout", {"tokens": tokens(7)}, version=0)
+        for name in segments(queue.namespace):
+            if not name.endswith("probe"):
+                os.unlink(_shm.path(name))  # swept before the unit took the store
+        with trio.fail_after(10), pytest.raises(tq.StorageUnavailable):
+            await reader.get("rollout", "trainer", ["tokens"], 8, wait=False)
+        await writer.flush()
+        batch = await writer.events(0)
+        assert {i for e in batch.events if e.kind == "lost" for i in e.indexes} == set(indexes)

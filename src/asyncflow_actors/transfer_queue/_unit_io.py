@@ -36,6 +36,7 @@ from ._unit_messages import (
     Store,
     Stored,
     StoreGroups,
+    UnitError,
 )
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
@@ -364,7 +365,12 @@ class UnitIO:
                     topic, incarnation, list(placement[unit]), columns, groups,
                     shared_columns, shm,
                 )  # fmt: skip
-                fetched: Fetched = await self._ask(unit, msg)
+                try:
+                    fetched: Fetched = await self._ask(unit, msg)
+                except UnitError as exc:  # it lacks samples of the lease: their data is lost
+                    # (a told store whose segment went first: the controller reports them
+                    # lost once the unit answers its bookkeeping)
+                    raise StorageUnavailable(f"storage unit {unit!r}: {exc}") from exc
                 return _mapped(fetched, unit) if shm else fetched
 
             return one
