@@ -27,7 +27,11 @@ Safety rules:
   other data than what was put, for as long as it exists;
 - names are never reused, and all are in the unit's namespace, so the unit can sweep what a
   writer that died (``kill -9``) created or claimed but never handed over, what a previous
-  incarnation left, and everything at its stop.
+  incarnation left, and everything at its stop;
+- a writer holds a shared lock on its segment from creating (or claiming) it until the unit
+  took it or its told store was committed (:func:`hold`, :func:`let_go`), and the sweep of
+  orphans takes only segments nobody holds: one whose writer lives is never taken for a dead
+  writer's, however long it stalled.
 
 Availability is probed, not assumed: a unit publishes a probe segment holding a random nonce, and a
 client uses shared memory with that unit only if it can read the nonce back (same host, same
