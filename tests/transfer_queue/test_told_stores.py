@@ -260,3 +260,36 @@ async def test_a_reader_asking_for_rows_whose_segment_went_gets_storage_unavaila
         await writer.flush()
         batch = await writer.events(0)
         assert {i for e in batch.events if e.kind == "lost" for i in e.indexes} == set(indexes)
+
+
+async def test_a_put_failing_on_one_unit_lets_go_of_the_told_segments_of_the_others() -> None:
+    config = tq.TransferQueueConfig(
+        topics=(SPEC,), units=2, placement="process", shm_min_bytes=64 * 1024
+    )
+    async with lingering_queue(config) as queue:
+        writer = await queue.client()
+        first, second = await writer.open_groups("rollout", (12, 12))  # a failed put shrinks
+        assert first.unit != second.unit
+        rows = [first] * 4 + [second] * 4  # one put, a part on each unit
+        await writer.put("rollout", {"tokens": tokens(8)}, version=0, group=rows)
+        real = writer.io._to_segment
+        calls = 0
+
+        def second_fails(prefix: str, part: dict[str, Any]) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise OSError("no space left in /dev/shm")
+            return real(prefix, part)
+
+        writer.io._to_segment = second_fails  # type: ignore[method-assign]
+        before = segments(queue.namespace)
+        with pytest.raises(OSError):
+            await writer.put("rollout", {"tokens": tokens(9)}, version=0, group=rows)
+        assert calls == 2 and not writer.io._held  # no lock kept: nothing pins a segment
+        assert segments(queue.namespace) == before  # the first unit's segment went at once
+        writer.io._to_segment = real  # type: ignore[method-assign]
+        await writer.put("rollout", {"tokens": tokens(10)}, version=0, group=rows)
+        got = await writer.get("rollout", "trainer", ["tokens"], 16, wait=False)
+        assert got is not None and sorted(got.indexes) == list(range(8)) + list(range(16, 24))
+        await writer.ack(got)
