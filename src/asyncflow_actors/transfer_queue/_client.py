@@ -176,12 +176,15 @@ class TransferQueueClient:
                     topic, allocation.indexes, prepared.sizes, put_id, new=True,
                     located=located, stores=told,
                 )  # fmt: skip
+                segments = [store.segment for store in told.values()]
                 try:
                     await self._ask(commit)
                 except TransferQueueError as exc:
                     if not isinstance(exc, ControllerUnavailable):  # refused: nobody takes them
-                        self.io.unlink([store.segment for store in told.values()])
+                        self.io.unlink(segments)
                     raise
+                finally:  # held until now: never swept as a dead writer's (see ``_unit_io``)
+                    self.io.release(segments)
                 return allocation.indexes
             except UnknownSample as exc:
                 await self._undo_put(topic, allocation.indexes, put_id, positions)

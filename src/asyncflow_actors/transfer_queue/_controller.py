@@ -206,6 +206,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             self._apply(state.release_holder(msg.holder))
             self._kick_all()
         elif isinstance(msg, Delivered):
+            self._stores_missing(state)
             self._stores_taken(state)
             for topic in list(self.puts):
                 self._retry_puts(topic)

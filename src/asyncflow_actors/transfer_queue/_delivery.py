@@ -63,7 +63,9 @@ class Delivery:
             return  # the unit is down: its loss covers what this item described
         self.shared.outbox.put(unit, item)
         self.outbox_wake.set()
-        if isinstance(item, U.Delete) and (self.puts.get(item.topic) or self._short(item.topic)):
+        if self.flush_waiters:
+            self.flush_now.set()  # someone waits for an empty outbox: no lingering
+        elif isinstance(item, U.Delete) and (self.puts.get(item.topic) or self._short(item.topic)):
             self.flush_now.set()  # puts wait, or soon will, for these slots: no lingering
 
     def _short(self, topic: str) -> bool:
@@ -96,8 +98,11 @@ class Delivery:
         """Deliver bookkeeping to the units (see the module docstring)."""
         shared = self.shared
 
+        def missing() -> bool:
+            return bool(shared.outbox.missing)
+
         async def taken(deleted: bool) -> None:  # a unit took a batch: wake who waits
-            if (deleted and any(self.puts.values())) or len(self.store_waits):
+            if (deleted and any(self.puts.values())) or len(self.store_waits) or missing():
                 await ctx.self.send(Delivered())
 
         while True:

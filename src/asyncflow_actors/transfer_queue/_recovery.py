@@ -18,7 +18,7 @@ import trio
 
 from . import _unit_messages as U
 from . import _units
-from ._errors import TransferQueueError
+from ._errors import TransferQueueError, UnknownSample
 from ._inventory import Inventory, TopicRecord
 from ._located import Locations
 from ._results import Loss, Update
@@ -55,6 +55,8 @@ class Recovery:
     def _apply(self, update: Update) -> None: ...
     def _to_unit(self, unit: str, item: Any) -> None: ...
     def _kick_all(self) -> None: ...
+    def _kick(self, topic: str, *, puts: bool = True) -> None: ...
+    def _group_infos(self, topic: str, gids: Any) -> None: ...
     def _event(
         self, kind: str, topic: str, groups: tuple[int, ...], indexes: tuple[int, ...], detail: str
     ) -> None: ...
@@ -149,6 +151,33 @@ class Recovery:
             self._event("lost", lost.topic, lost.group_ids, lost.indexes, f"unit {loss.unit}")
         if loss.lost:
             log.warning("storage unit %s lost: %s", loss.unit, loss.group_ids)
+
+    def _stores_missing(self, state: ControllerState) -> None:
+        """Report lost the live samples of told stores their unit could not take (the segment
+        went before the store arrived: e.g. the unit swept it after ``shm_orphan_age`` while
+        the store waited in the outbox): dropped, never served from a hole."""
+        outbox = self.shared.outbox
+        while outbox.missing:
+            unit, per_topic = outbox.missing.pop(0)
+            for topic, indexes in per_topic.items():
+                try:
+                    where = state.locate(topic, indexes)
+                except UnknownSample as exc:  # freed already (a delivery again): not lost
+                    gone = set(exc.indexes)
+                    where = state.locate(topic, [i for i in indexes if i not in gone])
+                except TransferQueueError:
+                    continue  # the topic is gone
+                lost = tuple(i for i, (_, u) in where.items() if u == unit)
+                if not lost:
+                    continue
+                gids = tuple(sorted({where[i][0] for i in lost}))
+                self.locations.drop(topic, lost)
+                self._apply(state.lose(topic, lost))
+                self._group_infos(topic, gids)
+                self.lost_samples += len(lost)
+                self._event("lost", topic, gids, lost, f"unit {unit}: its segment was gone")
+                log.warning("unit %s lost told stores of %s %s", unit, topic, lost[:8])
+                self._kick(topic)
 
     def _dropped(self, unit: str) -> None:
         """``unit``'s bookkeeping went with its incarnation: wake those who wait for it."""

@@ -234,11 +234,12 @@ class Shelf:
 
     def apply(
         self, item: Delete | MarkConsumed | Committed | GroupInfo | TopicInfo | Store
-    ) -> None:
-        """One item of the controller's bookkeeping (each is idempotent)."""
+    ) -> list[int]:
+        """One item of the controller's bookkeeping (each is idempotent); for a told ``Store``,
+        the samples it could not store (see :meth:`store_told`)."""
         if isinstance(item, Store):
-            self.store_told(item)
-        elif isinstance(item, Delete):
+            return self.store_told(item)
+        if isinstance(item, Delete):
             self.delete(item)
         elif isinstance(item, MarkConsumed):
             self.mark(item)
@@ -252,6 +253,7 @@ class Shelf:
             self.groups.setdefault(item.topic, {})[item.group_id] = (item.size, item.committed)
         else:
             self.watermark(item)
+        return []
 
     def mark(self, item: MarkConsumed) -> None:
         """Record that ``item.consumer`` acked samples; samples with the same marks share one
@@ -268,16 +270,23 @@ class Shelf:
                 new = after[sample.consumed] = self._marks.setdefault(new, new)
             sample.consumed = new
 
-    def store_told(self, msg: Store) -> None:
+    def store_told(self, msg: Store) -> list[int]:
         """A put told through the controller (its segment written and committed before the
         unit heard of it). Delivered again after a controller restart, it finds its segment
-        taken already (or, once its rows went, gone): nothing to do then."""
+        taken already (or, once its rows went, gone): nothing to do then. Returns the samples
+        it names that this unit does not hold when it cannot be stored: those still live at
+        the controller are lost (their segment went before the store arrived), never a silent
+        hole."""
         if msg.segment in self.segments:
-            return
+            return []
         try:
             self.store(msg)
-        except UnitError as exc:  # its segment is gone: the rows were stored and freed since
+        except UnitError as exc:  # its segment is gone: stored and freed since, or lost
+            held = self.samples.get(msg.topic, {})
+            absent = [i for i in msg.indexes if i not in held]
             log.info("unit %s: told store of %s skipped: %s", self.name, msg.indexes[:8], exc)
+            return absent
+        return []
 
     def watermark(self, info: TopicInfo) -> None:
         old = self.topic_info.get(info.topic)

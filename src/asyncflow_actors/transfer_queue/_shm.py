@@ -27,7 +27,11 @@ Safety rules:
   other data than what was put, for as long as it exists;
 - names are never reused, and all are in the unit's namespace, so the unit can sweep what a
   writer that died (``kill -9``) created or claimed but never handed over, what a previous
-  incarnation left, and everything at its stop.
+  incarnation left, and everything at its stop;
+- a writer holds a shared lock on its segment from creating (or claiming) it until the unit
+  took it or its told store was committed (:func:`hold`, :func:`let_go`), and the sweep of
+  orphans takes only segments nobody holds: one whose writer lives is never taken for a dead
+  writer's, however long it stalled.
 
 Availability is probed, not assumed: a unit publishes a probe segment holding a random nonce, and a
 client uses shared memory with that unit only if it can read the nonce back (same host, same
@@ -193,9 +197,10 @@ def _unmapped(name: str, lock: _Lock) -> None:
 
 
 def hold(name: str) -> int:
-    """A shared lock on segment ``name`` while its writer fills it (as a reader's: the unit does
-    not recycle it meanwhile); close the returned descriptor to release it. Nobody else locks
-    a segment a writer just created or claimed: ``BlockingIOError`` if someone does."""
+    """A shared lock on segment ``name`` while its writer fills it and hands it over (as a
+    reader's: the unit does not recycle it meanwhile, nor sweep it as a dead writer's); close
+    the returned descriptor to release it (:func:`let_go`). Nobody else locks a segment a
+    writer just created or claimed: ``BlockingIOError`` if someone does."""
     fd = os.open(path(name), os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -203,6 +208,19 @@ def hold(name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def let_go(lock: int, *, touch: bool) -> None:
+    """Release a writer's lock from :func:`hold`; with ``touch``, set the segment's modification
+    time to now first: its unit has not taken it yet (a told store on its way), and the sweep
+    must not take it for a dead writer's however long the writer held it."""
+    try:
+        if touch:
+            os.utime(lock)
+    except OSError:
+        pass  # gone (the unit restarted): nothing to protect
+    finally:
+        os.close(lock)
 
 
 def recycle(name: str, free: str) -> bool:
@@ -256,7 +274,9 @@ def unlink(name: str) -> None:
 
 def sweep(prefix: str, *, keep: Iterable[str] = (), older_than: float | None = None) -> int:
     """Unlink segments starting with ``prefix`` except ``keep`` (and, with ``older_than``,
-    those modified less than that many seconds ago); returns how many went."""
+    those modified less than that many seconds ago, and those someone holds a lock on: a
+    writer that has not handed its segment over yet, however long it stalled, see
+    ``hold``); returns how many went."""
     keep = set(keep)
     now = time.time()
     gone = 0
@@ -273,6 +293,8 @@ def sweep(prefix: str, *, keep: Iterable[str] = (), older_than: float | None = N
                     continue
             except OSError:
                 continue
+            gone += _remove_unheld(name, older_than)
+            continue
         try:
             os.unlink(path(name))
             gone += 1
@@ -280,3 +302,27 @@ def sweep(prefix: str, *, keep: Iterable[str] = (), older_than: float | None = N
             if exc.errno != errno.ENOENT:
                 raise
     return gone
+
+
+def _remove_unheld(name: str, older_than: float) -> bool:
+    """Unlink segment ``name`` if nobody holds a lock on it and it is still ``older_than``
+    seconds old under our exclusive lock (a writer touches its segment before it lets go of
+    its own lock, so one that stalled but lives is never taken for a dead one)."""
+    try:
+        fd = os.open(path(name), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer (or a reader) holds it
+        st = os.stat(path(name))
+        if st.st_ino != os.fstat(fd).st_ino or time.time() - st.st_mtime < older_than:
+            return False  # renamed over (claimed, recycled), or touched before its lock went
+        os.unlink(path(name))
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)

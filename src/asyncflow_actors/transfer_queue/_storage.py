@@ -158,17 +158,18 @@ class StorageUnit(Actor[StorageMessage]):
                     elif isinstance(item, Store) and self._ours(item.segment):
                         _shm.unlink(item.segment)  # told for an earlier incarnation: unlink
                 self._check(msg.incarnation)
+            missing: dict[str, list[int]] = {}
             for item in msg.items:
                 if isinstance(item, Unlink):
                     for name in item.segments:
                         if self._ours(name) and name not in shelf.segments:
                             _shm.unlink(name)
-                else:
-                    shelf.apply(item)
+                elif absent := shelf.apply(item):
+                    missing.setdefault(item.topic, []).extend(absent)
             if shelf.pool is not None:
                 shelf.pool.drain()
-                return Stored(shelf.pool.hints(BATCH_HINTS))
-            return Stored()
+                return Stored(shelf.pool.hints(BATCH_HINTS), missing)
+            return Stored((), missing)
         elif isinstance(msg, StoreGroups):
             self._check(msg.incarnation)
             for group_id, columns in msg.groups.items():

@@ -36,6 +36,7 @@ from ._unit_messages import (
     Store,
     Stored,
     StoreGroups,
+    UnitError,
 )
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
@@ -68,6 +69,7 @@ class UnitIO:
         self._nonce = os.urandom(4).hex()
         self._seq = itertools.count()
         self.direct = 0  # unit parts of leases mapped without asking their unit
+        self._held: dict[str, Fill] = {}  # segments of told stores not committed yet, locked
 
     def close(self) -> None:
         """The client is closing: drop kept mappings of segments that are gone."""
@@ -170,6 +172,8 @@ class UnitIO:
         }
         payloads = {unit: _payload(part) for unit, part in parts.items()}
 
+        held: list[str] = []  # segments of told stores written by this call
+
         def make(unit: str) -> Callable[[], Any]:
             async def one() -> tuple[Located | None, Store | None]:
                 where, part = spans[unit], parts[unit]
@@ -186,7 +190,7 @@ class UnitIO:
                 prefix = await self._prefix(unit, msg.incarnation)
                 segment = ""
                 located = None
-                fill = None
+                fill: Fill | None = None
                 try:
                     if prefix is not None and payloads[unit] >= (self.shm_min_bytes or 0):
                         try:
@@ -197,20 +201,24 @@ class UnitIO:
                                 msg.group_ids, msg.lengths, part, segment, create, reused,
                             )  # fmt: skip
                             await fill.run()
-                        except FileNotFoundError as exc:  # the unit removed it: it restarted
+                        except (FileNotFoundError, BlockingIOError) as exc:  # the unit removed
+                            # it (it restarted), or sweeps it: this writer stalled for so long
                             self.on_failure()
                             raise StorageUnavailable(
                                 f"storage unit {unit!r}: a segment of this put went away ({exc})"
                             ) from exc
-                        if tell and create:
+                        if tell and create:  # locked until the commit is answered: ``release``
+                            self._held[segment], fill = fill, None
+                            held.append(segment)
                             return located, msg
                     stored: Stored = await self._ask(unit, msg)
                 except BaseException:
-                    if fill is not None:
-                        fill.release()
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)
                     raise
+                finally:
+                    if fill is not None:
+                        fill.release()
                 if prefix is not None:
                     _free[prefix] = list(stored.free)
                 return located, None
@@ -227,7 +235,22 @@ class UnitIO:
                 for unit, payload in payloads.items()
             )
         )
-        return await self._each({unit: make(unit) for unit in positions}, inline=inline)
+        try:
+            return await self._each({unit: make(unit) for unit in positions}, inline=inline)
+        except BaseException:  # told stores of the other units will not be committed either
+            self.release(held, touch=False)
+            self.unlink(held)
+            raise
+
+    def release(self, segments: Sequence[str], *, touch: bool = True) -> None:
+        """Let go of the segments of told stores once their commit was answered (or failed):
+        until then the writer holds a lock on each, so that the unit never sweeps one as a dead
+        writer's, however long the writer stalled; ``touch``: its unit may still take it (the
+        sweep must wait ``shm_orphan_age`` from now)."""
+        for name in segments:
+            fill = self._held.pop(name, None)
+            if fill is not None:
+                fill.release(touch=touch)
 
     def _to_segment(
         self, prefix: str, part: dict[str, Any]
@@ -342,7 +365,12 @@ class UnitIO:
                     topic, incarnation, list(placement[unit]), columns, groups,
                     shared_columns, shm,
                 )  # fmt: skip
-                fetched: Fetched = await self._ask(unit, msg)
+                try:
+                    fetched: Fetched = await self._ask(unit, msg)
+                except UnitError as exc:  # it lacks samples of the lease: their data is lost
+                    # (a told store whose segment went first: the controller reports them
+                    # lost once the unit answers its bookkeeping)
+                    raise StorageUnavailable(f"storage unit {unit!r}: {exc}") from exc
                 return _mapped(fetched, unit) if shm else fetched
 
             return one
@@ -352,8 +380,8 @@ class UnitIO:
 
 class Fill:
     """Filling a segment: ``write()`` copies ``nbytes`` into it; ``lock``: the writer's shared
-    lock on it (a descriptor, so that the unit cannot recycle it while it is written), until
-    ``release()``."""
+    lock on it (a descriptor, so that the unit neither recycles it while it is written nor
+    sweeps it before it took it), until ``release()``."""
 
     def __init__(self, write: Callable[[], Any], nbytes: int, lock: int) -> None:
         self.write = write
@@ -362,18 +390,17 @@ class Fill:
 
     async def run(self) -> None:
         """Fill it (from a worker thread from ``THREAD_BYTES`` on: the copy releases the GIL,
-        so the event loop serves other tasks meanwhile), then release the lock."""
-        try:
-            if self.nbytes < THREAD_BYTES:
-                self.write()
-            else:  # not abandoned if cancelled: the segment is unlinked only once written
-                await trio.to_thread.run_sync(self.write)
-        finally:
-            self.release()
+        so the event loop serves other tasks meanwhile); the lock stays until ``release()``:
+        the writer holds it until the unit took the segment, or its commit was answered."""
+        if self.nbytes < THREAD_BYTES:
+            self.write()
+        else:  # not abandoned if cancelled: the segment is unlinked only once written
+            await trio.to_thread.run_sync(self.write)
 
-    def release(self) -> None:
+    def release(self, *, touch: bool = False) -> None:
+        """Let go of the lock (``touch``: see ``_shm.let_go``)."""
         if self._lock >= 0:
-            os.close(self._lock)
+            _shm.let_go(self._lock, touch=touch)
             self._lock = -1
 
 

@@ -51,9 +51,13 @@ class FreeSegment:
 
 @attrs.frozen
 class Stored:
-    """Reply of ``Store``: free segments of the unit's pool (see ``_pool``)."""
+    """Reply of ``Store``: free segments of the unit's pool (see ``_pool``). Of a
+    ``UnitBatch``, also ``missing``: per topic, samples of told stores the unit could not take
+    (their segment was gone) and does not hold; the controller reports those still live as
+    lost (the others were stored and freed before: a delivery again)."""
 
     free: tuple[FreeSegment, ...] = ()
+    missing: dict[str, list[int]] = attrs.field(factory=dict)
 
 
 @attrs.frozen

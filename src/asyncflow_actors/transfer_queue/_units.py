@@ -71,6 +71,8 @@ class Outbox:
         # its last reply named them
         self.orphans: dict[str, list[str]] = {}  # unit -> segments of told stores dropped
         # with its incarnation: its next incarnation unlinks them (see ``Unlink``)
+        self.missing: list[tuple[str, dict[str, list[int]]]] = []  # (unit, samples of told
+        # stores it could not take, per topic): the controller reports the live ones lost
 
     def put(self, unit: str, item: Any) -> None:
         self.items.setdefault(unit, []).append(item)
@@ -139,6 +141,8 @@ class Outbox:
                     del items[: len(batch)]
                     self.taken[unit] = self.taken.get(unit, 0) + len(batch)
                     self.free[unit] = stored.free
+                    if stored.missing:
+                        self.missing.append((unit, stored.missing))
                     if taken is not None:
                         await taken(any(isinstance(m, Delete) and m.indexes for m in batch))
 

@@ -285,6 +285,20 @@ class Writing:
         t.tidy()
         return fx.update()
 
+    def lose(self, topic: str, indexes: Iterable[int]) -> Update:
+        """Drop live samples whose data a unit turned out not to hold (a told store whose
+        segment was gone when it arrived): as :meth:`discard`, but counted as lost. Raises
+        :class:`UnknownSample` if any index is not live."""
+        t = self._topic(topic)
+        rows, _ = self._live(t, indexes)
+        fx = Effects()
+        t.discard(rows, fx)
+        t.discarded_total -= len(rows)
+        t.lost_total += len(rows)
+        t.changes += 1
+        t.tidy()
+        return fx.update()
+
     def locate(self, topic: str, indexes: Iterable[int]) -> dict[int, tuple[int, str]]:
         """``index -> (group id, unit)`` of live samples; raises :class:`UnknownSample`."""
         t = self._topic(topic)
