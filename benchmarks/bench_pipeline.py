@@ -132,8 +132,11 @@ def process_cpu_seconds() -> float:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                todo += [int(child) for child in f.read().split()]
+            # children are listed per thread that spawned them (node processes are started
+            # from worker threads too): every thread's list
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(child) for child in f.read().split()]
         except (FileNotFoundError, ProcessLookupError):
             continue  # gone meanwhile
     return total

@@ -8,10 +8,11 @@ sample's staleness (trainer version - its oldest token's version: it must lie in
 ``[0, staleness]``, and at staleness 0 it is 0 for every sample, by construction); run
 ``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
 bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
-TQ, asks this actor to sync the weights (``SyncWeights``: the CheckpointEngine, pause → …
-→ resume), releases the FlowControl slots, and only then answers. Meanwhile the next step
-fetches, checks and runs its first forward and backward; its first optimizer step waits for
-the answer: the next version is never trained before the sync of this one finished, and the
+TQ, releases the FlowControl slots (the prompts it admits meanwhile carry the version they were
+admitted for, and no rollout starts them on older weights), asks this actor to sync the weights
+(``SyncWeights``: the CheckpointEngine, pause → … → resume) and answers once that returned.
+Meanwhile the next step fetches, checks and runs its first forward and backward; its first
+optimizer step waits for the answer: the next version is never trained before the sync of this one finished, and the
 weights never change while a sync reads them.
 """
 
