@@ -4,7 +4,8 @@
   the capacity is ``(staleness + 1) x batch``, so rollout never runs more than ``staleness``
   versions ahead of training. Injecting a prompt opens its group in the ``rollout`` topic (the
   prompt ids stored once, shared) and puts a ``prompts`` sample naming that group; the prompts
-  whose slots are free at once go out in one put (the rollout takes them in one lease).
+  whose slots are free at once open their groups in one ``open_groups`` and go out in one put
+  (the rollout takes them in one lease).
 - **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
   (samples that fall out of the window are evicted), releases the batch's slots at once, asks
   the Trainer to sync the weights and answers once the sync returned. The prompts admitted
