@@ -23,9 +23,10 @@ from asyncflow_actors.checkpoint import (
 )
 from asyncflow_actors.roles import Driver, DriverHooks, GetRoleStats, Rollout, topic_specs
 from asyncflow_actors.roles import _schema as S
+from asyncflow_actors.roles._batcher import _Batcher, _BatchFailed
 from asyncflow_actors.roles._compute import build_policy
 from asyncflow_actors.roles._messages import StepDone, SyncReport, SyncWeights
-from asyncflow_actors.roles._rollout import _Batcher, _BatchFailed, _put_outcome, _ToWrite
+from asyncflow_actors.roles._rollout import _put_outcome, _ToWrite
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
 from ..transfer_queue.test_group_batches import Counting

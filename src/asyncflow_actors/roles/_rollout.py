@@ -28,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import outcome
@@ -47,6 +47,7 @@ from ..checkpoint import (
 from ..observe import clock_ns, get_registry
 from ..transfer_queue import StorageUnavailable, UnknownSample
 from . import _schema as S
+from ._batcher import _Batcher
 from ._messages import AdoptVersion, GetRoleStats, Score, Scored
 from ._settings import RunSpec
 from ._shared import load_policy
@@ -60,99 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncflow_actors.roles")
 
 WEIGHTS_WARNING_S = 60.0  # a group waiting this long for its weights is logged (and waits on)
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-class _Batcher(Generic[T, R]):
-    """Hands everything submitted since its last call to one call of ``fn``: the groups a
-    decode step completes together are scored in one worker-thread call (one hop instead of
-    one per group), and what is submitted while a call runs goes into the next one.
-
-    Woken by a first item, it lets the tasks already runnable submit theirs before it calls:
-    it yields to the scheduler until two yields in a row brought nothing new (at most
-    ``settle`` yields). The groups of one decode stretch do not reach it in the same scheduler
-    batch: a group's task returns from ``generate_many`` after a checkpoint per sample it still
-    has to collect, and tasks of one batch run in random order.
-
-    With ``overlap`` a call does not wait for the one before it to return (a call then takes
-    what was submitted in one scheduler batch, plus ``settle``): for requests, where one slow
-    call must not hold up the next ones.
-
-    ``fn`` gets the items and returns one ``outcome.Outcome`` per item, in order, so that one
-    item's failure is raised to its own submitter only. ``serve`` runs it (a task for the life
-    of the host); a cancelled submitter abandons its result, nothing else.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[[list[T]], Awaitable[list[outcome.Outcome[R]]]],
-        settle: int = 0,
-        overlap: bool = False,
-    ) -> None:
-        self._fn = fn
-        self._settle = settle
-        self._overlap = overlap
-        self._queue: list[tuple[T, _Result[R]]] = []
-        self._ready = trio.Event()
-        self.calls = 0
-
-    async def submit(self, item: T) -> R:
-        """``fn``'s result for ``item`` (or its error), computed with whatever else is ready."""
-        result: _Result[R] = _Result()
-        self._queue.append((item, result))
-        self._ready.set()
-        await result.done.wait()
-        assert result.value is not None
-        return result.value.unwrap()
-
-    async def serve(self) -> NoReturn:
-        async with trio.open_nursery() as nursery:
-            while True:
-                await self._ready.wait()
-                seen, quiet = len(self._queue), 0
-                for _ in range(self._settle):
-                    await trio.lowlevel.checkpoint()
-                    quiet = quiet + 1 if len(self._queue) == seen else 0
-                    seen = len(self._queue)
-                    if quiet == 2:
-                        break
-                self._ready = trio.Event()
-                taken, self._queue = self._queue, []
-                self.calls += 1
-                if self._overlap:
-                    nursery.start_soon(self._call, taken)
-                else:
-                    await self._call(taken)
-        raise AssertionError("unreachable")
-
-    async def _call(self, taken: list[tuple[T, _Result[R]]]) -> None:
-        try:
-            values = await self._fn([item for item, _ in taken])
-            if len(values) != len(taken):
-                raise RuntimeError(f"{len(values)} results for {len(taken)} items")
-        except Exception as exc:
-            values = [outcome.Error(_failed(exc)) for _ in taken]
-        for (_, result), value in zip(taken, values, strict=True):
-            result.value = value
-            result.done.set()
-
-
-class _BatchFailed(RuntimeError):
-    """A batched call failed as a whole (each submitter gets its own error, chained to it)."""
-
-
-def _failed(exc: Exception) -> _BatchFailed:
-    error = _BatchFailed(f"a batched call failed: {exc!r}")
-    error.__cause__ = exc
-    return error
-
-
-@attrs.define(eq=False)
-class _Result(Generic[R]):
-    done: trio.Event = attrs.Factory(trio.Event)
-    value: outcome.Outcome[R] | None = None
 
 
 @attrs.frozen
