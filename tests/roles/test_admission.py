@@ -25,8 +25,14 @@ from asyncflow_actors.roles import Driver, DriverHooks, GetRoleStats, Rollout, t
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._batcher import _Batcher, _BatchFailed
 from asyncflow_actors.roles._compute import build_policy
-from asyncflow_actors.roles._messages import StepDone, SyncReport, SyncWeights
-from asyncflow_actors.roles._rollout import _put_outcome, _ToWrite
+from asyncflow_actors.roles._messages import (
+    NeedWeights,
+    ResendWeights,
+    StepDone,
+    SyncReport,
+    SyncWeights,
+)
+from asyncflow_actors.roles._rollout import NEED_WEIGHTS_AFTER_S, _put_outcome, _ToWrite
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
 from ..transfer_queue.test_group_batches import Counting
@@ -314,3 +320,60 @@ async def test_a_group_refused_in_a_multi_group_put_fails_alone() -> None:
         slots[0].group_id,
         slots[2].group_id,
     ]
+
+
+class Recorder(afa.Actor[Any]):
+    """Records what it is sent; answers a ``ResendWeights`` as a trainer would."""
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+
+    async def receive(self, msg: Any, ctx: afa.ActorContext[Any]) -> Any:
+        self.got.append(msg)
+        if isinstance(msg, ResendWeights):
+            return SyncReport(0, {})
+        return None
+
+
+async def test_a_restarted_rollout_waiting_for_weights_asks_the_driver_once() -> None:
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        driver = Recorder()
+        with trio.fail_after(60):
+            driver_ref = await system.spawn(lambda: driver, name="driver")
+            ref = await system.spawn(
+                lambda: Rollout(SPEC, queue.controller, "rollout-0", driver=driver_ref),
+                name="rollout-0",
+            )
+            await ref.ask(GetRoleStats())
+            # a fresh incarnation on version 0, prompts admitted for version 2 and no sync
+            # coming: after NEED_WEIGHTS_AFTER_S it asks, once for both groups
+            await put_prompts(client, [0, 1], min_version=2)
+            while not driver.got:
+                await trio.sleep(0.05)
+            await trio.sleep(NEED_WEIGHTS_AFTER_S + 0.2)
+            assert driver.got == [NeedWeights("rollout-0")]
+            assert (await ref.ask(GetRoleStats())).samples == 0
+            await sync_weights(ref, 2)  # the Trainer's answer
+            batch = await client.get(S.ROLLOUT, "trainer", [S.TOKEN_VERSIONS], 8)
+            # with weights received, a wait for the next version asks nothing
+            await put_prompts(client, [2], min_version=3)
+            await trio.sleep(NEED_WEIGHTS_AFTER_S + 0.2)
+    assert batch is not None and batch.versions == (2,) * 8
+    assert driver.got == [NeedWeights("rollout-0")]
+
+
+async def test_the_driver_has_the_trainer_resend_the_weights_a_worker_needs() -> None:
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        trainer = Recorder()
+        with trio.fail_after(60):
+            hooks = DriverHooks(trainer=await system.spawn(lambda: trainer, name="trainer"))
+            driver = await system.spawn(
+                lambda: Driver(SPEC, queue.controller, hooks), name="driver"
+            )
+            await driver.send(NeedWeights("rollout-0"))
+            while not trainer.got:
+                await trio.sleep(0.01)
+    assert trainer.got == [ResendWeights()]

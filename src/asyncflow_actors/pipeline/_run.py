@@ -292,7 +292,8 @@ async def _spawn_roles(
         elif role == "advantage":
             kwargs, cls = {**common, "controller": controller}, Advantage
         elif role == "rollout":
-            kwargs, cls = {**common, "controller": controller, "reward": reward}, Rollout
+            kwargs = {**common, "controller": controller, "reward": reward, "driver": driver}
+            cls = Rollout
         else:
             kwargs, cls = {**common, "controller": controller}, classes[role]
         restart = Restart.TEMPORARY if role == "trainer" else Restart.PERMANENT

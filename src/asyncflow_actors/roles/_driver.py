@@ -33,7 +33,16 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
-from ._messages import GetRoleStats, SaveCheckpoint, StepAck, StepDone, SyncReport, SyncWeights
+from ._messages import (
+    GetRoleStats,
+    NeedWeights,
+    ResendWeights,
+    SaveCheckpoint,
+    StepAck,
+    StepDone,
+    SyncReport,
+    SyncWeights,
+)
 from ._settings import RunSpec
 from ._worker import Meter, in_thread, load_compute
 
@@ -41,6 +50,7 @@ log = logging.getLogger("asyncflow_actors.roles")
 
 DRIVER_FILE = "driver.json"
 PROMPT_CHUNK = 256
+RESEND_TIMEOUT_S = 300.0  # a sync with its retries (``Trainer.SYNC_ATTEMPTS``)
 
 
 @attrs.frozen
@@ -78,7 +88,7 @@ class DriverHooks:
     reinjected: int = 0
 
 
-class Driver(Actor[StepDone | GetRoleStats]):
+class Driver(Actor[StepDone | GetRoleStats | NeedWeights]):
     """The Driver of one run (see the module docstring); it lives in the driver process."""
 
     def __init__(
@@ -208,7 +218,12 @@ class Driver(Actor[StepDone | GetRoleStats]):
                             self.hooks.reinjected += 1
                             await self._put_prompt(self.inflight[gid], gid)
 
-    async def receive(self, msg: StepDone | GetRoleStats, ctx: ActorContext[Any]) -> Any:
+    async def receive(
+        self, msg: StepDone | GetRoleStats | NeedWeights, ctx: ActorContext[Any]
+    ) -> Any:
+        if isinstance(msg, NeedWeights):
+            ctx.start_soon(self._resend, msg.worker)
+            return None
         if isinstance(msg, GetRoleStats):
             await trio.lowlevel.checkpoint()
             self.meter.extra = {"in_flight_slots": float(self.flow.statistics().in_flight)}
@@ -244,6 +259,18 @@ class Driver(Actor[StepDone | GetRoleStats]):
         if stop:
             self.hooks.done.set()
         return StepAck(stop)
+
+    async def _resend(self, worker: str) -> None:
+        """Have the Trainer send the weights it holds to a restarted worker (and the others)."""
+        trainer = self.hooks.trainer
+        if trainer is None:
+            return  # not started: its first sync reaches every worker
+        log.info("resending the weights: %s was restarted", worker)
+        try:
+            with trio.fail_after(RESEND_TIMEOUT_S):
+                await trainer.ask(ResendWeights())
+        except Exception as exc:  # the worker asks again when its next incarnation starts
+            log.warning("resending the weights for %s failed: %r", worker, exc)
 
     async def save_checkpoint(self, trainer: ActorRef[Any]) -> str:
         """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>``."""

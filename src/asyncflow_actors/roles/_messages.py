@@ -77,6 +77,21 @@ class SyncWeights(Request[SyncReport]):
 
 
 @attrs.frozen
+class ResendWeights(Request[SyncReport]):
+    """Driver → Trainer: send the weights the Trainer holds now, tagged with its version, to
+    every rollout and forward worker (a restarted worker holds the initial ones)."""
+
+
+@attrs.frozen
+class NeedWeights:
+    """Rollout → Driver (a tell): ``worker``, an incarnation that has received no weights yet,
+    waits for a version it does not hold: it was restarted, and no sync may come before it
+    generates (the trainer waits for its groups)."""
+
+    worker: str
+
+
+@attrs.frozen
 class AdoptVersion(Request[int]):
     """Colocated mode: the target's model *is* the trainer's; take ``version`` without bytes."""
 

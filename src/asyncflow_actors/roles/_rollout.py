@@ -48,7 +48,7 @@ from ..observe import clock_ns, get_registry
 from ..transfer_queue import StorageUnavailable, UnknownSample
 from . import _schema as S
 from ._batcher import _Batcher
-from ._messages import AdoptVersion, GetRoleStats, Score, Scored
+from ._messages import AdoptVersion, GetRoleStats, NeedWeights, Score, Scored
 from ._settings import RunSpec
 from ._shared import load_policy
 from ._worker import Station, column, in_thread, load_compute
@@ -61,6 +61,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncflow_actors.roles")
 
 WEIGHTS_WARNING_S = 60.0  # a group waiting this long for its weights is logged (and waits on)
+# a fresh incarnation waiting this long for weights asks the Driver for them: it was restarted
+# and holds the initial ones (a step's sync arrives within milliseconds to seconds)
+NEED_WEIGHTS_AFTER_S = 1.0
 
 
 @attrs.frozen
@@ -151,8 +154,12 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         controller: ActorRef[Any],
         worker: str,
         reward: ActorRef[Score] | None = None,
+        driver: ActorRef[Any] | None = None,
     ) -> None:
         super().__init__(spec, controller, worker)
+        self.driver = driver
+        self._synced = False  # this incarnation received weights (a sync or a version)
+        self._asked = False  # ... or asked the Driver for them
         self.reward = reward
         self.engines: list[GenerationEngine] = []
         self._active = 0
@@ -331,6 +338,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                     raise
                 key = "regenerated_groups" if outcome == "stale" else "dropped_groups"
                 self.meter.extra[key] = self.meter.extra.get(key, 0) + 1
+                log.info("%s: group %d not written (%s): %r", self.worker, gid, outcome, exc)
                 return outcome == "gone"
             self.meter.waited("put", start, samples=indexes)
             span.set(samples=indexes, version=oldest)
@@ -363,6 +371,16 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                 continue  # committed while the load above ran
             if since is None:
                 since = clock_ns()
+            if not self._synced and not self._asked and self.driver is not None:
+                with trio.move_on_after(NEED_WEIGHTS_AFTER_S):
+                    await arrived.wait()
+                    continue
+                # No weights came: a restarted incarnation on the initial weights, whose groups
+                # the trainer waits for before its next step (and sync). Ask for the current
+                # ones, once per incarnation (its other waiting groups see ``_asked``).
+                if not self._synced and not self._asked:
+                    await self._ask_for_weights(least)
+                continue
             with trio.move_on_after(WEIGHTS_WARNING_S) as scope:
                 await arrived.wait()
             if scope.cancelled_caught:
@@ -379,8 +397,20 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                 end_ns=clock_ns(), version=least,
             )  # fmt: skip
 
+    async def _ask_for_weights(self, least: int) -> None:
+        assert self.driver is not None
+        self._asked = True
+        log.info("%s: no weights of version %d yet: asking for them", self.worker, least)
+        try:
+            with trio.fail_after(NEED_WEIGHTS_AFTER_S * 10):  # crosses a process
+                await self.driver.send(NeedWeights(self.worker))
+        except Exception as exc:  # the connection still opening, or the Driver busy: again
+            log.warning("%s: asking for weights failed: %r", self.worker, exc)
+            self._asked = False
+
     def _weights_arrived(self) -> None:
         """Wake the groups waiting for newer weights (``_weights_for``)."""
+        self._synced = True
         self._new_weights.set()
         self._new_weights = trio.Event()
 

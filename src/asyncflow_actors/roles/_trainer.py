@@ -32,6 +32,7 @@ from ._advantage import Advantages
 from ._messages import (
     AdoptVersion,
     GetRoleStats,
+    ResendWeights,
     SaveCheckpoint,
     StepDone,
     SyncReport,
@@ -78,7 +79,7 @@ class _Answer:
             await trio.sleep_forever()
 
 
-class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
+class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCheckpoint]):
     """The trainer (see the module docstring). ``targets``: refs of the rollout and
     ActorForward workers that receive its weights."""
 
@@ -228,6 +229,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
     async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, SyncWeights):
             return await self._sync(msg.version)
+        if isinstance(msg, ResendWeights):
+            return await self._sync(None)
         if isinstance(msg, SaveCheckpoint):
             async with self._model_lock:
                 meta = {"version": self.version}
@@ -260,9 +263,13 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
                 delay = min(delay * 2, 10.0)
         raise AssertionError("unreachable")
 
-    async def _sync(self, version: int) -> SyncReport:
+    async def _sync(self, asked: int | None) -> SyncReport:
+        """Send the weights tagged ``asked``, or (``None``: a resend) the version they are: read
+        under the model lock, so that a step's sync that ran first is never undercut by an
+        older tag (a receiver refuses an older version)."""
         registry = get_registry()
         started = clock_ns()
+        version = self.version if asked is None else asked
         if self.spec.colocated:
             # The targets hold this very model: only the version moves.
             for target in self.targets:
@@ -270,6 +277,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | SaveCheckpoint]):
             total = (clock_ns() - started) / 1e9
             return SyncReport(version, {"sync_total": total, "sync_bytes": 0.0})
         async with self._model_lock:
+            if asked is None:
+                version = self.version
             weights = self.learner.state_dict()  # views: no copy
             result, retries = await self._sync_with_retries(version, weights)
         if result is None:  # committed, but a target did not confirm its resume in time
