@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from ._messages import StepDone as StepDone
     from ._messages import SyncReport as SyncReport
     from ._messages import SyncWeights as SyncWeights
+    from ._reward import Reward as Reward
     from ._rollout import MultiEngine as MultiEngine
-    from ._rollout import Reward as Reward
     from ._rollout import Rollout as Rollout
     from ._schema import PROMPTS as PROMPTS
     from ._schema import ROLLOUT as ROLLOUT
@@ -76,7 +76,7 @@ _LAZY = {
     "SyncReport": "._messages",
     "SyncWeights": "._messages",
     "MultiEngine": "._rollout",
-    "Reward": "._rollout",
+    "Reward": "._reward",
     "Rollout": "._rollout",
     "PROMPTS": "._schema",
     "ROLLOUT": "._schema",

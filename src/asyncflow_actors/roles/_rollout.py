@@ -1,10 +1,10 @@
-"""Rollout: prompts in, whole scored groups out; and the Reward actor for expensive rewards.
+"""Rollout: prompts in, whole scored groups out.
 
 A Rollout worker serves one or more ``GenerationEngine``s (built-in engines here). It takes
 prompts from the ``prompts`` topic as it has room (every prompt ready that fits, in one lease),
 generates ``group_size`` samples per prompt concurrently (``rollout.generate_samples``, aborted
-partial rollouts resumed from their prefix), scores them inline or through a ``Reward`` actor, and writes the group once into the group the
-Driver opened (the prompt is stored once, by the Driver). Every token carries the version of
+partial rollouts resumed from their prefix), scores them inline or through a ``Reward`` actor
+(``_reward.py``), and writes the group once into the group the Driver opened (the prompt is stored once, by the Driver). Every token carries the version of
 the weights that produced it; the sample's version is its *oldest* token's.
 
 A group whose oldest token fell out of the staleness window before it was written
@@ -48,10 +48,11 @@ from ..observe import clock_ns, get_registry
 from ..transfer_queue import StorageUnavailable, UnknownSample
 from . import _schema as S
 from ._batcher import _Batcher
-from ._messages import AdoptVersion, GetRoleStats, NeedWeights, Score, Scored
+from ._messages import AdoptVersion, GetRoleStats, NeedWeights, Score
+from ._reward import _score_groups, _ToScore
 from ._settings import RunSpec
 from ._shared import load_policy
-from ._worker import Station, column, in_thread, load_compute
+from ._worker import Station, column, in_thread
 
 if TYPE_CHECKING:
     import torch
@@ -64,13 +65,6 @@ WEIGHTS_WARNING_S = 60.0  # a group waiting this long for its weights is logged 
 # a fresh incarnation waiting this long for weights asks the Driver for them: it was restarted
 # and holds the initial ones (a step's sync arrives within milliseconds to seconds)
 NEED_WEIGHTS_AFTER_S = 1.0
-
-
-@attrs.frozen
-class _ToScore:
-    prompt: str
-    answer: str
-    texts: tuple[str, ...]
 
 
 @attrs.frozen
@@ -578,37 +572,3 @@ def _auto_tokenizer(folder: str | None) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-
-
-def _score_groups(task: Any, groups: list[_ToScore]) -> list[outcome.Outcome[list[float]]]:
-    """Each group's rewards, or the error scoring it raised (in a worker thread)."""
-    results: list[outcome.Outcome[list[float]]] = []
-    for g in groups:
-        try:
-            results.append(outcome.Value(_score_texts(task, g.prompt, g.answer, g.texts)))
-        except Exception as exc:  # this group's own error, raised to its submitter only
-            results.append(outcome.Error(exc))
-    return results
-
-
-def _score_texts(task: Any, prompt: str, answer: str, texts: tuple[str, ...]) -> list[float]:
-    from ..rl import Problem, score_responses
-
-    problem = Problem(prompt=prompt, answer=answer)
-    return [float(x) for x in score_responses(task, [problem] * len(texts), list(texts))]
-
-
-class Reward(Actor[Score]):
-    """Scores responses against answers with the run's task, off the event loop."""
-
-    def __init__(self, spec: RunSpec, worker: str = "reward-0") -> None:
-        self.spec = spec
-        self.worker = worker
-
-    async def on_start(self, ctx: ActorContext[Score]) -> None:
-        await load_compute(self.spec.train.torch_threads)
-        self.task = await in_thread(self.spec.task.build)
-
-    async def receive(self, msg: Score, ctx: ActorContext[Score]) -> Scored:
-        rewards = await in_thread(_score_texts, self.task, msg.prompt, msg.answer, msg.responses)
-        return Scored(tuple(rewards))

@@ -12,8 +12,8 @@ TQ, releases the FlowControl slots (the prompts it admits meanwhile carry the ve
 admitted for, and no rollout starts them on older weights), asks this actor to sync the weights
 (``SyncWeights``: the CheckpointEngine, pause → … → resume) and answers once that returned.
 Meanwhile the next step fetches, checks and runs its first forward and backward; its first
-optimizer step waits for the answer: the next version is never trained before the sync of this one finished, and the
-weights never change while a sync reads them.
+optimizer step waits for the answer: the next version is never trained before the sync of this
+one finished, and the weights never change while a sync reads them.
 """
 
 from __future__ import annotations
