@@ -1,4 +1,5 @@
-"""Failures: a forward worker's process killed mid-run, a run cancelled, a resumed run."""
+"""Failures: a forward worker's or the rollout's process killed mid-run, a run cancelled, a
+resumed run."""
 
 from __future__ import annotations
 
@@ -46,6 +47,33 @@ async def test_killing_a_forward_worker_process_loses_no_sample() -> None:
     assert node.pid != killed, "the node was restarted in a new process"
     assert [r.samples for r in result.records] == [BATCH] * 5
     assert fwd.samples > 0, "the restarted worker took over"
+
+
+async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes() -> None:
+    """kill -9 of the Rollout's node mid-run. What its incarnation left behind must not outlive
+    it: prompts it had leased go back to the queue, groups whose rows it had allocated but not
+    committed are re-injected by the Driver, a claim it left waiting in the queue is withdrawn
+    (it would take the prompts its successor needs, under a lease nobody acks), and the
+    restarted worker, holding the initial weights, gets the current ones. Each of these
+    stalled the run before it was fixed."""
+    config = tiny(
+        "async",
+        train={"steps": 6},
+        placement={"default": "local", "roles": {"rollout": "gen"}},
+    )
+    with trio.fail_after(90):
+        async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+            node = run.nodes["gen"]
+            killed = node.pid
+            assert killed is not None
+            while len(run.records) < 2:
+                await trio.sleep(0.01)
+            os.kill(killed, signal.SIGKILL)
+            result = await run.wait()
+            rollout = await run.refs["rollout-0"].ask(GetRoleStats())
+    assert node.pid != killed, "the node was restarted in a new process"
+    assert [r.samples for r in result.records] == [BATCH] * 6
+    assert rollout.samples > 0, "the restarted worker took over"
 
 
 async def test_a_cancelled_run_stops_every_process(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import trio.testing
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
+from asyncflow_actors.transfer_queue import _messages as M
 from asyncflow_actors.transfer_queue._controller import ControllerShared
 from asyncflow_actors.transfer_queue._unit_messages import UnitBatch
 
@@ -260,6 +261,47 @@ async def test_closing_a_client_returns_its_leases(queue: Any) -> None:
     await other.get("plain", "trainer", ["x"], 2)
     await other.aclose()
     assert len(await client.get("plain", "trainer", ["x"], 2)) == 2
+
+
+async def test_releasing_a_holder_withdraws_the_claims_and_puts_it_left_waiting(
+    queue: Any,
+) -> None:
+    """A worker killed while its ``get`` (or a ``put`` short of capacity) waited leaves that
+    request waiting in the controller: nobody will cancel it. Its restarted successor's
+    ``aclose`` (same holder) withdraws them before returning the leases; otherwise the dead
+    claim is first in line for the very samples the release returns."""
+    q, client = queue
+    answers: list[Any] = []
+
+    async def dead(request: Any) -> None:  # asked over a link that then went silent
+        try:
+            answers.append(await q.controller.ask(request))
+        except tq.TransferQueueError as exc:
+            answers.append(exc)
+
+    await client.put("plain", {"x": torch.zeros(8, 3)}, version=0)  # the topic is full
+    with trio.fail_after(10):  # not withdrawn: they wait for ever
+        async with trio.open_nursery() as nursery:
+            claim = M.Claim("rollout", "trainer", ("tokens",), 2, "w", 10**9)
+            nursery.start_soon(dead, claim)
+            nursery.start_soon(dead, M.Allocate("plain", 2, 0, put_id=10**9, holder="w"))
+            await trio.testing.wait_all_tasks_blocked()
+            stats = await client.statistics()
+            assert (stats.controller.waiting_claims, stats.controller.waiting_puts) == (1, 1)
+            successor = await q.client("w")
+            await successor.aclose()
+    assert len(answers) == 2
+    assert all("withdrawn" in str(a) for a in answers), answers
+    stats = await client.statistics()
+    assert (stats.controller.waiting_claims, stats.controller.waiting_puts) == (0, 0)
+    # what comes next goes to the living: the dead claim took nothing, the dead put allocated
+    # nothing (the 8 samples still fill the topic, no more)
+    await client.put("rollout", batch(2), version=0)
+    got = await client.get("rollout", "trainer", ["tokens"], 2, wait=False)
+    assert got is not None and got.indexes == (0, 1)
+    stats = await client.statistics()
+    plain = next(t for t in stats.controller.state.topics if t.topic == "plain")
+    assert plain.occupied == 8
 
 
 async def test_group_shared_columns_are_stored_once(queue: Any) -> None:

@@ -12,8 +12,9 @@
   meanwhile (the sync and the admission overlap) carry the version they were admitted for
   (``min_version``): a rollout worker starts no group on weights older than that, so at
   staleness 0 every trained sample is still on-policy by construction.
-- **Re-injection.** Groups the TQ reports evicted (stale) or lost (a storage unit died) and
-  prompts lost before generation are injected again, keeping their slots.
+- **Re-injection.** Groups the TQ reports evicted (stale), lost (a storage unit died) or
+  abandoned (a rollout worker died between allocating and committing them) and prompts lost
+  before generation are injected again, keeping their slots.
 - **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
   prompt cursor and the prompts still in flight (re-injected first on resume).
 """
@@ -203,15 +204,17 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights]):
             batch = await self.client.events(since)
             since = batch.cursor
             for event in batch.events:
-                if event.kind not in ("evicted", "lost"):
-                    continue
-                if event.topic == S.ROLLOUT:
+                if event.topic == S.ROLLOUT and event.kind in ("evicted", "lost", "abandoned"):
+                    # abandoned: a rollout worker died between allocating its groups' rows and
+                    # committing them (its restarted successor's release drops them). It
+                    # writes a group's rows in one put, so the group went whole: the restarted
+                    # worker finds it gone and drops its prompt, which lives again only here.
                     for gid in event.group_ids:
                         index = self.inflight.pop(gid, None)
                         if index is not None:
                             self.hooks.reinjected += 1
                             await self._put_prompt(index)
-                elif event.topic == S.PROMPTS:
+                elif event.topic == S.PROMPTS and event.kind in ("evicted", "lost"):
                     for sample in event.indexes:
                         gid = self.prompt_samples.pop(sample, -1)
                         if gid in self.inflight:

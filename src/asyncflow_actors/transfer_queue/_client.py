@@ -457,7 +457,9 @@ class TransferQueueClient:
         return TransferQueueStatistics(controller, units)
 
     async def aclose(self) -> None:
-        """Return every lease this client holds (and drop its writes in progress)."""
+        """Return every lease this client's holder holds, drop its writes in progress and
+        withdraw its claims and puts still waiting (they fail): what a restarted worker with
+        the same holder does first, for a predecessor that died holding or waiting."""
         self.io.close()
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:

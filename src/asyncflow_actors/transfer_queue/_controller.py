@@ -203,6 +203,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
                 self.shared.remember(msg.request_id, None)
                 self._kick(msg.topic)
         elif isinstance(msg, M.ReleaseHolder):
+            self._withdraw(msg.holder)
             self._apply(state.release_holder(msg.holder))
             self._kick_all()
         elif isinstance(msg, Delivered):
@@ -363,6 +364,22 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         else:  # allocated, but the writer never saw the indexes
             allocation = granted.allocation
             self._discard(state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True))
+
+    def _withdraw(self, holder: str) -> None:
+        """``holder`` went away: its requests still waiting here go with its leases. A claim a
+        killed incarnation left waiting would otherwise be granted the very samples its
+        restarted successor's release returns, under a lease nobody acks before ``lease_ttl``;
+        a waiting put would allocate for a writer that can never commit."""
+        for waiting in self.claims.withdraw(holder):
+            waiting.reply.fail(
+                TransferQueueError(f"claim withdrawn: its holder {holder!r} was released")
+            )
+        for queue in self.puts.values():
+            for item in [w for w in queue if w.msg.holder == holder]:
+                queue.remove(item)
+                item.reply.fail(
+                    TransferQueueError(f"put withdrawn: its holder {holder!r} was released")
+                )
 
     def _retry_puts(self, topic: str) -> None:
         state = self.state

@@ -242,7 +242,8 @@ class ShrinkGroup(Request[None]):
 
 @attrs.frozen
 class ReleaseHolder(Request[None]):
-    """Return every lease of ``holder`` (a consumer that goes away loses no samples)."""
+    """Return every lease of ``holder`` (a consumer that goes away loses no samples), drop its
+    uncommitted writes and withdraw its claims and puts still waiting (they fail)."""
 
     holder: str
 

@@ -67,6 +67,13 @@ class ClaimQueues:
                 self._forget(waiting.msg.topic, kind)
         return waiting
 
+    def withdraw(self, holder: str) -> list[WaitingClaim]:
+        """Withdraw every waiting claim of ``holder`` (it went away), oldest first."""
+        gone = [w for w in self._by_id.values() if w.msg.holder == holder]
+        for waiting in gone:
+            self.pop(waiting.msg.claim_id)
+        return gone
+
     def _forget(self, topic: str, kind: Hashable) -> None:
         del self._queues[topic][kind]
         self._seen.pop((topic, kind), None)
