@@ -1,18 +1,22 @@
-"""The Driver re-injects the prompt of every group the queue drops before it is trained: the run
-keeps its FlowControl slots busy with groups that can still be trained, and none goes missing."""
+"""The Driver re-injects the prompt of every group the queue drops before it is trained, once:
+the run keeps its FlowControl slots busy with groups that can still be trained, and no prompt
+goes missing."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import trio
 
 import asyncflow_actors as afa
-from asyncflow_actors.roles import Driver, DriverHooks, topic_specs
+from asyncflow_actors.roles import Driver, DriverHooks, Rollout, topic_specs
 from asyncflow_actors.roles import _schema as S
+from asyncflow_actors.roles._messages import GroupGone
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 from asyncflow_actors.transfer_queue import _messages as M
 
+from .test_admission import Recorder
 from .test_batching import SPEC
 
 PROMPTS = [S.PROMPT_TEXT, S.GROUP, S.PROMPT_INDEX, S.MIN_VERSION]
@@ -67,8 +71,6 @@ async def test_a_group_of_a_writer_that_lives_on_is_not_injected_twice() -> None
 
 
 def _group() -> dict[str, Any]:
-    import torch
-
     return {
         S.RESPONSE_IDS: [torch.tensor([5, 6]) for _ in range(4)],
         S.BEHAVIOUR: [torch.tensor([-0.5, -0.5]) for _ in range(4)],
@@ -76,3 +78,61 @@ def _group() -> dict[str, Any]:
         S.REWARDS: torch.zeros(4),
         S.RESUMES: torch.zeros(4, dtype=torch.int64),
     }
+
+
+async def test_a_rollout_worker_reports_a_group_gone_before_it_wrote_it() -> None:
+    """A put that fails after its allocation drops its rows, and a group emptied so goes with
+    them, reported by no event; the restarted worker generating the prompt again finds the
+    group unknown. It tells the Driver, or the prompt is never trained."""
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        driver = Recorder()
+        with trio.fail_after(20):
+            driver_ref = await system.spawn(lambda: driver, name="driver")
+            await system.spawn(
+                lambda: Rollout(SPEC, queue.controller, "rollout-0", driver=driver_ref),
+                name="rollout-0",
+            )
+            slot = await client.open_group(S.ROLLOUT, 4, shared={S.PROMPT_IDS: torch.tensor([1])})
+            await client.shrink_group(S.ROLLOUT, slot, 4)  # emptied: gone
+            await put_prompt(client, 7, slot.group_id)
+            while not driver.got:
+                await trio.sleep(0.01)
+    assert driver.got == [GroupGone(slot.group_id, "rollout-0")]
+
+
+async def test_the_driver_injects_a_gone_group_once() -> None:
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("test")
+        hooks = DriverHooks()
+        driver = await system.spawn(lambda: Driver(SPEC, queue.controller, hooks), name="driver")
+        with trio.fail_after(30):
+            first = await client.get(S.PROMPTS, "rollout", PROMPTS, 16, min_count=16)
+            assert first is not None
+            gid, index = int(first[S.GROUP][5]), int(first[S.PROMPT_INDEX][5])
+            for _ in range(2):  # the worker and, say, a retry of it: one injection
+                await driver.send(GroupGone(gid, "rollout-0"))
+            await driver.send(GroupGone(10**6, "rollout-0"))  # not the Driver's: nothing
+            again = await client.get(S.PROMPTS, "rollout", PROMPTS, 1)
+            await trio.sleep(0.2)
+            extra = await client.get(S.PROMPTS, "rollout", PROMPTS, 1, wait=False)
+    assert again is not None and int(again[S.PROMPT_INDEX][0]) == index
+    assert int(again[S.GROUP][0]) != gid
+    assert extra is None
+    assert hooks.reinjected == 1
+
+
+async def put_prompt(client: Any, index: int, gid: int) -> None:
+    await client.put(
+        S.PROMPTS,
+        {
+            S.PROMPT_TEXT: [f"{index}+1="],
+            S.ANSWER: [str(index + 1)],
+            S.GROUP: torch.tensor([gid]),
+            S.PROMPT_INDEX: torch.tensor([index]),
+            S.MIN_VERSION: torch.tensor([0]),
+        },
+        version=0,
+    )

@@ -13,8 +13,10 @@
   (``min_version``): a rollout worker starts no group on weights older than that, so at
   staleness 0 every trained sample is still on-policy by construction.
 - **Re-injection.** Groups the TQ reports evicted (stale), lost (a storage unit died) or
-  abandoned (a rollout worker died between allocating and committing them) and prompts lost
-  before generation are injected again, keeping their slots.
+  abandoned (a rollout worker died between allocating and committing them), groups a rollout
+  worker found gone when it came to write them (``GroupGone``: e.g. a put that failed after its
+  allocation drops its rows, and an emptied group goes with them, unreported) and prompts lost
+  before generation are injected again, once each, keeping their slots.
 - **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
   prompt cursor and the prompts still in flight (re-injected first on resume).
 """
@@ -36,6 +38,7 @@ from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
 from ._messages import (
     GetRoleStats,
+    GroupGone,
     NeedWeights,
     ResendWeights,
     SaveCheckpoint,
@@ -89,7 +92,7 @@ class DriverHooks:
     reinjected: int = 0
 
 
-class Driver(Actor[StepDone | GetRoleStats | NeedWeights]):
+class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
     """The Driver of one run (see the module docstring); it lives in the driver process."""
 
     def __init__(
@@ -222,8 +225,16 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights]):
                             await self._put_prompt(self.inflight[gid], gid)
 
     async def receive(
-        self, msg: StepDone | GetRoleStats | NeedWeights, ctx: ActorContext[Any]
+        self, msg: StepDone | GetRoleStats | NeedWeights | GroupGone, ctx: ActorContext[Any]
     ) -> Any:
+        if isinstance(msg, GroupGone):
+            index = self.inflight.pop(msg.group_id, None)
+            if index is not None:  # not trained, not injected again already
+                log.info("group %d is gone (%s): injecting its prompt again", msg.group_id,
+                         msg.worker)  # fmt: skip
+                self.hooks.reinjected += 1
+                await self._put_prompt(index)
+            return None
         if isinstance(msg, NeedWeights):
             ctx.start_soon(self._resend, msg.worker)
             return None

@@ -92,6 +92,17 @@ class NeedWeights:
 
 
 @attrs.frozen
+class GroupGone:
+    """Rollout → Driver (a tell): the group ``group_id`` no longer exists in the queue when
+    ``worker`` came to write it (evicted, lost, or dropped with the rows of a put that never
+    committed), so its prompt lives on only in the Driver, which injects it again. The queue's
+    events report most such groups too; re-injection happens once, whichever comes first."""
+
+    group_id: int
+    worker: str
+
+
+@attrs.frozen
 class AdoptVersion(Request[int]):
     """Colocated mode: the target's model *is* the trainer's; take ``version`` without bytes."""
 

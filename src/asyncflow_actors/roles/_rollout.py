@@ -48,7 +48,7 @@ from ..observe import clock_ns, get_registry
 from ..transfer_queue import StorageUnavailable, UnknownSample
 from . import _schema as S
 from ._batcher import _Batcher
-from ._messages import AdoptVersion, GetRoleStats, NeedWeights, Score
+from ._messages import AdoptVersion, GetRoleStats, GroupGone, NeedWeights, Score
 from ._reward import _score_groups, _ToScore
 from ._settings import RunSpec
 from ._shared import load_policy
@@ -333,6 +333,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                 key = "regenerated_groups" if outcome == "stale" else "dropped_groups"
                 self.meter.extra[key] = self.meter.extra.get(key, 0) + 1
                 log.info("%s: group %d not written (%s): %r", self.worker, gid, outcome, exc)
+                if outcome == "gone" and _vanished(exc):
+                    await self._report_gone(gid)
                 return outcome == "gone"
             self.meter.waited("put", start, samples=indexes)
             span.set(samples=indexes, version=oldest)
@@ -401,6 +403,17 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         except Exception as exc:  # the connection still opening, or the Driver busy: again
             log.warning("%s: asking for weights failed: %r", self.worker, exc)
             self._asked = False
+
+    async def _report_gone(self, gid: int) -> None:
+        """Tell the Driver that group ``gid`` vanished before it was written: its prompt is
+        injected again (once, however many report it)."""
+        if self.driver is None:
+            return
+        try:
+            with trio.fail_after(NEED_WEIGHTS_AFTER_S * 10):  # crosses a process
+                await self.driver.send(GroupGone(gid, self.worker))
+        except Exception as exc:  # the queue's event (if any) still reaches the Driver
+            log.warning("%s: reporting group %d gone failed: %r", self.worker, gid, exc)
 
     def _weights_arrived(self) -> None:
         """Wake the groups waiting for newer weights (``_weights_for``)."""
@@ -549,6 +562,12 @@ def _put_outcome(exc: BaseException) -> str | None:
     if names <= {"StaleVersionError", "UnknownSample", "UnknownGroup", "GroupError"}:
         return "gone"  # GroupError: a restarted worker writing a group its predecessor wrote
     return None
+
+
+def _vanished(exc: BaseException) -> bool:
+    """Whether a ``"gone"`` put found its group no longer in the queue (rather than full:
+    written by a crashed predecessor, and trained or about to be)."""
+    return bool({_error_name(e) for e in _leaves(exc)} & {"UnknownGroup", "UnknownSample"})
 
 
 def _error_name(exc: BaseException) -> str:
