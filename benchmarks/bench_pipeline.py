@@ -2,8 +2,12 @@
 
 - ``pipeline_async_vs_sync``: trained samples/s of ``async(staleness=1)`` (value) over ``sync``
   (baseline) on the long-tail task (a policy warmed up to answer with the task's heavy-tailed
-  lengths), same model, same placement (one process per role), rounds interleaved, 16 steps a
-  run. Target >= 1.5.
+  lengths), same model, same placement, rounds interleaved, 48 steps a run (a run's samples/s
+  counts its first steps, before generation runs ahead). The placement is the one
+  ``docs/pipeline.md`` recommends for long generations on a small model (``FOLDED_ROLES``,
+  below: the trainer computes the old log-probs and advantages, the rollout has a process of
+  its own) in both arms. Target >= 1.5. ``pipeline_async_vs_sync_per_role``: the same with one
+  process per role.
 - ``pipeline_time_to_reward``: seconds of training until the mean batch reward (over the last 3
   batches) reaches 0.8 on addition, for async (value) against a plain single-loop synchronous
   GRPO written below (generate, score, update; no actors; baseline), from the same warmed-up
@@ -85,6 +89,12 @@ def warm(task: Any, path: str, *, max_seq_len: int, accuracy: float, steps: int)
     save_model(path, model, tokenizer=tokenizer)
 
 
+# the stations folded into the trainer (one forward pass less on the rollout's critical path)
+FOLDED_ROLES = {"actor_fwd": "trainer", "advantage": "trainer"}
+# ... and the rollout's queue traffic in-process calls (short generations: less CPU a step)
+SMALL_MODEL_ROLES = {**FOLDED_ROLES, "rollout": "driver"}
+
+
 def config(mode: str, init: str, **over: Any) -> PipelineConfig:
     table: dict[str, Any] = {
         "mode": mode,
@@ -102,6 +112,8 @@ def config(mode: str, init: str, **over: Any) -> PipelineConfig:
 
 
 async def throughput(init: str, rounds: int, steps: int) -> None:
+    """Both modes in both placements, rounds interleaved: the stations folded into the trainer
+    (``FOLDED_ROLES``: the headline figure) and one process per role."""
     longtail = {
         "task": {
             "kind": "longtail",
@@ -109,17 +121,25 @@ async def throughput(init: str, rounds: int, steps: int) -> None:
         },
         "rollout": {"group_size": 4, "max_new_tokens": 44},
         "train": {"steps": steps, "prompts_per_step": 8},
-        "placement": {"default": "process"},
     }
-    rates: dict[str, list[float]] = {"sync": [], "async": []}
+    placements = {
+        "": {"default": "process", "roles": FOLDED_ROLES},
+        "_per_role": {"default": "process"},
+    }
+    rates: dict[tuple[str, str], list[float]] = {}
     for i in range(rounds):
         for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
-            extra = {"staleness": 1} if mode == "async" else {}
-            result = await run_pipeline(config(mode, init, **longtail, **extra))
-            rates[mode].append(result.samples_per_s)
-    emit("pipeline_async_vs_sync", statistics.median(rates["async"]), "samples/s",
-         statistics.median(rates["sync"]))  # fmt: skip
-    print(f"# samples/s async {rates['async']} sync {rates['sync']}", file=sys.stderr)
+            for suffix, placement in placements.items():
+                extra = {"staleness": 1} if mode == "async" else {}
+                cfg = config(mode, init, **longtail, placement=placement, **extra)
+                result = await run_pipeline(cfg)
+                rates.setdefault((suffix, mode), []).append(result.samples_per_s)
+    for suffix in placements:
+        emit(f"pipeline_async_vs_sync{suffix}", statistics.median(rates[suffix, "async"]),
+             "samples/s", statistics.median(rates[suffix, "sync"]))  # fmt: skip
+        print(f"# samples/s{suffix or ' (stations folded into the trainer)'}: async "
+              f"{[round(r) for r in rates[suffix, 'async']]} sync "
+              f"{[round(r) for r in rates[suffix, 'sync']]}", file=sys.stderr)  # fmt: skip
 
 
 def process_cpu_seconds() -> float:
@@ -167,10 +187,6 @@ def plain_grpo_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[flo
         if statistics.mean(history[-3:]) >= TARGET:
             return time.perf_counter() - started, step + 1, (time.process_time() - cpu) / (step + 1)
     return float("inf"), max_steps, (time.process_time() - cpu) / max_steps
-
-
-# the stations folded into the trainer, the rollout's queue traffic in-process calls
-SMALL_MODEL_ROLES = {"actor_fwd": "trainer", "advantage": "trainer", "rollout": "driver"}
 
 
 async def pipeline_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[float, int, float]:
@@ -255,7 +271,7 @@ async def main(rounds: int, quick: bool, seeds: int, parts: tuple[str, ...]) -> 
         if "throughput" in parts:
             await trio.to_thread.run_sync(lambda: warm(LONGTAIL, longtail, max_seq_len=96,
                                                        accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
-            await throughput(longtail, rounds, 4 if quick else 16)
+            await throughput(longtail, rounds, 4 if quick else 48)
         if "time_to_reward" in parts:
             await time_to_reward(addition, 40 if quick else 400, seeds)
         if "gap" in parts:

@@ -1,7 +1,7 @@
 """The long tail, synchronous against asynchronous: the same pipeline, the same policy, the same
 cores; trained samples per second of each and their ratio.
 
-    python examples/longtail_throughput.py [--steps 8] [--staleness 1] [--placement process]
+    python examples/longtail_throughput.py [--steps 8] [--staleness 1] [--placement folded]
 
 The task reverses strings whose lengths follow a Pareto law (most short, a few ten times
 longer). A short supervised warm-up teaches the policy to answer with those lengths, so its
@@ -9,6 +9,11 @@ generations have the task's long tail. In ``sync`` mode every step waits for the
 generation of its batch, and rollout idles while the trainer updates; in ``async`` mode rollout
 keeps generating the next batches (up to ``staleness`` versions ahead) while the tail of the
 current one finishes and while the trainer updates.
+
+``--placement folded`` (the default) is the placement ``docs/pipeline.md`` recommends for long
+generations on a small model: the trainer computes the old log-probs and advantages, the rollout
+has a process of its own. ``process`` puts every role in a process of its own, ``local`` every
+role in this one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from asyncflow_actors.models import CharTokenizer, TinyConfig, TinyDecoder, save
 from asyncflow_actors.pipeline import PipelineConfig, PipelineResult, run_pipeline
 from asyncflow_actors.rl import LongTailTask, sft_warmup
 
+PLACEMENTS = {
+    "folded": {"default": "process", "roles": {"actor_fwd": "trainer", "advantage": "trainer"}},
+    "process": {"default": "process"},
+    "local": {"default": "local"},
+}
 TASK = LongTailTask(op="reverse", distribution="pareto", min_length=2, max_length=40)
 
 
@@ -52,7 +62,7 @@ def config(mode: str, init: str, args: argparse.Namespace) -> PipelineConfig:
             },
             "rollout": {"group_size": 4, "max_new_tokens": 44},
             "train": {"steps": args.steps, "prompts_per_step": 8},
-            "placement": {"default": args.placement},
+            "placement": PLACEMENTS[args.placement],
         }
     )
 
@@ -61,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--staleness", type=int, default=1)
-    parser.add_argument("--placement", default="process", help="process | local")
+    parser.add_argument("--placement", default="folded", choices=sorted(PLACEMENTS))
     parser.add_argument("--warmup-steps", type=int, default=100)
     args = parser.parse_args()
     torch.set_num_threads(1)
