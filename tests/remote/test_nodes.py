@@ -219,11 +219,11 @@ async def test_garbage_on_the_wire_never_crashes_a_node() -> None:
             await sock.send_multipart([b"\xc1garbage"])
             await sock.send_multipart([b""])
             await sock.send_multipart(
-                [b"\x94\x01\x81\xa1k\xa3ask\xc0\x05"]
+                [b"\x94\x02\x81\xa1k\xa3ask\xc0\x05"]
             )  # 5 frames announced, 0 sent
             # a well-formed header naming an unregistered type, with a correlation id
             header = (
-                b"\x94\x01\x83\xa1k\xa3ask\xa1c\x07\xa1t\xa1w\x93\xc7\x00\x02\xa7nope:Xx\x80\x00"
+                b"\x94\x02\x83\xa1k\xa3ask\xa1c\x07\xa1t\xa1w\x93\xc7\x00\x02\xa7nope:Xx\x80\x00"
             )
             await sock.send_multipart([header])
             with trio.fail_after(5):

@@ -6,6 +6,7 @@ import enum
 import gc
 import math
 import random
+import sys
 import warnings
 from typing import Any
 
@@ -19,9 +20,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncflow_actors.actors.remote._address import ActorAddress
 from asyncflow_actors.actors.remote._wire import (
     MAX_DEPTH,
     TORCH_DTYPES,
+    WIRE_VERSION,
     MalformedMessage,
     MessageRegistry,
     MessageTooLarge,
@@ -213,6 +216,74 @@ def test_nested_attrs_payload_roundtrips() -> None:
     assert type(big) is bytes
     assert out.extras["nested"] == [[{"a": (1, (2, [3]))}]]
     assert out.extras["bytes_like"] == [b"ba", b"mv" * 3000]
+
+
+@given(
+    rows=st.lists(st.integers(0, 9), min_size=0, max_size=40),
+    dtype=st.sampled_from([torch.int64, torch.float32, torch.bool, torch.bfloat16, torch.uint8]),
+    trailing=st.sampled_from([(), (3,)]),
+)
+@settings(max_examples=100, deadline=None)
+def test_lists_of_small_tensors_travel_packed_and_round_trip(
+    rows: list[int], dtype: torch.dtype, trailing: tuple[int, ...]
+) -> None:
+    """The rows of a variable-length column: one body and one node for the whole list (a
+    node per tensor made a fetch of a few hundred rows cost milliseconds), decoded as a list of
+    tensors equal to what was sent, in order, with their shapes."""
+    gen = torch.Generator().manual_seed(len(rows))
+    values = [(torch.rand((n, *trailing), generator=gen) * 3).to(dtype) for n in rows]
+    frames = encode({}, {"rows": values}, registry=REG)
+    got = decode(frames, registry=REG, max_message_bytes=LIMIT)[1]["rows"]
+    assert type(got) is list and len(got) == len(values)
+    for a, b in zip(values, got, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
+    header = msgspec.msgpack.decode(frames[0])
+    node = header[2]["rows"]
+    packed = len(values) >= 4
+    tag = node[0] if node else None
+    assert (type(tag) is msgspec.msgpack.Ext and tag.code == 10) is packed, node[:2]
+
+
+def test_encoding_while_another_thread_imports_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node imports torch in a worker thread while its links already talk: a half-imported
+    module (no ``Tensor`` yet) must read as "no torch", not fail the message (it failed one
+    connect in four to a hand-started node once lists were checked for tensors)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "numpy", types.ModuleType("numpy"))
+    address = ActorAddress("n", "/a", ("tcp://127.0.0.1:1",), 1, "t")
+    value = {"items": [1, 2, 3, 4, 5], "names": ["a", "b", "c", "d"], "ref": address}
+    got = decode(encode({}, value, registry=REG), registry=REG, max_message_bytes=LIMIT)[1]
+    assert got == value
+
+
+def test_mixed_lists_and_large_tensors_are_not_packed() -> None:
+    """Packing is for lists of small tensors of one dtype only: a large tensor keeps its own
+    zero-copy frame, and mixed lists are sent item by item (both still round-trip)."""
+    small = [torch.arange(3) for _ in range(5)]
+    cases = {
+        "mixed_dtype": [*small, torch.ones(2)],
+        "mixed_type": [*small, 7],
+        "large": [*small, torch.zeros(4096, dtype=torch.uint8)],
+        "strided": [*small, torch.arange(10)[::2]],
+    }
+    frames = encode({}, cases, registry=REG)
+    header = msgspec.msgpack.decode(frames[0])
+    for name, node in header[2].items():
+        assert not (type(node[0]) is msgspec.msgpack.Ext and node[0].code == 10), name
+    got = decode(frames, registry=REG, max_message_bytes=LIMIT)[1]
+    for name, values in cases.items():
+        for a, b in zip(values, got[name], strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_a_large_packed_list_travels_in_one_frame() -> None:
+    values = [torch.full((100,), k, dtype=torch.int64) for k in range(40)]  # 32 KB in all
+    frames = encode({}, values, registry=REG)
+    assert len(frames) == 2, "one data frame for the list"
+    got = decode(frames, registry=REG, max_message_bytes=LIMIT)[1]
+    assert [int(t[0]) for t in got] == list(range(40))
 
 
 def test_small_bodies_are_inline_and_large_ones_are_frames() -> None:
@@ -436,7 +507,9 @@ ENC = msgspec.msgpack.Encoder()
 Ext = msgspec.msgpack.Ext
 
 
-def header(body: object, nframes: int = 0, meta: object = None, version: object = 1) -> bytes:
+def header(
+    body: object, nframes: int = 0, meta: object = None, version: object = WIRE_VERSION
+) -> bytes:
     return ENC.encode([version, {} if meta is None else meta, body, nframes])
 
 
@@ -452,7 +525,7 @@ POSITIVE = REG.name_of(Positive)
         ([b"\xff\x00garbage"], MalformedMessage, "msgpack"),
         ([header(None)[:-1]], MalformedMessage, "msgpack"),
         ([ENC.encode([1, {}, None])], MalformedMessage, "4-element"),
-        ([header(None, version=2)], MalformedMessage, "version"),
+        ([header(None, version=WIRE_VERSION + 1)], MalformedMessage, "version"),
         ([header(None, version=True)], MalformedMessage, "version"),
         ([header(None, meta=[1])], MalformedMessage, "meta"),
         ([header(None, meta={1: 2})], MalformedMessage, "meta key"),
@@ -494,11 +567,11 @@ POSITIVE = REG.name_of(Positive)
         ([header([Ext(99, b"")])], MalformedMessage, "ext code"),
         ([header([Ext(1, b"x")])], MalformedMessage, "ext code"),
         (
-            [ENC.encode([1, {}, msgspec.msgpack.Ext(-1, b"\x00" * 4), 0])],
+            [ENC.encode([WIRE_VERSION, {}, msgspec.msgpack.Ext(-1, b"\x00" * 4), 0])],
             MalformedMessage,
             "datetime",
         ),
-        ([b"\x94\x01\x80" + b"\x91" * 100 + b"\xc0\x00"], MalformedMessage, "deeper"),
+        ([b"\x94\x02\x80" + b"\x91" * 100 + b"\xc0\x00"], MalformedMessage, "deeper"),
         ([b"\xdd\xff\xff\xff\xff"], MalformedMessage, "truncated"),
         ([header(None, nframes=2), b"", b""], MessageTooLarge, "data frames"),
         ([header(None, nframes=1), b"x" * 2000], MessageTooLarge, "max_message_bytes"),
@@ -514,7 +587,7 @@ def test_decode_rejects_malformed_messages(
 
 
 def test_decode_rejects_headers_nested_beyond_the_recursion_limit() -> None:
-    frames = [b"\x94\x01\x80" + b"\x91" * 100_000 + b"\xc0\x00"]
+    frames = [b"\x94\x02\x80" + b"\x91" * 100_000 + b"\xc0\x00"]
     with pytest.raises(MalformedMessage, match="recursion limit"):
         decode(frames, registry=REG, max_message_bytes=LIMIT)
 

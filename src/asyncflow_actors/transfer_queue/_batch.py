@@ -36,8 +36,9 @@ def torch_module() -> Any:
 
 def is_tensor(value: Any) -> bool:
     # torch loads lazily: a node hosting storage units imports this package without it
-    module = sys.modules.get("torch")
-    return module is not None and isinstance(value, module.Tensor)
+    # (or half imported by another thread: no ``Tensor`` yet, and no tensor to meet either)
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(value, tensor)
 
 
 def dtype_name(t: Any) -> str:

@@ -36,17 +36,22 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def _tensor_type() -> Any:
+    """``torch.Tensor`` if torch is loaded (``None`` also while another thread imports it)."""
+    return getattr(sys.modules.get("torch"), "Tensor", None)
+
+
 def is_tensor(value: Any) -> bool:
-    torch = _torch()
-    return isinstance(value, RawTensor) or (torch is not None and isinstance(value, torch.Tensor))
+    tensor = _tensor_type()
+    return isinstance(value, RawTensor) or (tensor is not None and isinstance(value, tensor))
 
 
 def nbytes(value: Any) -> int:
     """Bytes of a stored value (tensors: their body; text: its length; scalars: 8)."""
     if isinstance(value, RawTensor):
         return value.nbytes
-    torch = _torch()
-    if torch is not None and isinstance(value, torch.Tensor):
+    tensor = _tensor_type()
+    if tensor is not None and isinstance(value, tensor):
         return int(value.numel() * value.element_size())
     if isinstance(value, (bytes, str)):
         return len(value)

@@ -24,6 +24,7 @@ from ._wire_format import (
     _SET,
     _TAGS,
     _TENSOR,
+    _TENSORS,
     _TUPLE,
     DEFAULT_MAX_FRAMES,
     MAX_DEPTH,
@@ -149,6 +150,11 @@ class _Decoder:
             return self.tensor(node[1], node[2], node[3])
         if tag is _NDARRAY:
             return self.ndarray(node[1], node[2], node[3])
+        if tag is _TENSORS:
+            raw = self.raw
+            if raw is not True and raw is not False:
+                raw = self.raw = bool(raw(self.meta))
+            return self.tensors(node[1], node[2], node[3], raw)
         raise MalformedMessage(f"unknown tag {tag!r}")  # unreachable: _ext_hook filters codes
 
     def ref(self, node: list[object]) -> object:
@@ -262,6 +268,30 @@ class _Decoder:
         if dtype is torch.bool and bool((u8 > 1).any()):
             raise MalformedMessage("bool tensor data holds bytes other than 0 and 1")
         return u8.view(dtype).reshape(dims)
+
+    def tensors(self, dtype_name: object, shapes: object, ref: object, raw: bool) -> list[Any]:
+        """A packed list of tensors: views of one body (one copy if it came inline)."""
+        if type(shapes) is not list or not shapes:
+            raise MalformedMessage("packed tensors need a non-empty list of shapes")
+        dims = [_shape(shape) for shape in shapes]
+        counts = [math.prod(d) for d in dims]
+        if raw:
+            itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
+            if itemsize is None:
+                raise MalformedMessage(f"unknown tensor dtype {dtype_name!r}")
+            buf, in_frame = self.data(ref, sum(counts) * itemsize)
+            view = buf if in_frame and isinstance(buf, memoryview) else memoryview(bytes(buf))
+            out: list[Any] = []
+            at = 0
+            for d, n in zip(dims, counts, strict=True):
+                out.append(RawTensor(dtype_name, d, view[at : at + n * itemsize]))  # type: ignore[arg-type]
+                at += n * itemsize
+            return out
+        flat = self.tensor(dtype_name, [sum(counts)], ref)
+        return [
+            t if t.shape == d else t.reshape(d)
+            for t, d in zip(flat.split(counts), dims, strict=True)  # type: ignore[no-untyped-call]
+        ]
 
     def ndarray(self, dtype_str: object, shape: object, ref: object) -> np.ndarray[Any, Any]:
         import numpy as np

@@ -6,7 +6,7 @@ from typing import Final
 
 import msgspec
 
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2  # 2: lists of small tensors packed in one body (``TENSORS``)
 DEFAULT_INLINE_THRESHOLD: Final = 4096
 """Bodies smaller than this many bytes travel inside the header; larger ones as data frames.
 
@@ -42,9 +42,13 @@ _BYTES: Final = _Tag(6, "bytes")
 _REF: Final = _Tag(7, "ref")
 _SET: Final = _Tag(8, "set")
 _FROZENSET: Final = _Tag(9, "frozenset")
+_TENSORS: Final = _Tag(10, "tensors")
 _TAGS: Final = {
-    t.code: t for t in (_TUPLE, _OBJECT, _ENUM, _TENSOR, _NDARRAY, _BYTES, _REF, _SET, _FROZENSET)
+    t.code: t
+    for t in (_TUPLE, _OBJECT, _ENUM, _TENSOR, _NDARRAY, _BYTES, _REF, _SET, _FROZENSET, _TENSORS)
 }
+PACK_MIN: Final = 4
+"""A list of at least this many small tensors of one dtype travels as one ``TENSORS`` node."""
 
 _SCALARS: Final = frozenset({type(None), bool, int, float, str})
 _INLINE: Final = frozenset({type(None), bool, int, float, str, bytes})
