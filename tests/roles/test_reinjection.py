@@ -81,9 +81,9 @@ def _group() -> dict[str, Any]:
 
 
 async def test_a_rollout_worker_reports_a_group_gone_before_it_wrote_it() -> None:
-    """A put that fails after its allocation drops its rows, and a group emptied so goes with
-    them, reported by no event; the restarted worker generating the prompt again finds the
-    group unknown. It tells the Driver, or the prompt is never trained."""
+    """A group shrunk to nothing (by a filter, say) is gone, reported by no event; the worker
+    generating its prompt finds the group unknown. It tells the Driver, or the prompt is never
+    trained."""
     tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
     async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
         client = await queue.client("driver")

@@ -233,6 +233,25 @@ class Model:
         for gid in dict.fromkeys(touched):
             self.settle(gid, ex)
 
+    def unallocate_samples(self, indexes: list[int], ex: Expect) -> None:
+        """Undo a failed put: uncommitted members of open groups give their slots back (the
+        group keeps its size); committed and ungrouped samples are discarded."""
+        back = [
+            i
+            for i in indexes
+            if not self.samples[i].committed and self.groups[self.samples[i].gid].explicit
+        ]
+        self.discard_samples([i for i in indexes if i not in back], ex)
+        touched = []
+        for i in sorted(back):
+            gid = self.samples[i].gid
+            self.groups[gid].allocated -= 1
+            self.drop(i)
+            touched.append(gid)
+        ex.discarded |= set(back)
+        for gid in dict.fromkeys(touched):
+            self.settle(gid, ex)
+
     def abandon(self, ex: Expect, *, now: float | None = None, holder: str | None = None) -> None:
         """Writes past their deadline at ``now`` (or by the dead ``holder``): uncommitted
         samples are discarded, then the open groups' unfilled slots given up."""

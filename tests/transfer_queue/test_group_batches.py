@@ -141,7 +141,7 @@ async def test_a_multi_group_put_is_atomic_and_names_the_group_that_failed() -> 
         await assert_empty(client, "g")
 
 
-async def test_a_multi_group_put_whose_commit_fails_leaves_nothing() -> None:
+async def test_a_multi_group_put_whose_commit_fails_stores_nothing_and_can_be_put_again() -> None:
     async with afa.open_actor_system() as system, tq.open_transfer_queue(system, CONFIG) as q:
         client = await q.client()
         a, b = await client.open_groups("g", [2, 2])
@@ -155,8 +155,15 @@ async def test_a_multi_group_put_whose_commit_fails_leaves_nothing() -> None:
         with pytest.raises(tq.TransferQueueError, match="injected"):
             await client.put("g", rows([0, 1, 2, 3]), version=0, group=[a, b, a, b])
         client.controller = real
-        # as with a put into one group, the failed rows' slots are given up: each group that
-        # had no other member is closed (its writer re-injects the prompt), nothing stays
+        # as with a put into one group, nothing is stored and the groups get their slots back
+        # (a discard would have closed them for good): the same put goes through
+        stats = await client.statistics()
+        (t,) = [t for t in stats.controller.state.topics if t.topic == "g"]
+        assert (t.groups, t.live, t.reserved) == (2, 0, 4)
+        await client.put("g", rows([0, 1, 2, 3]), version=0, group=[a, b, a, b])
+        got = await client.get("g", "trainer", ["x"], 4, sampler=tq.WHOLE_GROUPS)
+        assert sorted(got.group_ids) == sorted([a.group_id, b.group_id] * 2)
+        await client.ack(got)
         await assert_empty(client, "g")
 
 

@@ -15,7 +15,7 @@ import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
 from asyncflow_actors.transfer_queue import _messages as M
 from asyncflow_actors.transfer_queue._controller import ControllerShared
-from asyncflow_actors.transfer_queue._unit_messages import UnitBatch
+from asyncflow_actors.transfer_queue._unit_messages import Store, UnitBatch
 
 from .faults import Tap
 
@@ -302,6 +302,31 @@ async def test_releasing_a_holder_withdraws_the_claims_and_puts_it_left_waiting(
     stats = await client.statistics()
     plain = next(t for t in stats.controller.state.topics if t.topic == "plain")
     assert plain.occupied == 8
+
+
+async def test_a_grouped_put_failing_before_its_commit_gives_its_slots_back(queue: Any) -> None:
+    """ "Nothing stored: put again" holds for a put into an open group: its failed allocation
+    returns the group's slots (a discard shrank the group for good, and the same put again
+    failed with ``GroupError``: the group could never be written)."""
+    q, client = queue
+    slot = await client.open_group("rollout", 4, shared={"prompt": torch.arange(5)})
+    failing = True
+
+    async def refuse(msg: Any) -> None:
+        if failing and isinstance(msg, Store):
+            raise tq.TransferQueueError("the unit is restarting")
+
+    q.shared.units[slot.unit] = Tap(q.shared.units[slot.unit], refuse)
+    writer = await q.client("writer")  # its refs to the units are the tapped ones
+    with pytest.raises(tq.TransferQueueError, match="restarting"):
+        await writer.put("rollout", batch(4), version=0, group=slot)
+    failing = False
+    indexes = await writer.put("rollout", batch(4), version=0, group=slot)
+    got = await client.get("rollout", "trainer", ["tokens"], 4, sampler=tq.WHOLE_GROUPS)
+    assert got.indexes == indexes and set(got.group_ids) == {slot.group_id}
+    stats = await client.statistics()
+    topic = next(t for t in stats.controller.state.topics if t.topic == "rollout")
+    assert (topic.live, topic.discarded_total, topic.occupied) == (4, 4, 4)
 
 
 async def test_group_shared_columns_are_stored_once(queue: Any) -> None:

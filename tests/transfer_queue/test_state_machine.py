@@ -363,6 +363,20 @@ class TQMachine(Model, RuleBasedStateMachine):
         self.check_update(upd, ex)
 
     @rule(data=st.data())
+    def undo_put(self, data: st.DataObject) -> None:
+        """A put that failed before its commit gives its slots back (mostly uncommitted
+        samples; a committed one may be among them if the commit's answer was lost)."""
+        if not self.samples:
+            return
+        fresh = sorted(i for i, s in self.samples.items() if not s.committed)
+        pool = fresh if fresh and data.draw(st.booleans()) else sorted(self.samples)
+        idx = data.draw(st.sets(st.sampled_from(pool), min_size=1, max_size=3))
+        upd = self.state.unallocate(T, sorted(idx))
+        ex = Expect()
+        self.unallocate_samples(sorted(idx), ex)
+        self.check_update(upd, ex)
+
+    @rule(data=st.data())
     def shrink_group(self, data: st.DataObject) -> None:
         open_ = [gid for gid, g in self.groups.items() if g.pending > 0]
         if not open_:

@@ -14,9 +14,9 @@
   staleness 0 every trained sample is still on-policy by construction.
 - **Re-injection.** Groups the TQ reports evicted (stale), lost (a storage unit died) or
   abandoned (a rollout worker died between allocating and committing them), groups a rollout
-  worker found gone when it came to write them (``GroupGone``: e.g. a put that failed after its
-  allocation drops its rows, and an emptied group goes with them, unreported) and prompts lost
-  before generation are injected again, once each, keeping their slots.
+  worker found gone when it came to write them (``GroupGone``: e.g. a group shrunk or
+  discarded to nothing, which no event names) and prompts lost before generation are injected
+  again, once each, keeping their slots.
 - **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
   prompt cursor and the prompts still in flight (re-injected first on resume).
 """

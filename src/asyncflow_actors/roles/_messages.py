@@ -94,9 +94,9 @@ class NeedWeights:
 @attrs.frozen
 class GroupGone:
     """Rollout → Driver (a tell): the group ``group_id`` no longer exists in the queue when
-    ``worker`` came to write it (evicted, lost, or dropped with the rows of a put that never
-    committed), so its prompt lives on only in the Driver, which injects it again. The queue's
-    events report most such groups too; re-injection happens once, whichever comes first."""
+    ``worker`` came to write it (evicted, lost, abandoned, or shrunk or discarded to nothing),
+    so its prompt lives on only in the Driver, which injects it again. The queue's events
+    report most such groups too; re-injection happens once, whichever comes first."""
 
     group_id: int
     worker: str

@@ -206,11 +206,14 @@ class TransferQueueClient:
         put_id: int,
         positions: Mapping[str, list[int]],
     ) -> None:
-        """A put failed: discard its samples, and delete what may have reached the units (the
+        """A put failed: drop its samples, giving their slots back to their open groups (the
+        writer may put into them again), and delete what may have reached the units (the
         controller deletes what it knows of; a restarted one may not know these)."""
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:
-                await self._ask(M.Discard(topic, tuple(indexes), put_id, missing_ok=True))
+                await self._ask(
+                    M.Discard(topic, tuple(indexes), put_id, missing_ok=True, undo=True)
+                )
             except TransferQueueError:
                 pass  # the controller is gone: its restart never learned of these samples
         self.io.forget(topic, {u: [indexes[p] for p in where] for u, where in positions.items()})

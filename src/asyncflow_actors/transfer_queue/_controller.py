@@ -363,7 +363,9 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             self._kick(slots[0].topic)
         else:  # allocated, but the writer never saw the indexes
             allocation = granted.allocation
-            self._discard(state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True))
+            self._discard(
+                state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True, undo=True)
+            )
 
     def _withdraw(self, holder: str) -> None:
         """``holder`` went away: its requests still waiting here go with its leases. A claim a
@@ -512,7 +514,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             if not indexes:
                 return missing
         located = state.locate(msg.topic, indexes)
-        self._apply(state.discard(msg.topic, indexes))
+        drop = state.unallocate if msg.undo else state.discard
+        self._apply(drop(msg.topic, indexes))
         self._group_infos(msg.topic, {gid for gid, _ in located.values()})
         self._kick(msg.topic)
         return missing

@@ -224,12 +224,14 @@ class SetVersion(Request[None]):
 @attrs.frozen
 class Discard(Request[tuple[int, ...]]):
     """Drop samples on purpose; with ``missing_ok`` indexes no longer live are skipped (and
-    returned), else they fail the whole request (``UnknownSample``)."""
+    returned), else they fail the whole request (``UnknownSample``). ``undo``: the samples of
+    a put that failed before its commit; members of open groups give their slots back."""
 
     topic: str
     indexes: tuple[int, ...]
     put_id: int = 0
     missing_ok: bool = False
+    undo: bool = False
 
 
 @attrs.frozen

@@ -563,6 +563,28 @@ class Topic:
         self.lower_group_hints(int(s.gid[rows].min()))
         self.settle(gs, fx)
 
+    def unallocate(self, rows: Ints, fx: Effects) -> None:
+        """Undo the allocation of live samples (a put that failed before its commit): members
+        of open groups that were never committed give their slots back to their groups, which
+        keep their size (reserved again: the writer may put into them anew); other rows
+        (committed, or an ungrouped sample's own group) are discarded. Counted as discarded."""
+        s, g = self.s, self.g
+        back = g.explicit[s.gs[rows]] & ~s.committed[rows]
+        if not back.all():
+            self.discard(rows[~back], fx)
+            rows = rows[back]
+        if not rows.size:
+            return
+        gs = s.gs[rows]
+        lowest = int(s.gid[rows].min())
+        scatter_add(g.alloc, runs(gs), -1)
+        self.drop_samples(rows_of(rows), fx)
+        self.reserved += len(rows)  # the slots are the groups' again: occupied, as before
+        scatter_add(self.load, g.unit[gs], 1)
+        self.discarded_total += len(rows)
+        self.lower_group_hints(lowest)
+        self.settle(gs, fx)
+
     def apply_window(self, fx: Effects) -> None:
         """Groups with a member below the window: evicted if unheld, else doomed."""
         s, g = self.s, self.g

@@ -285,6 +285,20 @@ class Writing:
         t.tidy()
         return fx.update()
 
+    def unallocate(self, topic: str, indexes: Iterable[int]) -> Update:
+        """Undo a put that failed before its commit: its samples leave as :meth:`discard`'s
+        do, but those of open groups give their slots back (the groups keep their size, so
+        the writer may put into them again; a discard would shrink them for good). Committed
+        samples and ungrouped ones are discarded. Counted as discarded. Raises
+        :class:`UnknownSample` if any index is not live."""
+        t = self._topic(topic)
+        rows, _ = self._live(t, indexes)
+        fx = Effects()
+        t.unallocate(rows, fx)
+        t.changes += 1
+        t.tidy()
+        return fx.update()
+
     def lose(self, topic: str, indexes: Iterable[int]) -> Update:
         """Drop live samples whose data a unit turned out not to hold (a told store whose
         segment was gone when it arrived): as :meth:`discard`, but counted as lost. Raises
