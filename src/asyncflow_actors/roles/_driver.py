@@ -213,10 +213,7 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
                     # writes a group's rows in one put, so the group went whole: the restarted
                     # worker finds it gone and drops its prompt, which lives again only here.
                     for gid in event.group_ids:
-                        index = self.inflight.pop(gid, None)
-                        if index is not None:
-                            self.hooks.reinjected += 1
-                            await self._put_prompt(index)
+                        await self._reinject(gid)
                 elif event.topic == S.PROMPTS and event.kind in ("evicted", "lost"):
                     for sample in event.indexes:
                         gid = self.prompt_samples.pop(sample, -1)
@@ -224,16 +221,23 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
                             self.hooks.reinjected += 1
                             await self._put_prompt(self.inflight[gid], gid)
 
+    async def _reinject(self, gid: int) -> bool:
+        """Inject the prompt of rollout group ``gid`` again in a new group, keeping its slots,
+        unless the group was trained or injected again already (``False``)."""
+        index = self.inflight.pop(gid, None)
+        if index is None:
+            return False
+        self.hooks.reinjected += 1
+        await self._put_prompt(index)
+        return True
+
     async def receive(
         self, msg: StepDone | GetRoleStats | NeedWeights | GroupGone, ctx: ActorContext[Any]
     ) -> Any:
         if isinstance(msg, GroupGone):
-            index = self.inflight.pop(msg.group_id, None)
-            if index is not None:  # not trained, not injected again already
-                log.info("group %d is gone (%s): injecting its prompt again", msg.group_id,
+            if await self._reinject(msg.group_id):
+                log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
                          msg.worker)  # fmt: skip
-                self.hooks.reinjected += 1
-                await self._put_prompt(index)
             return None
         if isinstance(msg, NeedWeights):
             ctx.start_soon(self._resend, msg.worker)

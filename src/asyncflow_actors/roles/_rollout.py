@@ -65,6 +65,7 @@ WEIGHTS_WARNING_S = 60.0  # a group waiting this long for its weights is logged 
 # a fresh incarnation waiting this long for weights asks the Driver for them: it was restarted
 # and holds the initial ones (a step's sync arrives within milliseconds to seconds)
 NEED_WEIGHTS_AFTER_S = 1.0
+TELL_TIMEOUT_S = 10.0  # a tell to the Driver (another process, possibly)
 
 
 @attrs.frozen
@@ -398,7 +399,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self._asked = True
         log.info("%s: no weights of version %d yet: asking for them", self.worker, least)
         try:
-            with trio.fail_after(NEED_WEIGHTS_AFTER_S * 10):  # crosses a process
+            with trio.fail_after(TELL_TIMEOUT_S):
                 await self.driver.send(NeedWeights(self.worker))
         except Exception as exc:  # the connection still opening, or the Driver busy: again
             log.warning("%s: asking for weights failed: %r", self.worker, exc)
@@ -410,7 +411,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         if self.driver is None:
             return
         try:
-            with trio.fail_after(NEED_WEIGHTS_AFTER_S * 10):  # crosses a process
+            with trio.fail_after(TELL_TIMEOUT_S):
                 await self.driver.send(GroupGone(gid, self.worker))
         except Exception as exc:  # the queue's event (if any) still reaches the Driver
             log.warning("%s: reporting group %d gone failed: %r", self.worker, gid, exc)

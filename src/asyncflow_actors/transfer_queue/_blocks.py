@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 from . import _shm
+from ._batch import is_tensor as is_torch_tensor
 from ._runtime import RawTensor, itemsize
 from ._unit_messages import ShmBody, UnitError
 
@@ -36,22 +37,15 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def _tensor_type() -> Any:
-    """``torch.Tensor`` if torch is loaded (``None`` also while another thread imports it)."""
-    return getattr(sys.modules.get("torch"), "Tensor", None)
-
-
 def is_tensor(value: Any) -> bool:
-    tensor = _tensor_type()
-    return isinstance(value, RawTensor) or (tensor is not None and isinstance(value, tensor))
+    return isinstance(value, RawTensor) or is_torch_tensor(value)
 
 
 def nbytes(value: Any) -> int:
     """Bytes of a stored value (tensors: their body; text: its length; scalars: 8)."""
     if isinstance(value, RawTensor):
         return value.nbytes
-    tensor = _tensor_type()
-    if tensor is not None and isinstance(value, tensor):
+    if is_torch_tensor(value):
         return int(value.numel() * value.element_size())
     if isinstance(value, (bytes, str)):
         return len(value)

@@ -550,15 +550,20 @@ class Topic:
         self.lower_group_hints(int(g.ids[gslots].min()))
         self.settle(gslots, fx)
 
-    def discard(self, rows: Ints, fx: Effects) -> None:
-        """Drop live samples on purpose: their groups shrink by as many members."""
+    def discard(self, rows: Ints, fx: Effects, *, keep_slots: bool = False) -> None:
+        """Drop live samples on purpose: their groups shrink by as many members, or with
+        ``keep_slots`` keep their size and get the slots back (reserved again)."""
         s, g = self.s, self.g
         gs = s.gs[rows]
         where = runs(gs)
-        scatter_add(g.size, where, -1)
+        if not keep_slots:
+            scatter_add(g.size, where, -1)
         scatter_add(g.alloc, where, -1)
         scatter_add(g.committed, where, -s.committed[rows].astype(np.int64))
         self.drop_samples(rows_of(rows), fx)
+        if keep_slots:  # occupied as before: the samples' slots are their groups' again
+            self.reserved += len(rows)
+            scatter_add(self.load, g.unit[gs], 1)
         self.discarded_total += len(rows)
         self.lower_group_hints(int(s.gid[rows].min()))
         self.settle(gs, fx)
@@ -572,18 +577,8 @@ class Topic:
         back = g.explicit[s.gs[rows]] & ~s.committed[rows]
         if not back.all():
             self.discard(rows[~back], fx)
-            rows = rows[back]
-        if not rows.size:
-            return
-        gs = s.gs[rows]
-        lowest = int(s.gid[rows].min())
-        scatter_add(g.alloc, runs(gs), -1)
-        self.drop_samples(rows_of(rows), fx)
-        self.reserved += len(rows)  # the slots are the groups' again: occupied, as before
-        scatter_add(self.load, g.unit[gs], 1)
-        self.discarded_total += len(rows)
-        self.lower_group_hints(lowest)
-        self.settle(gs, fx)
+        if back.any():
+            self.discard(rows[back], fx, keep_slots=True)
 
     def apply_window(self, fx: Effects) -> None:
         """Groups with a member below the window: evicted if unheld, else doomed."""

@@ -10,7 +10,7 @@ anything, and small index arrays are inspected as Python lists (``_table.SMALL``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -277,13 +277,7 @@ class Writing:
         every consumer, their groups shrink by as many members, and their data is released.
         Leases holding them skip them on ack (listed in ``missing``). Counted as discarded,
         not evicted. Raises :class:`UnknownSample` if any index is not live."""
-        t = self._topic(topic)
-        rows, _ = self._live(t, indexes)
-        fx = Effects()
-        t.discard(rows, fx)
-        t.changes += 1
-        t.tidy()
-        return fx.update()
+        return self._drop(topic, indexes, Topic.discard)
 
     def unallocate(self, topic: str, indexes: Iterable[int]) -> Update:
         """Undo a put that failed before its commit: its samples leave as :meth:`discard`'s
@@ -291,24 +285,28 @@ class Writing:
         the writer may put into them again; a discard would shrink them for good). Committed
         samples and ungrouped ones are discarded. Counted as discarded. Raises
         :class:`UnknownSample` if any index is not live."""
-        t = self._topic(topic)
-        rows, _ = self._live(t, indexes)
-        fx = Effects()
-        t.unallocate(rows, fx)
-        t.changes += 1
-        t.tidy()
-        return fx.update()
+        return self._drop(topic, indexes, Topic.unallocate)
 
     def lose(self, topic: str, indexes: Iterable[int]) -> Update:
         """Drop live samples whose data a unit turned out not to hold (a told store whose
         segment was gone when it arrived): as :meth:`discard`, but counted as lost. Raises
         :class:`UnknownSample` if any index is not live."""
+
+        def lose(t: Topic, rows: Ints, fx: Effects) -> None:
+            t.discard(rows, fx)
+            t.discarded_total -= len(rows)
+            t.lost_total += len(rows)
+
+        return self._drop(topic, indexes, lose)
+
+    def _drop(
+        self, topic: str, indexes: Iterable[int], how: Callable[[Topic, Ints, Effects], None]
+    ) -> Update:
+        """Drop live samples ``indexes`` of ``topic`` the way ``how`` does."""
         t = self._topic(topic)
         rows, _ = self._live(t, indexes)
         fx = Effects()
-        t.discard(rows, fx)
-        t.discarded_total -= len(rows)
-        t.lost_total += len(rows)
+        how(t, rows, fx)
         t.changes += 1
         t.tidy()
         return fx.update()

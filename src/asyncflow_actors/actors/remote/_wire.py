@@ -219,11 +219,10 @@ class _Encoder:
         if t is RawTensor:
             raw: RawTensor = obj  # type: ignore[assignment]
             return [_TENSOR.ext, raw.dtype, list(raw.shape), self.data(raw.data)]
-        # no torch loaded (or half imported by another thread): obj cannot be a tensor
-        tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+        tensor = _loaded("torch", "Tensor")
         if tensor is not None and isinstance(obj, tensor):
             return self.tensor(obj)
-        if t is getattr(sys.modules.get("numpy"), "ndarray", None):
+        if t is _loaded("numpy", "ndarray"):
             return self.ndarray(obj)  # type: ignore[arg-type]
         if isinstance(obj, ActorRef):
             return self.ref(obj)
@@ -235,9 +234,7 @@ class _Encoder:
     def packed(self, items: list[object]) -> object | None:
         """``items`` as one ``TENSORS`` node, or ``None`` if they are not all small, plain,
         contiguous CPU tensors of one sendable dtype."""
-        # (torch may be half imported by another thread: no ``Tensor`` yet, and then no
-        # tensor in ``items`` either)
-        tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+        tensor = _loaded("torch", "Tensor")
         if tensor is None or type(items[0]) is not tensor:
             return None
         import torch
@@ -375,6 +372,13 @@ class _Encoder:
         shape = list(a.shape)
         view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
         return [_NDARRAY.ext, dt.str, shape, self.data(view)]
+
+
+def _loaded(module: str, name: str) -> Any:
+    """``module.name`` if ``module`` is loaded, else ``None``: no module loaded means no value
+    of its types to meet, and a module another thread is still importing may lack ``name``
+    yet (a node preloads torch in a worker thread while its links already talk)."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _unsupported_reason(obj: object) -> str:
