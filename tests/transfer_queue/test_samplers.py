@@ -203,6 +203,23 @@ def test_wait_expiring_waits_for_a_group_the_next_version_makes_stale() -> None:
     assert lease is not None and set(lease.indexes) == {*written, *later[0]}
 
 
+def test_wait_expiring_keeps_room_for_the_slow_group_and_takes_fresher_ones_meanwhile() -> None:
+    """A claim that may take fewer than it asks (a trainer taking its batch piece by piece)
+    takes the fresher groups already written, but never the room the slow group still needs:
+    the slow group is trained at this version, not overtaken and evicted."""
+    state, slow, later = _slow_group_scenario()
+    first = state.claim(T, "train", ALL, 4, holder="h", now=0, sampler=EXPIRING, min_count=2)
+    assert first is not None and first.indexes == later[0]  # 2 of 4: 2 kept for the slow group
+    assert _claim(state, 2, EXPIRING) is None  # the rest is the slow group's
+    written = _finish(state, slow, 0)
+    lease = _claim(state, 2, EXPIRING)
+    assert lease is not None and lease.indexes == written
+    # a claim that has room for every slow group and more is not held back by them
+    state, slow, later = _slow_group_scenario()
+    lease = state.claim(T, "train", ALL, 6, holder="h", now=0, sampler=EXPIRING, min_count=2)
+    assert lease is not None and lease.indexes == (*later[0], *later[1])
+
+
 def test_wait_expiring_passes_groups_that_stay_fresh_and_groups_it_holds() -> None:
     state = make(staleness=1)
     state.set_latest_version(T, 1)

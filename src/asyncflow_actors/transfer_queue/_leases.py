@@ -144,13 +144,15 @@ class LeaseTable:
     ) -> tuple[Ints, list[Ints]] | None:
         """Oldest eligible groups, first fit up to ``count`` samples: their unacked members,
         group by group (the rows, and each group's rows), or ``None`` below ``low``. With
-        ``wait_expiring``, only groups before the first one about to expire that is not
-        eligible yet (see ``WholeGroups``)."""
+        ``wait_expiring``, room is kept for the groups about to expire that are not eligible
+        yet: the others fill at most ``count`` less their samples (see ``WholeGroups``)."""
         g = t.g
         n = g.n
         pos = g.first_at_or_after(v.glo)
         if wait_expiring:
-            n = _expiring_barrier(t, v)
+            count -= _expiring_reserve(t, v)
+            if count < max(low, 1):
+                return None
         chosen: list[int] = []
         total = skipped = 0
         first = -1
@@ -378,25 +380,25 @@ class LeaseTable:
         fx.ended.append(lease.id)
 
 
-def _expiring_barrier(t: Topic, v: View) -> int:
-    """The first group slot that the next version makes stale and that ``v`` cannot claim yet
-    although its consumer still needs it (``g.n`` if none): incomplete, or members not yet
-    ready for the view's columns, and none of them leased by the consumer. It searches from
-    the oldest group: the view's hint may be past it."""
+def _expiring_reserve(t: Topic, v: View) -> int:
+    """The samples that ``v``'s consumer still needs of the groups that the next version makes
+    stale and that it cannot claim yet (incomplete, or members not yet ready for the view's
+    columns; none of them leased by the consumer): the room a claim keeps for them."""
     g = t.g
     n = g.n
     limit = t.latest - t.spec.staleness  # born at or below it: stale at the next version
     m = g.live[:n] & ~g.doomed[:n] & (g.born[:n] <= limit)
     m &= (g.alloc[:n] < g.size[:n]) | (g.unacked[:n, v.ci] > 0)
     if not m.any():
-        return n
+        return 0
     m &= ~t.eligible(v, 0, n)
     s = t.s
+    reserve = 0
     for slot in np.flatnonzero(m).tolist():
         rows = t.members_of(np.array([slot], np.int64))
         if not (s.leased[rows] & v.bit).any():
-            return int(slot)
-    return n
+            reserve += int(g.unacked[slot, v.ci]) + int(g.size[slot]) - int(g.alloc[slot])
+    return reserve
 
 
 def _pick_fifo(t: Topic, v: View, count: int, low: int) -> Ints | None:
