@@ -280,6 +280,23 @@ async def test_load_while_running_swaps_between_steps() -> None:
     assert list(done.versions) == sorted(done.versions)
 
 
+async def test_a_load_returns_once_swapped_not_after_the_running_rows_next_stretch() -> None:
+    """A long tail keeps decoding while new weights load; the groups waiting for them start
+    when the swap is in, not when the tail's stretch ends (here: never before the tail
+    finishes, as ``max_run_seconds`` is long)."""
+    model = version_model(max_seq_len=4096)  # a tail far longer than the load takes
+    config = EngineConfig(max_batch=4, max_run_seconds=60.0)
+    request = GenerationRequest([1], SamplingConfig(4000, seed=0))
+    async with open_torch_engine(model, config) as engine, engine.open_stream(request):
+        while engine.statistics().running == 0:
+            await trio.sleep(1e-3)  # admitted: its first stretch runs
+        await engine.load_weights({"lm_head.weight": version_head(model, 1)}, 1)
+        stats = engine.statistics()
+        assert (stats.version, stats.running, stats.completed) == (1, 1, 0)
+        # leaving the block cancels the tail (``test_load_while_running_swaps_between_steps``
+        # follows a request to its end across a load)
+
+
 async def test_drain_finishes_everything_submitted_before_it() -> None:
     async with open_torch_engine(tiny_model(), EngineConfig(max_batch=2)) as engine:
         results: dict[str, Completion] = {}

@@ -388,6 +388,13 @@ class EngineCore:
 
     def _plan(self) -> _Work | None:
         swap = self._swap if self._swap is not None and not self._swap.taken else None
+        if swap is not None:
+            # The swap alone, no decode step: its ``load_weights`` returns as soon as it is
+            # in, not after a stretch over the rows still running (up to ``max_run_seconds``
+            # of a long tail), so the requests waiting for these weights start that much
+            # sooner. The running rows go on in the next stretch, on the new weights.
+            swap.taken = True
+            return _Work(swap, (), (), swap.version)
         if self._state is _State.PAUSED:
             admissible: list[_Live] = []
             running: list[_Live] = []
@@ -404,12 +411,9 @@ class EngineCore:
             self._waiting.remove(live)
             live.slot = slot
             self._slots[slot] = live
-        if swap is None and not running and not admissions:
+        if not running and not admissions:
             return None
-        if swap is not None:
-            swap.taken = True
-        version = swap.version if swap is not None else self._version
-        return _Work(swap, tuple(admissions), tuple(running) + tuple(admissions), version)
+        return _Work(None, tuple(admissions), tuple(running) + tuple(admissions), self._version)
 
     # ------------------------------------------------------------------ the loop
 
