@@ -194,8 +194,11 @@ def plain_grpo_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[flo
 async def pipeline_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[float, int, float]:
     """Seconds and steps to the target, and CPU seconds per step over every process from the
     first step to the last (the start-up of the node processes left out)."""
-    cfg = config("async", init, staleness=1, train={"steps": max_steps, "seed": seed},
-                 task={"seed": seed}, placement={"default": "process", "roles": SMALL_MODEL_ROLES},
+    # Whole batches (``stream`` off): every answer is a few tokens, so a batch's groups finish
+    # together and pieces would only add their own overhead on the saturated cores.
+    cfg = config("async", init, staleness=1, train={"steps": max_steps, "seed": seed,
+                 "stream": False}, task={"seed": seed},
+                 placement={"default": "process", "roles": SMALL_MODEL_ROLES},
                  algorithm={"is_level": "token"})  # fmt: skip
     reached: list[StepRecord] = []
     async with afa.open_actor_system() as system, open_pipeline(system, cfg) as run:

@@ -82,13 +82,15 @@ async def test_staleness_bound_holds_and_is_used() -> None:
     assert result.samples == 5 * BATCH
 
 
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_version_is_trained_only_after_the_sync_of_the_one_before(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
-    """The sync of version v overlaps the next step's fetch and first forward and backward,
-    but that step's first optimizer step starts only after the sync of v returned (the weights
-    it sends never change under it). Here each sync starts only once the next step stands
-    ready to update: a trainer that did not wait would update during the sync."""
+    """The sync of version v overlaps the next step's fetch and its forward and backward (the
+    first of a whole batch, or every piece of a streamed step), but that step's first optimizer
+    step starts only after the sync of v returned (the weights it sends never change under
+    it). Here each sync starts only once the next step stands ready to update: a trainer that
+    did not wait would update during the sync."""
     import time
 
     import trio
@@ -97,12 +99,14 @@ async def test_a_version_is_trained_only_after_the_sync_of_the_one_before(
     from asyncflow_actors.roles._trainer import Trainer
 
     syncs: dict[int, tuple[float, float]] = {}
-    parts: list[tuple[str, float]] = []
+    parts: list[tuple[str, float]] = []  # per step: "ready" (to update), then "update"
     sync, finish, updates = Trainer._sync, _compute.finish, _compute.Learner.updates
+    accumulate, apply = _compute.Learner.accumulate, _compute.Learner.apply
+    taken = [0]
 
     async def timed_sync(self: Trainer, version: int) -> Any:
         with trio.fail_after(30):  # the overlap: the next step's forward runs meanwhile
-            while version < 5 and len(parts) < 3 * version + 2:
+            while version < 5 and len(parts) < 2 * version + 1:
                 await trio.sleep(0.001)
         await trio.sleep(0.05)  # time for a trainer that did not wait to update
         started = time.perf_counter()
@@ -111,7 +115,6 @@ async def test_a_version_is_trained_only_after_the_sync_of_the_one_before(
         return result
 
     def timed_updates(self: Any, data: Any) -> Any:
-        parts.append(("forward", time.perf_counter()))
         inner = updates(self, data)
         next(inner)
         parts.append(("ready", time.perf_counter()))  # forward and backward done
@@ -122,15 +125,30 @@ async def test_a_version_is_trained_only_after_the_sync_of_the_one_before(
         parts.append(("update", time.perf_counter()))
         return finish(steps)
 
+    def timed_accumulate(self: Any, data: Any, *, first: bool) -> Any:
+        piece = accumulate(self, data, first=first)
+        taken[0] += len(data["response_ids"])
+        if taken[0] == self.spec.batch_size:
+            parts.append(("ready", time.perf_counter()))  # every piece's forward and backward
+        return piece
+
+    def timed_apply(self: Any, pieces: Any) -> Any:
+        parts.append(("update", time.perf_counter()))
+        taken[0] = 0
+        return apply(self, pieces)
+
     monkeypatch.setattr(Trainer, "_sync", timed_sync)
     monkeypatch.setattr(_compute.Learner, "updates", timed_updates)
     monkeypatch.setattr(_compute, "finish", timed_finish)
+    monkeypatch.setattr(_compute.Learner, "accumulate", timed_accumulate)
+    monkeypatch.setattr(_compute.Learner, "apply", timed_apply)
     roles = {"actor_fwd": "trainer", "advantage": "trainer"}
     result = await run_pipeline(tiny("async", staleness=1, placement={"roles": roles},
-                                     train={"steps": 5}))  # fmt: skip
+                                     train={"steps": 5, "stream": stream}))  # fmt: skip
     assert [r.version for r in result.records] == [1, 2, 3, 4, 5]
-    assert [kind for kind, _ in parts] == ["forward", "ready", "update"] * 5
+    assert [r.metrics.get("pieces", 0) >= 1 for r in result.records] == [stream] * 5
+    assert [kind for kind, _ in parts] == ["ready", "update"] * 5
     assert sorted(syncs) == [1, 2, 3, 4, 5]
     for version in range(1, 5):  # the step of version + 1 updates after the sync of version
-        ready, update = parts[3 * version + 1][1], parts[3 * version + 2][1]
+        ready, update = parts[2 * version][1], parts[2 * version + 1][1]
         assert ready < syncs[version][0] and syncs[version][1] < update

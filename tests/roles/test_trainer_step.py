@@ -1,6 +1,8 @@
 """The trainer's step in its compute threads: ``_prepare`` (staleness lags, advantages, the first
 forward and backward) then ``_finish`` is ``Learner.step`` on the batch with its advantages, bit
-for bit, and a sample outside the window fails the step before the model is touched."""
+for bit; a streamed step (pieces of whole groups, ``_accumulate`` each, then ``_finish``) takes
+the same step up to float rounding, whatever the pieces; a sample outside the window fails the
+step before the model is touched."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from asyncflow_actors.roles import _compute as C
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._advantage import Advantages
 from asyncflow_actors.roles._settings import AlgorithmSettings, ModelSettings, TrainSettings
-from asyncflow_actors.roles._trainer import StalenessViolation, Trainer
+from asyncflow_actors.roles._trainer import StalenessViolation, Trainer, _Step
 
 SPEC = RunSpec(
     mode="async",
@@ -51,7 +53,8 @@ def make_batch(version: int, *, oldest: int | None = None) -> FakeBatch:
     token (and of the rest of its tokens when newer than ``version``: its oldest is ``oldest``)."""
     gen = torch.Generator().manual_seed(3)
     n = 16
-    responses = [torch.randint(3, 12, (1 + k % 4,), generator=gen) for k in range(n)]
+    # groups 2 and 3 answer longer: pieces differ in tokens per sequence
+    responses = [torch.randint(3, 12, (1 + k % 4 + 2 * (k // 8),), generator=gen) for k in range(n)]
     token_versions = [torch.full((len(r),), version, dtype=torch.int64) for r in responses]
     if oldest is not None:
         token_versions[5][0 if oldest < version else slice(None)] = oldest
@@ -84,7 +87,7 @@ def test_prepare_then_finish_is_the_learners_step_bit_for_bit() -> None:
         trainer.version = step + 1  # every sample one version old
         data = {name: batch[name] for name in S.station_columns(SPEC)["trainer"]}
         updates, lags, lengths = trainer._prepare(batch, data)
-        metrics = trainer._finish(updates, batch, lengths)
+        metrics = trainer._finish(_Step(0, [batch], lags, lengths, updates=updates))
 
         expected_data = dict(batch.data)
         expected_data[S.ADVANTAGES] = C.padded_advantages(
@@ -117,3 +120,84 @@ def test_a_sample_outside_the_window_fails_before_any_forward(oldest: int) -> No
     assert all(p.grad is None for p in trainer.learner.model.parameters())
     for name, value in trainer.learner.model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def split(batch: FakeBatch, sizes: list[int]) -> list[FakeBatch]:
+    """``batch`` as consecutive pieces of ``sizes`` groups (of four samples)."""
+    pieces, at = [], 0
+    for groups in sizes:
+        rows = list(range(at, at + 4 * groups))
+        data = {
+            k: (v[rows] if isinstance(v, torch.Tensor) else [v[i] for i in rows])
+            for k, v in batch.data.items()
+        }
+        pieces.append(FakeBatch(data, tuple(batch.versions[i] for i in rows),
+                                tuple(batch.group_ids[i] for i in rows)))  # fmt: skip
+        at += 4 * groups
+    return pieces
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("sizes", [[4], [1, 1, 1, 1], [3, 1], [1, 2, 1]])
+def test_a_streamed_step_is_the_whole_batchs_step(agg: str, sizes: list[int]) -> None:
+    """Same loss figures and the same (clipped) gradient; parameters are not compared, since
+    Adam's first steps turn a rounding-level difference in a near-zero gradient into a
+    difference of ``lr``."""
+    spec = attrs.evolve(SPEC, algorithm=AlgorithmSettings(is_level="token", agg=agg))
+    assert spec.streams_updates
+    trainer, whole = make_trainer(spec), make_trainer(spec)
+    names = S.station_columns(spec)["trainer"]
+    for step in range(3):
+        batch = make_batch(version=step)
+        trainer.version = whole.version = step + 1
+        trainer.learner.model.load_state_dict(whole.learner.model.state_dict())
+        trainer.learner.optimizer.load_state_dict(whole.learner.optimizer.state_dict())
+        updates, lags, lengths = whole._prepare(batch, {n: batch[n] for n in names})
+        expected = whole._finish(_Step(0, [batch], lags, lengths, updates=updates))
+
+        streamed = _Step(0, [], [], [])
+        for piece in split(batch, sizes):
+            data = {n: piece[n] for n in names}
+            result, piece_lags, piece_lengths = trainer._accumulate(
+                piece, data, not streamed.batches
+            )
+            streamed.batches.append(piece)
+            streamed.pieces.append(result)
+            streamed.lags += piece_lags
+            streamed.lengths += piece_lengths
+        metrics = trainer._finish(streamed)
+
+        assert streamed.lags == lags and streamed.lengths == lengths
+        assert metrics["pieces"] == len(sizes) and metrics["updates"] == 1
+        for key in ("pg_loss", "clip_frac", "approx_kl", "grad_norm", "valid_tokens",
+                    "reward_mean", "accuracy", "response_length", "partial_rollout_ratio"):  # fmt: skip
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+        for a, b in zip(
+            trainer.learner.model.parameters(), whole.learner.model.parameters(), strict=True
+        ):
+            assert a.grad is not None and b.grad is not None
+            scale = float(b.grad.abs().max())
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_a_piece_outside_the_window_fails_before_any_forward() -> None:
+    trainer = make_trainer(SPEC)
+    trainer.version = 2
+    first, second = split(make_batch(version=2, oldest=0), [1, 3])
+    trainer._accumulate(first, dict(first.data), True)
+    grads = [p.grad.clone() for p in trainer.learner.model.parameters()]
+    with pytest.raises(StalenessViolation, match="version 0 reached the trainer"):
+        trainer._accumulate(second, dict(second.data), False)
+    for p, g in zip(trainer.learner.model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+
+
+def test_streaming_needs_one_update_a_batch_and_streaming_stages() -> None:
+    assert SPEC.streams_updates
+    assert not attrs.evolve(SPEC, stage_barrier=True).streams_updates
+    assert not attrs.evolve(SPEC, colocated=True).streams_updates
+    assert not attrs.evolve(SPEC, train=TrainSettings(mini_batches=2)).streams_updates
+    assert not attrs.evolve(SPEC, train=TrainSettings(epochs=2)).streams_updates
+    assert not attrs.evolve(SPEC, train=TrainSettings(stream=False)).streams_updates
+    sum_norm = AlgorithmSettings(agg="seq-mean-token-sum-norm")
+    assert not attrs.evolve(SPEC, algorithm=sum_norm).streams_updates

@@ -269,6 +269,15 @@ def loss_config(algorithm: AlgorithmSettings) -> PPOLossConfig:
     )
 
 
+@attrs.frozen
+class Piece:
+    """What ``Learner.accumulate`` did with one piece of a streamed batch: its weight in the
+    loss's normaliser and its loss metrics."""
+
+    weight: float
+    metrics: dict[str, float]
+
+
 class Learner:
     """The trainer's model and optimizer, and one global batch of mini-batch PPO updates."""
 
@@ -325,31 +334,12 @@ class Learner:
             old = sequence_logprobs(self.model, data["prompt_ids"], responses,
                                     pad_id=self.tokenizer.pad_id, temperature=temperature)  # fmt: skip
             data = {**data, "old_logprobs": old}
-        names = ["advantages", "behaviour_logprobs"]
-        names += ([] if reuse else ["old_logprobs"]) + (
-            ["ref_logprobs"] if self.spec.use_ref else []
-        )
-        rows = MiniBatches(data, names, self.tokenizer.pad_id)
+        rows = MiniBatches(data, self._columns(reuse), self.tokenizer.pad_id)
         for _ in range(train.epochs):
             order = torch.randperm(n, generator=self.generator)
             for k in range(chunks):
                 index = order[k * n // chunks : (k + 1) * n // chunks]
-                batch = rows.batch(index)
-                width = batch.response_length
-
-                def column(name: str, index: Tensor = index, width: int = width) -> Tensor:
-                    return rows.column(name, index, width)
-
-                logprobs = policy_logprobs(self.model, batch, temperature)
-                result = policy_loss(
-                    logprobs,
-                    logprobs.detach() if reuse else column("old_logprobs"),
-                    column("advantages"),
-                    batch.response_mask,
-                    self.loss,
-                    behaviour_logprobs=column("behaviour_logprobs"),
-                    ref_logprobs=column("ref_logprobs") if self.spec.use_ref else None,
-                )
+                result = self._loss(rows, index, reuse)
                 self.optimizer.zero_grad(set_to_none=True)
                 torch.autograd.backward(result.loss)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.max_grad_norm)
@@ -362,6 +352,80 @@ class Learner:
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)
         metrics = {key: value / updates for key, value in sums.items()}
         metrics["updates"] = float(updates)
+        self.rng_state = (torch.get_rng_state(), self.generator.get_state())
+        return metrics
+
+    def _columns(self, reuse: bool) -> list[str]:
+        names = ["advantages", "behaviour_logprobs"]
+        return (
+            names
+            + ([] if reuse else ["old_logprobs"])
+            + (["ref_logprobs"] if self.spec.use_ref else [])
+        )
+
+    def _loss(self, rows: MiniBatches, index: Tensor, reuse: bool) -> Any:
+        """The ``rl`` policy loss of the rows at ``index`` (its forward, not its backward)."""
+        batch = rows.batch(index)
+        width = batch.response_length
+
+        def column(name: str) -> Tensor:
+            return rows.column(name, index, width)
+
+        logprobs = policy_logprobs(self.model, batch, self.spec.rollout.temperature)
+        return policy_loss(
+            logprobs,
+            logprobs.detach() if reuse else column("old_logprobs"),
+            column("advantages"),
+            batch.response_mask,
+            self.loss,
+            behaviour_logprobs=column("behaviour_logprobs"),
+            ref_logprobs=column("ref_logprobs") if self.spec.use_ref else None,
+        )
+
+    def accumulate(self, data: Mapping[str, Any], *, first: bool) -> Piece:
+        """One piece (whole groups) of a streamed global batch (``RunSpec.streams_updates``):
+        its forward and backward, its gradient added to those of the pieces before it
+        (``first``: none), scaled by its share of the loss's normaliser — its loss tokens or
+        its non-empty sequences, by ``agg`` — so that ``apply``, dividing by the
+        total, takes the very step one update over the whole batch would (up to float
+        rounding). Parameters, optimizer state and RNG are untouched (a sync may read them)."""
+        if first:
+            self.optimizer.zero_grad(set_to_none=True)
+        reuse = self.spec.trainer_forward
+        rows = MiniBatches(data, self._columns(reuse), self.tokenizer.pad_id)
+        result = self._loss(rows, torch.arange(len(data["response_ids"])), reuse)
+        mask = result.loss_mask
+        # token-mean: a mean over the loss tokens; the seq-mean modes: over the non-empty
+        # sequences (``streams_updates`` leaves out the mode with a constant normaliser)
+        if self.loss.agg == "token-mean":
+            weight = float(mask.sum())
+        else:
+            weight = float((mask.sum(dim=1) > 0).sum())
+        torch.autograd.backward(result.loss * weight)
+        return Piece(weight, dict(result.metrics))
+
+    def apply(self, pieces: Sequence[Piece]) -> dict[str, float]:
+        """The optimizer step of a streamed global batch: the gradient ``accumulate`` summed,
+        divided by the total normaliser, clipped; the metrics averaged over the pieces by their
+        weights (``valid_tokens`` summed)."""
+        total = sum(p.weight for p in pieces)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if total > 0:
+            for param in params:
+                assert param.grad is not None
+                param.grad.div_(total)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.spec.train.max_grad_norm)
+        self.optimizer.step()
+        metrics: dict[str, float] = {}
+        for piece in pieces:
+            share = piece.weight / total if total > 0 else 1.0 / len(pieces)
+            for key, value in piece.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + (
+                    value if key == "valid_tokens" else value * share
+                )
+        metrics["grad_norm"] = float(norm)
+        metrics["updates"] = 1.0
+        metrics["pieces"] = float(len(pieces))
         self.rng_state = (torch.get_rng_state(), self.generator.get_state())
         return metrics
 

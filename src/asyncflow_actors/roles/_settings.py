@@ -152,6 +152,10 @@ class TrainSettings:
     batch), so a station that falls behind catches up in fewer, larger steps instead of paying
     a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many steps
     (0: never). ``torch_threads``: intra-op threads in every process of the run.
+    ``stream``: when stages stream (async) and a global batch is one update (``mini_batches``
+    and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
+    while the others are still generating, accumulating the gradient, and takes the one
+    optimizer step once the last group arrived (``RunSpec.streams_updates``).
     """
 
     steps: int = attrs.field(default=20, validator=_positive)
@@ -167,6 +171,7 @@ class TrainSettings:
     forward_workers: int = attrs.field(default=1, validator=_positive)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
+    stream: bool = True
     seed: int = 0
     shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch
 
@@ -220,6 +225,23 @@ class RunSpec:
         engines = self.rollout.workers * (1 if self.colocated else self.rollout.engines)
         admitted = -(-(self.staleness + 1) * self.batch_size // engines)
         return max(self.rollout.group_size, min(DEFAULT_ENGINE_ROWS, admitted))
+
+    @property
+    def streams_updates(self) -> bool:
+        """Whether the trainer takes a global batch piece by piece (``TrainSettings.stream``):
+        stages stream, the batch is one optimizer update, and the loss's normaliser splits
+        over pieces (not ``seq-mean-token-sum-norm``, whose default length is the padded
+        width of what is trained at once); colocated runs share the model with the rollout
+        and take the batch whole."""
+        train = self.train
+        return (
+            train.stream
+            and not self.stage_barrier
+            and not self.colocated
+            and train.mini_batches == 1
+            and train.epochs == 1
+            and self.algorithm.agg != "seq-mean-token-sum-norm"
+        )
 
     @property
     def advantage_station(self) -> bool:

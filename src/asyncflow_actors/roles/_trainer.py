@@ -22,6 +22,7 @@ import logging
 from collections.abc import Generator
 from typing import Any
 
+import attrs
 import trio
 
 from ..actors import Actor, ActorContext, ActorRef
@@ -52,6 +53,26 @@ OFFPOLICY = MetricInfo(
     "samples",
     "trained samples whose oldest token's version differs from the trainer's",
 )
+
+
+@attrs.define
+class _Step:
+    """A global batch taken for one step: when its compute started (``clock_ns``), its batches
+    (one, or the pieces of a streamed step), the samples' lags and response lengths, and either
+    the paused ``Learner.updates`` or the ``Learner.accumulate`` pieces."""
+
+    started: int
+    batches: list[Any]
+    lags: list[int]
+    lengths: list[int]
+    updates: Generator[None, None, dict[str, float]] | None = None
+    pieces: list[Any] = attrs.field(factory=list)
+
+
+def torch_cat(parts: list[Any]) -> Any:
+    import torch
+
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class StalenessViolation(RuntimeError):
@@ -131,34 +152,32 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         sync of the one before it finished (colocated: no overlap, the model is shared)."""
         assert self.client is not None
         spec = self.spec
-        size = spec.batch_size
         previous: _Answer | None = None
         while True:
-            batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
-            # whole columns, no per-row Python: fixed-shape ones are one tensor each
-            data = {name: columns(batch, name) for name in self.columns}
-            with self.meter.track.span("train", samples=batch.indexes, version=self.version):
-                start = clock_ns()
-                # One compute thread up to the first optimizer step (the staleness check, the
-                # advantages, the first forward and backward): reads the weights only, as a
-                # sync does; the event loop stays free for the sync meanwhile.
-                updates, lags, lengths = await in_thread(self._prepare, batch, data)
-                histogram = self._count_staleness(lags)
-                if previous is not None:
-                    self.meter.busy(start)
-                    await previous.wait()  # the sync of the last version finished
-                    start = clock_ns()
-                async with self._model_lock:  # no sync or checkpoint reads them meanwhile
-                    metrics = await in_thread(self._finish, updates, batch, lengths)
-                self.meter.busy(start)
-            await self.client.ack(batch)
-            tokens = sum(lengths)
+            step = await (self._pieces() if spec.streams_updates else self._whole())
+            batches = step.batches
+            histogram = self._count_staleness(step.lags)
+            if previous is not None:
+                await previous.wait()  # the sync of the last version finished
+            start = clock_ns()
+            async with self._model_lock:  # no sync or checkpoint reads them meanwhile
+                metrics = await in_thread(self._finish, step)
+            self.meter.busy(start)
+            indexes = tuple(i for b in batches for i in b.indexes)
+            self.meter.track.tracer.record(
+                "train", role=self.role, worker=self.worker, start_ns=step.started,
+                end_ns=clock_ns(), samples=indexes, version=self.version,
+            )  # fmt: skip
+            for batch in batches:
+                await self.client.ack(batch)
+            samples = len(indexes)
+            tokens = sum(step.lengths)
             self._reward.set(metrics["reward_mean"])
-            self.meter.done(len(batch), tokens)
+            self.meter.done(samples, tokens)
             self.version += 1
             self.meter.set_version(self.version)
-            groups = tuple(sorted(set(batch.group_ids)))
-            done = StepDone(self.version, len(batch), tokens, groups, histogram, metrics)
+            groups = tuple(sorted({g for b in batches for g in b.group_ids}))
+            done = StepDone(self.version, samples, tokens, groups, histogram, metrics)
             last = self.version >= spec.train.steps
             if spec.colocated or last:
                 ack = await self.driver.ask(done)  # the Driver syncs the weights first
@@ -171,35 +190,85 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             previous = _Answer(self.driver, done)
             nursery.start_soon(previous.run)
 
-    def _prepare(
-        self, batch: Any, data: dict[str, Any]
-    ) -> tuple[Generator[None, None, dict[str, float]], list[int], list[int]]:
-        """The step up to its first optimizer step, in a compute thread: each sample's lag
-        (``StalenessViolation`` before any update if one lies outside the window), the
-        advantages (``trainer_advantage``), then ``Learner.updates`` up to its yield. Returns
-        the paused updates, the lags and the response lengths."""
+    async def _whole(self) -> _Step:
+        """A global batch in one fetch, its updates run up to their first optimizer step (one
+        compute thread: the staleness check, the advantages, the first forward and backward;
+        it reads the weights only, as a sync does, and the event loop stays free for it)."""
+        size = self.spec.batch_size
+        batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
+        # whole columns, no per-row Python: fixed-shape ones are one tensor each
+        data = {name: columns(batch, name) for name in self.columns}
+        start = clock_ns()
+        updates, lags, lengths = await in_thread(self._prepare, batch, data)
+        self.meter.busy(start)
+        return _Step(start, [batch], lags, lengths, updates=updates)
+
+    async def _pieces(self) -> _Step:
+        """A global batch piece by piece (``RunSpec.streams_updates``): every whole group
+        ready, up to the batch; each piece's forward and backward run as it arrives, so when
+        the last group comes only its own share is left before the optimizer step."""
+        spec = self.spec
+        left = spec.batch_size
+        step = _Step(0, [], [], [])
+        while left > 0:
+            least = min(left, spec.rollout.group_size)
+            batch = await self.fetch(self.columns, left, whole_groups=True, min_count=least)
+            data = {name: columns(batch, name) for name in self.columns}
+            start = clock_ns()
+            step.started = step.started or start
+            piece, lags, lengths = await in_thread(self._accumulate, batch, data, not step.batches)
+            self.meter.busy(start)
+            self.meter.track.tracer.record(
+                "train.piece", role=self.role, worker=self.worker, start_ns=start,
+                end_ns=clock_ns(), samples=batch.indexes, version=self.version,
+            )  # fmt: skip
+            step.batches.append(batch)
+            step.pieces.append(piece)
+            step.lags += lags
+            step.lengths += lengths
+            left -= len(batch)
+        return step
+
+    def _checked(self, batch: Any, data: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """Each sample's lag (``StalenessViolation`` before any update if one lies outside the
+        window) and response length; the advantages (``trainer_advantage``) into ``data``."""
         lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
         lags = self._lags(data[S.TOKEN_VERSIONS], batch.versions)
         if self.advantages is not None:
             rows = range(len(batch))
             data[S.ADVANTAGES] = self.advantages.estimate(batch, rows, lengths, padded=True)
+        return lags, lengths
+
+    def _accumulate(
+        self, batch: Any, data: dict[str, Any], first: bool
+    ) -> tuple[Any, list[int], list[int]]:
+        """One piece, in a compute thread: checked, then its forward and backward."""
+        lags, lengths = self._checked(batch, data)
+        return self.learner.accumulate(data, first=first), lags, lengths
+
+    def _prepare(
+        self, batch: Any, data: dict[str, Any]
+    ) -> tuple[Generator[None, None, dict[str, float]], list[int], list[int]]:
+        """A whole batch up to its first optimizer step, in a compute thread: checked, then
+        ``Learner.updates`` up to its yield. Returns the paused updates, the lags and the
+        response lengths."""
+        lags, lengths = self._checked(batch, data)
         updates = self.learner.updates(data)
         next(updates)
         return updates, lags, lengths
 
-    def _finish(
-        self,
-        updates: Generator[None, None, dict[str, float]],
-        batch: Any,
-        lengths: list[int],
-    ) -> dict[str, float]:
-        """The rest of the updates and the batch's figures, in a compute thread."""
-        metrics: dict[str, float] = self.compute.finish(updates)
-        rewards = column(batch, S.REWARDS)
+    def _finish(self, step: _Step) -> dict[str, float]:
+        """The optimizer step(s) and the batch's figures, in a compute thread."""
+        if step.updates is not None:
+            metrics: dict[str, float] = self.compute.finish(step.updates)
+        else:
+            metrics = self.learner.apply(step.pieces)
+        rewards = torch_cat([column(b, S.REWARDS) for b in step.batches])
+        resumes = torch_cat([column(b, S.RESUMES) for b in step.batches])
         metrics["reward_mean"] = float(rewards.mean())
         metrics["accuracy"] = float((rewards == 1.0).float().mean())
-        metrics["response_length"] = sum(lengths) / len(batch)
-        metrics["partial_rollout_ratio"] = int((column(batch, S.RESUMES) > 0).sum()) / len(batch)
+        metrics["response_length"] = sum(step.lengths) / len(rewards)
+        metrics["partial_rollout_ratio"] = int((resumes > 0).sum()) / len(rewards)
         return metrics
 
     def _lags(self, token_versions: list[Any], versions: tuple[int, ...]) -> list[int]:
