@@ -10,6 +10,7 @@ from asyncflow_actors.models import (
     ModelInputError,
     TinyConfig,
     TinyDecoder,
+    decode_step,
     entropy_from_logits,
     left_pad,
     pack_batch,
@@ -216,3 +217,43 @@ def test_kv_cache_insert_rows_places_a_prefilled_batch_as_inserting_row_by_row_w
         cache.insert_rows([0, 0], scratch, [0, 1])
     with pytest.raises(KVCacheError, match="2 rows given for 1"):
         cache.insert_rows([0, 3], scratch, [0])
+
+
+def test_decode_step_is_the_one_token_forward_bit_for_bit() -> None:
+    """``decode_step`` is the engine's and ``generate``'s per-token forward without the
+    argument checks: the same numbers as ``model(tokens[:, None], ...)[:, -1]`` and the same
+    cache afterwards, padding rows (``real`` false) and a view of the low rows included."""
+    model = _model()
+    rows = [[3, 4, 5, 6], [7, 8], [9], [5, 5, 5]]
+    ids, mask = left_pad(rows, pad_id=0)
+    gen = torch.Generator().manual_seed(0)
+    caches = [KVCache.allocate(model.config, 5, 12) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, attention_mask=mask, kv_cache=cache.view(4))
+        for step in range(6):
+            tokens = torch.randint(1, 13, (3,), generator=gen)
+            real = torch.tensor([True, step % 2 == 0, step != 3])  # rows 1 and 2 skip steps
+            expected = model(tokens[:, None], attention_mask=real[:, None],
+                             kv_cache=caches[0].view(3))[:, -1]  # fmt: skip
+            got = decode_step(model, tokens, real, caches[1].view(3))
+            assert torch.equal(got, expected), step
+    for a, b in zip(
+        caches[0].keys + caches[0].values, caches[1].keys + caches[1].values, strict=True
+    ):
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0].valid, caches[1].valid)
+    assert torch.equal(caches[0].num_tokens, caches[1].num_tokens)
+    assert caches[0].length == caches[1].length == ids.shape[1] + 6
+
+
+def test_decode_step_refuses_a_position_past_max_seq_len() -> None:
+    model = _model()
+    cache = KVCache.allocate(model.config, 1, 64)
+    with torch.no_grad():
+        model(torch.ones((1, 40), dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ModelInputError, match="max_seq_len=40"):
+            decode_step(
+                model, torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.bool), cache
+            )
+    assert cache.length == 40  # nothing reserved

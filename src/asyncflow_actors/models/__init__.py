@@ -22,6 +22,7 @@ from ._logprobs import entropy_from_logits as entropy_from_logits
 from ._logprobs import token_logprobs as token_logprobs
 from ._model import ModelInputError as ModelInputError
 from ._model import TinyDecoder as TinyDecoder
+from ._model import decode_step as decode_step
 from ._safetensors import SafetensorsError as SafetensorsError
 from ._safetensors import SafetensorsFile as SafetensorsFile
 from ._safetensors import deserialize_safetensors as deserialize_safetensors

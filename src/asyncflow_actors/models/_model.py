@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 from ._config import TinyConfig
 from ._kv_cache import KVCache, KVCacheError
 
-__all__ = ["ModelInputError", "TinyDecoder"]
+__all__ = ["ModelInputError", "TinyDecoder", "decode_step"]
 
 
 class ModelInputError(ValueError):
@@ -223,6 +224,55 @@ class TinyDecoder(nn.Module):
             x = layer(x, cos, sin, mask, kv_cache, i, start)
         out: Tensor = self.norm(x)
         return out
+
+
+def decode_step(model: TinyDecoder, tokens: Tensor, real: Tensor, kv_cache: KVCache) -> Tensor:
+    """Logits [B, vocab] of one new token per row: the numbers of
+    ``model(tokens[:, None], attention_mask=real[:, None], kv_cache=kv_cache)[:, -1]``, by the
+    same operations, without the argument checks and module calls around them.
+
+    An engine runs this for every token, and on a small model the Python around the kernels is
+    most of its cost. ``tokens`` [B] int64 within the vocabulary and ``real`` [B] bool are the
+    caller's to get right (the engine builds them); a position past ``max_seq_len`` and a full
+    cache still raise ``ModelInputError`` / ``KVCacheError``.
+    """
+    batch = tokens.shape[0]
+    positions = (kv_cache.num_tokens + real.long() - 1).clamp_min(0)
+    if int(positions.max()) >= model.config.max_seq_len:
+        raise ModelInputError(
+            f"positions must lie in [0, max_seq_len={model.config.max_seq_len}), got "
+            f"{int(positions.max())}"
+        )
+    start = kv_cache.reserve(real[:, None])
+    # ``_attention_mask`` for one query at column ``start``: the valid keys, and its own
+    mask = kv_cache.valid[:, : start + 1].clone()
+    mask[:, start] = True
+    mask = mask[:, None, None, :]
+    cos = model.rope_cos[positions].view(batch, 1, 1, -1)
+    sin = model.rope_sin[positions].view(batch, 1, 1, -1)
+    x = F.embedding(tokens, model.embed.weight).view(batch, 1, -1)
+    width = x.shape[-1]
+    for i, layer in enumerate(model.layers):
+        block = cast(Block, layer)
+        attn, mlp = block.attn, block.mlp
+        h = _rms_norm(x, block.attn_norm)
+        qkv = F.linear(h, attn.wqkv.weight).view(batch, 1, 3, attn.n_heads, attn.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        k, v = kv_cache.write(i, start, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + F.linear(out.transpose(1, 2).reshape(batch, 1, width), attn.wo.weight)
+        gate, up = F.linear(_rms_norm(x, block.mlp_norm), mlp.w_gate_up.weight).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, mlp.w_down.weight)
+    logits: Tensor = F.linear(_rms_norm(x, model.norm), model.lm_head.weight)
+    return logits[:, -1]
+
+
+def _rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
+    """``norm(x)`` without the module call (the same operations)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+    return normed.type_as(x) * norm.weight
 
 
 def _attention_mask(key_valid: Tensor, start: int, steps: int) -> Tensor:

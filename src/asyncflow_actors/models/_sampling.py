@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._batch import PackedBatch, left_pad
 from ._kv_cache import KVCache
-from ._model import TinyDecoder
+from ._model import TinyDecoder, decode_step
 
 __all__ = ["GenerationOutput", "SamplingError", "SamplingParams", "generate", "sample_next"]
 
@@ -176,7 +176,7 @@ def generate(
         if done == steps or bool(finished.all()):
             break
         if cache is not None:
-            logits = model(tokens[:, None], attention_mask=active[:, None], kv_cache=cache)[:, -1]
+            logits = decode_step(model, tokens, active, cache)
         else:
             ids = torch.cat((prompt_ids, out_ids[:, :done]), dim=1)
             mask = torch.cat((prompt_mask, out_mask[:, :done]), dim=1)

@@ -18,7 +18,7 @@ import torch
 import trio
 from torch import Tensor
 
-from ..models import KVCache, TinyDecoder, left_pad
+from ..models import KVCache, TinyDecoder, decode_step, left_pad
 from ._backend import PreparedWeights, prepare_module_weights
 from ._config import EngineConfig
 from ._core import EngineCore
@@ -91,11 +91,11 @@ class _TinyBackend:
             cache.compact()
         width = max(slot for slot, _ in rows) + 1
         slots = torch.tensor([slot for slot, _ in rows], device=self.device)
-        tokens = torch.full((width, 1), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((width, 1), dtype=torch.bool, device=self.device)
-        tokens[slots, 0] = torch.tensor([t for _, t in rows], device=self.device)
-        mask[slots, 0] = True
-        logits: Tensor = self.model(tokens, attention_mask=mask, kv_cache=cache.view(width))[:, -1]
+        tokens = torch.full((width,), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((width,), dtype=torch.bool, device=self.device)
+        tokens[slots] = torch.tensor([t for _, t in rows], device=self.device)
+        mask[slots] = True
+        logits: Tensor = decode_step(self.model, tokens, mask, cache.view(width))
         return logits[slots]
 
     def release(self, slots: Sequence[int]) -> None:
