@@ -17,7 +17,12 @@ from asyncflow_actors.roles import RunSpec
 from asyncflow_actors.roles import _compute as C
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._advantage import Advantages
-from asyncflow_actors.roles._settings import AlgorithmSettings, ModelSettings, TrainSettings
+from asyncflow_actors.roles._settings import (
+    AlgorithmSettings,
+    ModelSettings,
+    RolloutSettings,
+    TrainSettings,
+)
 from asyncflow_actors.roles._trainer import StalenessViolation, Trainer, _Step
 
 SPEC = RunSpec(
@@ -43,6 +48,10 @@ class FakeBatch:
 
     def __len__(self) -> int:
         return len(self.versions)
+
+    @property
+    def indexes(self) -> tuple[int, ...]:
+        return tuple(range(len(self.versions)))
 
     def __getitem__(self, name: str) -> Any:
         return self.data[name]
@@ -201,3 +210,52 @@ def test_streaming_needs_one_update_a_batch_and_streaming_stages() -> None:
     assert not attrs.evolve(SPEC, train=TrainSettings(stream=False)).streams_updates
     sum_norm = AlgorithmSettings(agg="seq-mean-token-sum-norm")
     assert not attrs.evolve(SPEC, algorithm=sum_norm).streams_updates
+
+
+async def test_a_streamed_step_renews_the_leases_of_its_pieces_while_it_waits(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long tail may outlast the rollout topic's ``lease_ttl``: the pieces already taken (and
+    in the gradient) are renewed every third of it until the last piece arrives, then no more."""
+    import trio
+
+    from asyncflow_actors.roles import _trainer
+
+    async def inline(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    monkeypatch.setattr(_trainer, "in_thread", inline)
+    monkeypatch.setattr(_trainer, "columns", lambda batch, name: batch[name])
+    spec = attrs.evolve(SPEC, train=TrainSettings(lr=1e-2, prompts_per_step=4),
+                        rollout=RolloutSettings(group_size=4))  # fmt: skip
+    assert spec.batch_size == 16
+    trainer = make_trainer(spec)
+    trainer.version = 1
+    first, rest = split(make_batch(version=0), [1, 3])
+    renewed: list[tuple[float, Any]] = []
+
+    class Client:
+        async def renew(self, batch: Any) -> None:
+            renewed.append((trio.current_time(), batch))
+
+    arrivals = iter([(0.0, first), (900.0, rest)])
+
+    counts: list[int] = []
+
+    async def fetch(columns: Any, count: int, **options: Any) -> Any:
+        delay, batch = next(arrivals)
+        counts.append(count)
+        await trio.sleep(delay)
+        return batch
+
+    trainer.columns = S.station_columns(spec)["trainer"]
+    trainer.client = Client()  # type: ignore[assignment]
+    monkeypatch.setattr(trainer, "fetch", fetch)
+    start = trio.current_time()
+    step = await trainer._pieces()
+    ttl = S.topic_specs(spec)[1].lease_ttl
+    assert ttl / 3 * 4 < 900 < ttl / 3 * 5
+    assert [(t - start, b) for t, b in renewed] == [(ttl / 3 * k, first) for k in (1, 2, 3, 4)]
+    assert step.batches == [first, rest] and len(step.pieces) == 2 and counts == [16, 12]
+    await trio.sleep(ttl)
+    assert len(renewed) == 4  # the step has all its pieces: nothing renews them any more

@@ -6,7 +6,9 @@ a KL penalty — reference log-probs, advantages) and are inside the staleness w
 itself and does not wait for them); check each
 sample's staleness (trainer version - its oldest token's version: it must lie in
 ``[0, staleness]``, and at staleness 0 it is 0 for every sample, by construction); run
-``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread; ack;
+``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread (a
+streamed step, ``RunSpec.streams_updates``: the batch piece by piece as its groups complete,
+each piece's forward and backward at once, the one optimizer step after the last); ack;
 bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
 TQ, releases the FlowControl slots (the prompts it admits meanwhile carry the version they were
 admitted for, and no rollout starts them on older weights), asks this actor to sync the weights
@@ -69,7 +71,7 @@ class _Step:
     pieces: list[Any] = attrs.field(factory=list)
 
 
-def torch_cat(parts: list[Any]) -> Any:
+def _cat(parts: list[Any]) -> Any:
     import torch
 
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -210,24 +212,39 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         spec = self.spec
         left = spec.batch_size
         step = _Step(0, [], [], [])
-        while left > 0:
-            least = min(left, spec.rollout.group_size)
-            batch = await self.fetch(self.columns, left, whole_groups=True, min_count=least)
-            data = {name: columns(batch, name) for name in self.columns}
-            start = clock_ns()
-            step.started = step.started or start
-            piece, lags, lengths = await in_thread(self._accumulate, batch, data, not step.batches)
-            self.meter.busy(start)
-            self.meter.track.tracer.record(
-                "train.piece", role=self.role, worker=self.worker, start_ns=start,
-                end_ns=clock_ns(), samples=batch.indexes, version=self.version,
-            )  # fmt: skip
-            step.batches.append(batch)
-            step.pieces.append(piece)
-            step.lags += lags
-            step.lengths += lengths
-            left -= len(batch)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._renew, step.batches)
+            while left > 0:
+                least = min(left, spec.rollout.group_size)
+                batch = await self.fetch(self.columns, left, whole_groups=True, min_count=least)
+                data = {name: columns(batch, name) for name in self.columns}
+                start = clock_ns()
+                step.started = step.started or start
+                first = not step.batches
+                piece, lags, lengths = await in_thread(self._accumulate, batch, data, first)
+                self.meter.busy(start)
+                self.meter.track.tracer.record(
+                    "train.piece", role=self.role, worker=self.worker, start_ns=start,
+                    end_ns=clock_ns(), samples=batch.indexes, version=self.version,
+                )  # fmt: skip
+                step.batches.append(batch)
+                step.pieces.append(piece)
+                step.lags += lags
+                step.lengths += lengths
+                left -= len(batch)
+            nursery.cancel_scope.cancel()
         return step
+
+    async def _renew(self, batches: list[Any]) -> None:
+        """Renew the leases of a streamed step's pieces every third of the topic's
+        ``lease_ttl`` while the step waits for the rest: a long tail may outlast the TTL, and
+        a piece whose lease ran out would go out again while its gradient is already in."""
+        assert self.client is not None
+        every = S.topic_specs(self.spec)[1].lease_ttl / 3
+        while True:
+            await trio.sleep(every)
+            for batch in list(batches):
+                await self.client.renew(batch)
 
     def _checked(self, batch: Any, data: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Each sample's lag (``StalenessViolation`` before any update if one lies outside the
@@ -263,8 +280,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             metrics: dict[str, float] = self.compute.finish(step.updates)
         else:
             metrics = self.learner.apply(step.pieces)
-        rewards = torch_cat([column(b, S.REWARDS) for b in step.batches])
-        resumes = torch_cat([column(b, S.RESUMES) for b in step.batches])
+        rewards = _cat([column(b, S.REWARDS) for b in step.batches])
+        resumes = _cat([column(b, S.RESUMES) for b in step.batches])
         metrics["reward_mean"] = float(rewards.mean())
         metrics["accuracy"] = float((rewards == 1.0).float().mean())
         metrics["response_length"] = sum(step.lengths) / len(rewards)
