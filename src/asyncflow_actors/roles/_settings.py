@@ -173,7 +173,7 @@ class TrainSettings:
     torch_threads: int = attrs.field(default=1, validator=_positive)
     stream: bool = True
     seed: int = 0
-    shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch
+    shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch (piece)
 
 
 @attrs.frozen
