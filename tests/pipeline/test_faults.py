@@ -35,18 +35,28 @@ async def test_killing_a_forward_worker_process_loses_no_sample() -> None:
         train={"steps": 5},
         placement={"default": "local", "roles": {"actor_fwd": "fwd"}},
     )
+    result, fwd = await kill_mid_run(config, "fwd", "actor_fwd-0", after_steps=1)
+    assert [r.samples for r in result.records] == [BATCH] * 5
+    assert fwd.samples > 0, "the restarted worker took over"
+
+
+async def kill_mid_run(
+    config: Any, node_name: str, worker: str, *, after_steps: int
+) -> tuple[Any, Any]:
+    """Run ``config``, ``kill -9`` node ``node_name`` once ``after_steps`` steps are done, wait
+    for the run; its result and ``worker``'s statistics at the end. The node came back in a
+    new process."""
     async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
-        node = run.nodes["fwd"]
+        node = run.nodes[node_name]
         killed = node.pid
         assert killed is not None
-        while not run.records:
+        while len(run.records) < after_steps:
             await trio.sleep(0.01)
         os.kill(killed, signal.SIGKILL)
         result = await run.wait()
-        fwd = await run.refs["actor_fwd-0"].ask(GetRoleStats())
+        stats = await run.refs[worker].ask(GetRoleStats())
     assert node.pid != killed, "the node was restarted in a new process"
-    assert [r.samples for r in result.records] == [BATCH] * 5
-    assert fwd.samples > 0, "the restarted worker took over"
+    return result, stats
 
 
 async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes() -> None:
@@ -62,16 +72,7 @@ async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes()
         placement={"default": "local", "roles": {"rollout": "gen"}},
     )
     with trio.fail_after(90):
-        async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
-            node = run.nodes["gen"]
-            killed = node.pid
-            assert killed is not None
-            while len(run.records) < 2:
-                await trio.sleep(0.01)
-            os.kill(killed, signal.SIGKILL)
-            result = await run.wait()
-            rollout = await run.refs["rollout-0"].ask(GetRoleStats())
-    assert node.pid != killed, "the node was restarted in a new process"
+        result, rollout = await kill_mid_run(config, "gen", "rollout-0", after_steps=2)
     assert [r.samples for r in result.records] == [BATCH] * 6
     assert rollout.samples > 0, "the restarted worker took over"
 

@@ -327,31 +327,43 @@ class Recorder(afa.Actor[Any]):
 
     def __init__(self) -> None:
         self.got: list[Any] = []
+        self._arrived = trio.Event()
 
     async def receive(self, msg: Any, ctx: afa.ActorContext[Any]) -> Any:
         self.got.append(msg)
+        self._arrived.set()
+        self._arrived = trio.Event()
         if isinstance(msg, ResendWeights):
             return SyncReport(0, {})
         return None
+
+    async def received(self, count: int) -> None:
+        """Until ``count`` messages came."""
+        while len(self.got) < count:
+            await self._arrived.wait()
+
+
+async def spawn_rollout(system: afa.ActorSystem, queue: Any) -> tuple[Recorder, afa.ActorRef[Any]]:
+    """A Rollout worker (``rollout-0``) whose Driver is a ``Recorder``."""
+    driver = Recorder()
+    driver_ref = await system.spawn(lambda: driver, name="driver")
+    ref = await system.spawn(
+        lambda: Rollout(SPEC, queue.controller, "rollout-0", driver=driver_ref), name="rollout-0"
+    )
+    return driver, ref
 
 
 async def test_a_restarted_rollout_waiting_for_weights_asks_the_driver_once() -> None:
     tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
     async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
         client = await queue.client("driver")
-        driver = Recorder()
         with trio.fail_after(60):
-            driver_ref = await system.spawn(lambda: driver, name="driver")
-            ref = await system.spawn(
-                lambda: Rollout(SPEC, queue.controller, "rollout-0", driver=driver_ref),
-                name="rollout-0",
-            )
+            driver, ref = await spawn_rollout(system, queue)
             await ref.ask(GetRoleStats())
             # a fresh incarnation on version 0, prompts admitted for version 2 and no sync
             # coming: after NEED_WEIGHTS_AFTER_S it asks, once for both groups
             await put_prompts(client, [0, 1], min_version=2)
-            while not driver.got:
-                await trio.sleep(0.05)
+            await driver.received(1)
             await trio.sleep(NEED_WEIGHTS_AFTER_S + 0.2)
             assert driver.got == [NeedWeights("rollout-0")]
             assert (await ref.ask(GetRoleStats())).samples == 0

@@ -14,13 +14,13 @@ import trio
 import trio.testing
 
 import asyncflow_actors as afa
-from asyncflow_actors.roles import Driver, DriverHooks, Rollout, topic_specs
+from asyncflow_actors.roles import Driver, DriverHooks, topic_specs
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._messages import GroupGone
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 from asyncflow_actors.transfer_queue import _messages as M
 
-from .test_admission import Recorder
+from .test_admission import spawn_rollout
 from .test_batching import SPEC
 
 PROMPTS = [S.PROMPT_TEXT, S.GROUP, S.PROMPT_INDEX, S.MIN_VERSION]
@@ -101,18 +101,12 @@ async def test_a_rollout_worker_reports_a_group_gone_before_it_wrote_it() -> Non
     tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
     async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
         client = await queue.client("driver")
-        driver = Recorder()
         with trio.fail_after(20):
-            driver_ref = await system.spawn(lambda: driver, name="driver")
-            await system.spawn(
-                lambda: Rollout(SPEC, queue.controller, "rollout-0", driver=driver_ref),
-                name="rollout-0",
-            )
+            driver, _ = await spawn_rollout(system, queue)
             slot = await client.open_group(S.ROLLOUT, 4, shared={S.PROMPT_IDS: torch.tensor([1])})
             await client.shrink_group(S.ROLLOUT, slot, 4)  # emptied: gone
             await put_prompt(client, 7, slot.group_id)
-            while not driver.got:
-                await trio.sleep(0.01)
+            await driver.received(1)
     assert driver.got == [GroupGone(slot.group_id, "rollout-0")]
 
 

@@ -222,16 +222,7 @@ class Model:
 
     def discard_samples(self, indexes: list[int], ex: Expect) -> None:
         """Drop samples on purpose (their groups shrink by as many members), then settle."""
-        touched = []
-        for i in sorted(indexes):
-            gid = self.samples[i].gid
-            self.groups[gid].size -= 1
-            self.groups[gid].allocated -= 1
-            self.drop(i)
-            touched.append(gid)
-        ex.discarded |= set(indexes)
-        for gid in dict.fromkeys(touched):
-            self.settle(gid, ex)
+        self._drop_members(indexes, ex, shrink=True)
 
     def unallocate_samples(self, indexes: list[int], ex: Expect) -> None:
         """Undo a failed put: uncommitted members of open groups give their slots back (the
@@ -242,13 +233,20 @@ class Model:
             if not self.samples[i].committed and self.groups[self.samples[i].gid].explicit
         ]
         self.discard_samples([i for i in indexes if i not in back], ex)
+        self._drop_members(back, ex, shrink=False)
+
+    def _drop_members(self, indexes: list[int], ex: Expect, *, shrink: bool) -> None:
+        """Drop samples from their groups (``shrink``: the groups lose the slots too), then
+        settle each group touched."""
         touched = []
-        for i in sorted(back):
+        for i in sorted(indexes):
             gid = self.samples[i].gid
+            if shrink:
+                self.groups[gid].size -= 1
             self.groups[gid].allocated -= 1
             self.drop(i)
             touched.append(gid)
-        ex.discarded |= set(back)
+        ex.discarded |= set(indexes)
         for gid in dict.fromkeys(touched):
             self.settle(gid, ex)
 

@@ -26,8 +26,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _rms_norm(x, self)
+
+
+def _rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
+    """``norm(x)``; ``decode_step`` calls it without the module call."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+    return normed.type_as(x) * norm.weight
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -267,12 +272,6 @@ def decode_step(model: TinyDecoder, tokens: Tensor, real: Tensor, kv_cache: KVCa
         x = x + F.linear(F.silu(gate) * up, mlp.w_down.weight)
     logits: Tensor = F.linear(_rms_norm(x, model.norm), model.lm_head.weight)
     return logits[:, -1]
-
-
-def _rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
-    """``norm(x)`` without the module call (the same operations)."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
-    return normed.type_as(x) * norm.weight
 
 
 def _attention_mask(key_valid: Tensor, start: int, steps: int) -> Tensor:

@@ -20,6 +20,7 @@ one finished, and the weights never change while a sync reads them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Generator
 from typing import Any
@@ -235,14 +236,17 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             nursery.cancel_scope.cancel()
         return step
 
+    @functools.cached_property
+    def _renew_every(self) -> float:
+        return S.topic_specs(self.spec)[1].lease_ttl / 3
+
     async def _renew(self, batches: list[Any]) -> None:
         """Renew the leases of a streamed step's pieces every third of the topic's
         ``lease_ttl`` while the step waits for the rest: a long tail may outlast the TTL, and
         a piece whose lease ran out would go out again while its gradient is already in."""
         assert self.client is not None
-        every = S.topic_specs(self.spec)[1].lease_ttl / 3
         while True:
-            await trio.sleep(every)
+            await trio.sleep(self._renew_every)
             for batch in list(batches):
                 await self.client.renew(batch)
 
