@@ -389,6 +389,39 @@ async def test_a_send_that_consumes_the_fd_edge_wakes_the_parked_receiver(
         assert got == [[b"hello"]]
 
 
+async def test_a_refused_send_that_consumes_the_fd_edge_wakes_the_parked_receiver(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """As above, but the send fails (``ROUTER_MANDATORY``, the peer gone) after libzmq processed
+    its commands: a node's notice to a peer that just left once ate the edge of a new peer's
+    connection, and the node answered nothing more until some other command woke it (20 s of
+    unanswered hellos in the suite)."""
+    options = {zmq.ROUTER_MANDATORY: 1}
+    async with (
+        open_zmq_socket(ctx, zmq.ROUTER, bind="inproc://refused", options=options) as router,
+        open_zmq_socket(ctx, zmq.DEALER) as dealer,
+    ):
+        got: list[list[bytes]] = []
+
+        async def recv() -> None:
+            got.append(payloads(await router.recv_multipart())[1:])
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(recv)
+                await trio.testing.wait_all_tasks_blocked()  # recv watches the router's FD
+                dealer.connect("inproc://refused")  # the router's FD fires (a new pipe)...
+                dealer.send_multipart_nowait([b"hello"])
+                fd = router.socket.getsockopt(zmq.FD)
+                assert select.select([fd], [], [], 1)[0]
+                time.sleep(0.01)  # noqa: ASYNC251 (past libzmq's throttle; no checkpoint)
+                with pytest.raises(zmq.ZMQError) as info:
+                    router.send_multipart_nowait([b"gone-peer", b"notice"])
+                assert info.value.errno == zmq.EHOSTUNREACH
+                assert not select.select([fd], [], [], 0)[0], "the send left the edge in place"
+        assert got == [[b"hello"]]
+
+
 # ---------------------------------------------------------------------------- send tracker
 
 

@@ -17,9 +17,10 @@ process, which means only "``zmq.EVENTS`` may have changed". Any ``send``/``recv
   ``recv`` at once, and a failed ``NOBLOCK`` ``recv`` has processed the commands itself (libzmq
   does so, unthrottled, before it returns ``EAGAIN``), so no second read is needed. A sender tries
   first and reads ``EVENTS`` on ``EAGAIN`` (a ``send`` processes commands only now and then);
-- after every operation, if other tasks are parked, re-read ``EVENTS`` (or reuse the value the
-  operation just read) and wake them when it shows what they wait for: the operation may have
-  consumed the edge they were sleeping on;
+- after every operation, one that failed included (a send refused with ``EHOSTUNREACH`` has
+  processed commands first), if other tasks are parked, re-read ``EVENTS`` (or reuse the value
+  the operation just read) and wake them when it shows what they wait for: the operation may
+  have consumed the edge they were sleeping on;
 - a task that gets what it wants returns one message; callers drain by calling again, which is a
   pure ``NOBLOCK`` attempt until the socket is empty (no waiting while messages are queued).
 
@@ -358,6 +359,9 @@ class TrioSocket:
             self._seen = max(events, 0)
             self._after_op()
             return None
+        except zmq.ZMQError:
+            self._after_failure()  # as in _try_send: the failed call may have eaten the edge
+            raise
         frames = [frame]
         while frame.more:  # the other parts are queued already: libzmq delivers whole messages
             frame = sock.recv(_NOBLOCK, copy=False)
@@ -407,6 +411,11 @@ class TrioSocket:
             self._seen = self._events()
             self._after_op(self._seen)
             return None
+        except zmq.ZMQError:
+            # Refused (EHOSTUNREACH with ROUTER_MANDATORY...) after libzmq may have processed its
+            # commands, and with them the edge a parked receiver sleeps on.
+            self._after_failure()
+            raise
         self._after_op()
         return SendTracker(trackers) if trackers else _SENT
 
@@ -476,6 +485,14 @@ class TrioSocket:
             else:
                 self._parked_out -= 1
         self._check_open()
+
+    def _after_failure(self) -> None:
+        """``_after_op`` for an operation that raised; a socket libzmq no longer serves (ETERM)
+        keeps the operation's own error."""
+        try:
+            self._after_op()
+        except zmq.ZMQError:
+            pass
 
     def _after_op(self, events: int = -1) -> None:
         """Wake parked tasks if ``EVENTS`` (read now unless given fresh) shows what they want."""
