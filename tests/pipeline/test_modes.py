@@ -152,3 +152,49 @@ async def test_a_version_is_trained_only_after_the_sync_of_the_one_before(
     for version in range(1, 5):  # the step of version + 1 updates after the sync of version
         ready, update = parts[2 * version][1], parts[2 * version + 1][1]
         assert ready < syncs[version][0] and syncs[version][1] < update
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_the_trainer_starts_each_sync_without_waiting_for_the_driver(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The sync is on every step's critical path: the trainer starts it right after its
+    optimizer step, and the Driver's ``SyncWeights`` for that version takes its report instead
+    of syncing again. Here the Driver waits before it asks: a trainer that synced only when
+    asked would start every sync after the ask. The last step's sync is the Driver's (the run
+    ends with it)."""
+    import time
+
+    import trio
+
+    from asyncflow_actors.roles._driver import Driver
+    from asyncflow_actors.roles._messages import SyncWeights
+    from asyncflow_actors.roles._trainer import Trainer
+
+    started: list[tuple[int, float]] = []
+    asked: dict[int, float] = {}
+    sync, handle, step_done = Trainer._sync, Trainer.handle, Driver._step_done
+
+    async def recorded_sync(self: Trainer, version: int | None) -> Any:
+        started.append((version if version is not None else -1, time.perf_counter()))
+        return await sync(self, version)
+
+    async def recorded_handle(self: Trainer, msg: Any, ctx: Any) -> Any:
+        if isinstance(msg, SyncWeights):
+            asked[msg.version] = time.perf_counter()
+        return await handle(self, msg, ctx)
+
+    async def slow_step_done(self: Driver, msg: Any) -> Any:
+        await trio.sleep(0.05)
+        return await step_done(self, msg)
+
+    monkeypatch.setattr(Trainer, "_sync", recorded_sync)
+    monkeypatch.setattr(Trainer, "handle", recorded_handle)
+    monkeypatch.setattr(Driver, "_step_done", slow_step_done)
+    extra: dict[str, Any] = {"staleness": 1} if mode == "async" else {}
+    result = await run_pipeline(tiny(mode, train={"steps": 4}, **extra))
+    assert [r.version for r in result.records] == [1, 2, 3, 4]
+    assert [version for version, _ in started] == [1, 2, 3, 4]  # one sync per version
+    for version, at in started[:-1]:
+        assert at < asked[version] - 0.04, f"the sync of {version} waited for the Driver"
+    assert asked[4] < started[-1][1]

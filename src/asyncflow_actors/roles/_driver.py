@@ -8,7 +8,8 @@
   (the rollout takes them in one lease).
 - **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
   (samples that fall out of the window are evicted), releases the batch's slots at once, asks
-  the Trainer to sync the weights and answers once the sync returned. The prompts admitted
+  the Trainer for the weight sync (which the Trainer started right after its optimizer step)
+  and answers once the sync returned. The prompts admitted
   meanwhile (the sync and the admission overlap) carry the version they were admitted for
   (``min_version``): a rollout worker starts no group on weights older than that, so at
   staleness 0 every trained sample is still on-policy by construction.
@@ -256,13 +257,17 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
         self.version = msg.version
         self.meter.set_version(msg.version)
-        await self.client.set_version(S.ROLLOUT, msg.version)
-        # Admission overlaps the sync: the prompts these slots admit (``_inject`` runs while the
-        # sync is under way) carry ``min_version`` = this version, and the rollout starts their
-        # groups only once its weights reach it. Releasing after the sync instead put the
-        # injection (a TQ put and a group per prompt) on every step's critical path.
-        self.flow.release(msg.samples)
-        report = await trainer.ask(SyncWeights(msg.version))
+        async with trio.open_nursery() as nursery:
+            # The window moves while the weights go out (neither waits for the other: the sync
+            # is on every step's critical path).
+            nursery.start_soon(self.client.set_version, S.ROLLOUT, msg.version)
+            # Admission overlaps the sync: the prompts these slots admit (``_inject`` runs while
+            # the sync is under way) carry ``min_version`` = this version, and the rollout
+            # starts their groups only once its weights reach it. Releasing after the sync
+            # instead put the injection (a TQ put and a group per prompt) on every step's
+            # critical path.
+            self.flow.release(msg.samples)
+            report = await trainer.ask(SyncWeights(msg.version))
         now = trio.current_time()
         seconds, self._step_started = now - self._step_started, now
         self.meter.done(msg.samples, msg.tokens)

@@ -8,12 +8,14 @@ sample's staleness (trainer version - its oldest token's version: it must lie in
 ``[0, staleness]``, and at staleness 0 it is 0 for every sample, by construction); run
 ``mini_batches`` x ``epochs`` updates with the configured ``rl`` loss in a worker thread (a
 streamed step, ``RunSpec.streams_updates``: the batch piece by piece as its groups complete,
-each piece's forward and backward at once, the one optimizer step after the last); ack;
-bump the version and report ``StepDone`` to the Driver. The Driver publishes the version to the
+each piece's forward and backward at once, the one optimizer step after the last); bump the
+version and start syncing the weights at once (the CheckpointEngine, pause → … → resume: the
+sync is on every step's critical path, so it waits for no round trip); ack (a streamed step's
+leases together); report ``StepDone`` to the Driver. The Driver publishes the version to the
 TQ, releases the FlowControl slots (the prompts it admits meanwhile carry the version they were
-admitted for, and no rollout starts them on older weights), asks this actor to sync the weights
-(``SyncWeights``: the CheckpointEngine, pause → … → resume) and answers once that returned.
-Meanwhile the next step fetches, checks and runs its first forward and backward; its first
+admitted for, and no rollout starts them on older weights), asks this actor for the sync's
+outcome (``SyncWeights``: the report of the sync already under way; the run's last step and a
+``colocated`` run sync only when asked) and answers once that returned. Meanwhile the next step fetches, checks and runs its first forward and backward; its first
 optimizer step waits for the answer: the next version is never trained before the sync of this
 one finished, and the weights never change while a sync reads them.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import attrs
@@ -103,6 +105,32 @@ class _Answer:
             await trio.sleep_forever()
 
 
+class _EarlySync:
+    """A sync the trainer started itself, right after its optimizer step, for the Driver's
+    ``SyncWeights`` of the same version to pick up (its report, or its error)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.finished = trio.Event()
+        self.report: SyncReport | None = None
+        self.error: Exception | None = None
+
+    async def run(self, sync: Callable[[int], Awaitable[SyncReport]]) -> None:
+        try:
+            self.report = await sync(self.version)
+        except Exception as exc:  # the Driver's SyncWeights raises it
+            self.error = exc
+        finally:
+            self.finished.set()
+
+    async def result(self) -> SyncReport:
+        await self.finished.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.report is not None
+        return self.report
+
+
 class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCheckpoint]):
     """The trainer (see the module docstring). ``targets``: refs of the rollout and
     ActorForward workers that receive its weights."""
@@ -128,6 +156,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         self._staleness = registry.histogram("afa_train_staleness_versions")
         self._reward = registry.gauge("afa_reward_mean", role=self.role)
         self._model_lock = trio.Lock()
+        self._early: _EarlySync | None = None
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
@@ -171,27 +200,41 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 "train", role=self.role, worker=self.worker, start_ns=step.started,
                 end_ns=clock_ns(), samples=indexes, version=self.version,
             )  # fmt: skip
-            for batch in batches:
-                await self.client.ack(batch)
+            self.version += 1
+            self.meter.set_version(self.version)
+            last = self.version >= spec.train.steps
+            if not (spec.colocated or last):
+                # The sync is on every step's critical path: it starts now, not after the acks
+                # and a round trip to the Driver; the Driver's SyncWeights takes its report.
+                self._early = _EarlySync(self.version)
+                nursery.start_soon(self._early.run, self._sync)
+            await self._ack(batches)
             samples = len(indexes)
             tokens = sum(step.lengths)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(samples, tokens)
-            self.version += 1
-            self.meter.set_version(self.version)
             groups = tuple(sorted({g for b in batches for g in b.group_ids}))
             done = StepDone(self.version, samples, tokens, groups, histogram, metrics)
-            last = self.version >= spec.train.steps
             if spec.colocated or last:
                 ack = await self.driver.ask(done)  # the Driver syncs the weights first
                 if ack.stop or last:
                     await trio.sleep_forever()
                 continue
-            # The next fetch must see the new version's window (the Driver publishes it too,
-            # but only once StepDone arrives): a sample older than it would be a violation.
-            await self.client.set_version(S.ROLLOUT, self.version)
+            # The Driver publishes the version while this trainer publishes it too: the next
+            # fetch must see the new version's window (a sample older would be a violation).
             previous = _Answer(self.driver, done)
             nursery.start_soon(previous.run)
+            await self.client.set_version(S.ROLLOUT, self.version)
+
+    async def _ack(self, batches: list[Any]) -> None:
+        """Ack a step's leases (the pieces of a streamed step) all at once: one round trip."""
+        assert self.client is not None
+        if len(batches) == 1:
+            await self.client.ack(batches[0])
+            return
+        async with trio.open_nursery() as nursery:
+            for batch in batches:
+                nursery.start_soon(self.client.ack, batch)
 
     async def _whole(self) -> _Step:
         """A global batch in one fetch, its updates run up to their first optimizer step (one
@@ -318,6 +361,9 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
 
     async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, SyncWeights):
+            early, self._early = self._early, None
+            if early is not None and early.version == msg.version:
+                return await early.result()
             return await self._sync(msg.version)
         if isinstance(msg, ResendWeights):
             return await self._sync(None)
