@@ -26,9 +26,10 @@ three per group).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -75,6 +76,15 @@ class _ToWrite:
     gid: int
     data: dict[str, Any]
     version: int
+
+
+def _as_rows(values: list[Sequence[Any]], lengths: list[int], dtype: Any) -> list[Any]:
+    """A group's rows of one column as tensors: one conversion of them all, split into views
+    (a conversion per row cost more than a group's bookkeeping)."""
+    import torch
+
+    flat = torch.tensor(list(itertools.chain.from_iterable(values)), dtype=dtype)
+    return list(flat.split(lengths))  # type: ignore[no-untyped-call]
 
 
 class MultiEngine:
@@ -315,12 +325,11 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                 engine.version if c.oldest_version is None else c.oldest_version
                 for c in completions
             )
+            lengths = [len(c.token_ids) for c in completions]
             data = {
-                S.RESPONSE_IDS: [torch.tensor(c.token_ids, dtype=torch.int64) for c in completions],
-                S.BEHAVIOUR: [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions],
-                S.TOKEN_VERSIONS: [
-                    torch.tensor(c.versions, dtype=torch.int64) for c in completions
-                ],
+                S.RESPONSE_IDS: _as_rows([c.token_ids for c in completions], lengths, torch.int64),
+                S.BEHAVIOUR: _as_rows([c.logprobs for c in completions], lengths, torch.float32),
+                S.TOKEN_VERSIONS: _as_rows([c.versions for c in completions], lengths, torch.int64),
                 S.REWARDS: torch.tensor(rewards, dtype=torch.float32),
                 S.RESUMES: torch.tensor([c.resumes for c in completions], dtype=torch.int64),
             }
