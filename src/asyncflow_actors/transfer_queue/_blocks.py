@@ -106,22 +106,24 @@ class Column:
     """One column of a block: a batch, or row values; ``offsets``: where it lies in the block's
     segment (a batch: one base offset; rows: one per row, ``-1`` for a value held inline)."""
 
-    __slots__ = ("batch", "held", "offsets", "refs", "row_bytes", "value")
+    __slots__ = ("batch", "held", "offsets", "refs", "row_bytes", "sizes", "value")
 
     def __init__(self, value: Any, offsets: list[int] | None) -> None:
         self.value = value
         self.batch = not isinstance(value, list)
         self.offsets = offsets
         self.refs = 0  # live cells pointing here
+        self.sizes: list[int] = []  # row values: each one's bytes, counted once
         if self.batch:
             self.row_bytes = row_nbytes(value)
             self.held = nbytes(value)
         else:
             self.row_bytes = -1
-            self.held = sum(nbytes(v) for v in value)
+            self.sizes = [nbytes(v) for v in value]
+            self.held = sum(self.sizes)
 
     def cell_nbytes(self, r: int) -> int:
-        return self.row_bytes if self.batch else nbytes(self.value[r])
+        return self.row_bytes if self.batch else self.sizes[r]
 
     def row(self, r: int) -> Any:
         return row_of(self.value, r) if self.batch else self.value[r]

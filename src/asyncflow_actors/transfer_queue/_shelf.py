@@ -316,7 +316,7 @@ class Shelf:
             for c, (block, r) in sample.cells.items():  # _unref, inlined: the hot loop
                 col = block.columns[c]
                 col.refs -= 1
-                size = col.row_bytes if col.batch else nbytes(col.value[r])
+                size = col.row_bytes if col.batch else col.sizes[r]
                 block.live -= size
                 freed += size
                 touched.add(block)
