@@ -9,10 +9,10 @@
 - **Versions and syncs.** On the Trainer's ``StepDone`` it publishes the new version to the TQ
   (samples that fall out of the window are evicted), releases the batch's slots at once, asks
   the Trainer for the weight sync (which the Trainer started right after its optimizer step)
-  and answers once the sync returned. The prompts admitted
-  meanwhile (the sync and the admission overlap) carry the version they were admitted for
-  (``min_version``): a rollout worker starts no group on weights older than that, so at
-  staleness 0 every trained sample is still on-policy by construction.
+  and answers once the sync returned. The prompts admitted meanwhile (the sync and the
+  admission overlap) carry the version they were admitted for (``min_version``): a rollout
+  worker starts no group on weights older than that, so at staleness 0 every trained sample is
+  still on-policy by construction.
 - **Re-injection.** Groups the TQ reports evicted (stale), lost (a storage unit died) or
   abandoned (a rollout worker died between allocating and committing them), groups a rollout
   worker found gone when it came to write them (``GroupGone``: e.g. a group shrunk or

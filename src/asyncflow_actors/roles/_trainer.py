@@ -15,9 +15,10 @@ leases together); report ``StepDone`` to the Driver. The Driver publishes the ve
 TQ, releases the FlowControl slots (the prompts it admits meanwhile carry the version they were
 admitted for, and no rollout starts them on older weights), asks this actor for the sync's
 outcome (``SyncWeights``: the report of the sync already under way; the run's last step and a
-``colocated`` run sync only when asked) and answers once that returned. Meanwhile the next step fetches, checks and runs its first forward and backward; its first
-optimizer step waits for the answer: the next version is never trained before the sync of this
-one finished, and the weights never change while a sync reads them.
+``colocated`` run sync only when asked) and answers once that returned. Meanwhile the next
+step fetches, checks and runs its first forward and backward; its first optimizer step waits
+for the answer: the next version is never trained before the sync of this one finished, and
+the weights never change while a sync reads them.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class _Answer:
         self.stop = False
 
     async def run(self) -> None:
-        ack = await self.driver.ask(self.done)  # the Driver syncs the weights before answering
+        ack = await self.driver.ask(self.done)  # answered once the sync of its version returned
         self.stop = bool(ack.stop)
         self.answered.set()
 
@@ -177,9 +178,10 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             await self._train(nursery)
 
     async def _train(self, nursery: trio.Nursery) -> None:
-        """The step loop. A step's ``StepDone`` (the Driver publishes, syncs, answers) runs in
-        the background while the next step fetches its batch, checks it and runs its first
-        forward and backward; that step's first optimizer step waits for the answer. So the
+        """The step loop. A step's sync (started at once) and its ``StepDone`` (the Driver
+        publishes, collects the sync, answers) run in the background while the next step
+        fetches its batch, checks it and runs its first forward and backward; that step's first
+        optimizer step waits for the answer. So the
         weights the sync reads never change under it, and no version is trained before the
         sync of the one before it finished (colocated: no overlap, the model is shared)."""
         assert self.client is not None
