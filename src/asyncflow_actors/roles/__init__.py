@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from ._messages import StepDone as StepDone
     from ._messages import SyncReport as SyncReport
     from ._messages import SyncWeights as SyncWeights
+    from ._multi_engine import MultiEngine as MultiEngine
     from ._reward import Reward as Reward
-    from ._rollout import MultiEngine as MultiEngine
     from ._rollout import Rollout as Rollout
     from ._schema import PROMPTS as PROMPTS
     from ._schema import ROLLOUT as ROLLOUT
@@ -75,7 +75,7 @@ _LAZY = {
     "StepDone": "._messages",
     "SyncReport": "._messages",
     "SyncWeights": "._messages",
-    "MultiEngine": "._rollout",
+    "MultiEngine": "._multi_engine",
     "Reward": "._reward",
     "Rollout": "._rollout",
     "PROMPTS": "._schema",

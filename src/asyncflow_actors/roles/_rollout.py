@@ -37,27 +37,19 @@ import outcome
 import trio
 
 from ..actors import Actor, ActorContext, ActorRef, RemoteError
-from ..checkpoint import (
-    SYNC_MESSAGES,
-    PauseAck,
-    PauseMode,
-    SyncMessage,
-    SyncResume,
-    WeightReceiver,
-)
+from ..checkpoint import SYNC_MESSAGES, SyncMessage, SyncResume, WeightReceiver
 from ..observe import clock_ns, get_registry
 from ..transfer_queue import StorageUnavailable, UnknownSample
 from . import _schema as S
 from ._batcher import _Batcher
 from ._messages import AdoptVersion, GetRoleStats, GroupGone, NeedWeights, Score
+from ._multi_engine import MultiEngine
 from ._reward import _score_groups, _ToScore
 from ._settings import RunSpec
 from ._shared import load_policy
 from ._worker import Station, column, in_thread
 
 if TYPE_CHECKING:
-    import torch
-
     from ..rollout import Completion, GenerationEngine
 
 log = logging.getLogger("asyncflow_actors.roles")
@@ -85,40 +77,6 @@ def _as_rows(values: list[Sequence[Any]], lengths: list[int], dtype: Any) -> lis
 
     flat = torch.tensor(list(itertools.chain.from_iterable(values)), dtype=dtype)
     return list(flat.split(lengths))  # type: ignore[no-untyped-call]
-
-
-class MultiEngine:
-    """Several engines of one worker as one ``SyncTarget``: paused, loaded and resumed together."""
-
-    def __init__(self, engines: list[GenerationEngine]) -> None:
-        self.engines = engines
-
-    @property
-    def version(self) -> int:
-        return min(e.version for e in self.engines)
-
-    async def _all(self, fn: Any) -> list[Any]:
-        results: list[Any] = [None] * len(self.engines)
-
-        async def one(i: int) -> None:
-            results[i] = await fn(self.engines[i])
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(self.engines)):
-                nursery.start_soon(one, i)
-        return results
-
-    async def pause(self, mode: PauseMode) -> PauseAck:
-        acks: list[PauseAck] = await self._all(lambda e: e.pause(mode))
-        return PauseAck(
-            mode, self.version, sum(a.in_flight for a in acks), sum(a.aborted for a in acks)
-        )
-
-    async def resume(self) -> None:
-        await self._all(lambda e: e.resume())
-
-    async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        await self._all(lambda e: e.load_weights(weights, version))
 
 
 class _Slot:

@@ -231,9 +231,6 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
     async def _ack(self, batches: list[Any]) -> None:
         """Ack a step's leases (the pieces of a streamed step) all at once: one round trip."""
         assert self.client is not None
-        if len(batches) == 1:
-            await self.client.ack(batches[0])
-            return
         async with trio.open_nursery() as nursery:
             for batch in batches:
                 nursery.start_soon(self.client.ack, batch)
