@@ -98,10 +98,41 @@ async def test_websocket_pushes_each_new_view_and_refuses_foreign_origins() -> N
 
 
 def test_non_loopback_hosts_are_recognized() -> None:
-    from asyncflow_actors.observe._dashboard import is_loopback
+    from asyncflow_actors.observe._dashboard import host_is_loopback, is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("host-3")
+    for ok in ("localhost", "localhost:8080", "LOCALHOST.", "127.0.0.1:1", "[::1]:9", "[::1]"):
+        assert host_is_loopback(ok), ok
+    for bad in (None, "", "evil.example", "evil.example:8080", "127.0.0.1.evil.example", "[::2]:9"):
+        assert not host_is_loopback(bad), bad
+
+
+async def test_without_a_token_requests_naming_a_foreign_host_are_refused() -> None:
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name as Host."""
+    feed = observe.SnapshotFeed(demo.GRAPH)
+    feed.publish(snapshot(5))
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(observe.serve, feed)
+        assert address.token is None
+        base = address.url.rstrip("/") + "/"
+        port = base.rsplit(":", 1)[1].rstrip("/")
+        for path in ("", "api/view", "api/trace", "metrics", "trace"):
+            status, body = await trio.to_thread.run_sync(
+                get, base + path, {"Host": f"rebound.example:{port}"}
+            )
+            assert status == 403 and b"loopback" in body, path
+            status, _ = await trio.to_thread.run_sync(
+                get, base + path, {"Host": f"localhost:{port}"}
+            )
+            assert status == 200, path
+        rebound = f"http://rebound.example:{port}".encode()
+        with pytest.raises(trio_websocket.ConnectionRejected):
+            async with trio_websocket.open_websocket_url(
+                address.ws_url, extra_headers=[(b"Origin", rebound)]
+            ):
+                pass
+        nursery.cancel_scope.cancel()
 
 
 async def test_cli_dashboard_follows_a_growing_jsonl_file(tmp_path: Path) -> None:

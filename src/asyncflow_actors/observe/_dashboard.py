@@ -5,8 +5,11 @@
 current view as JSON), ``/api/trace[?last=SECONDS]`` (the trace as Chrome JSON) and ``/metrics``
 (Prometheus text); trio-websocket pushes each new view to every open page. Both bind to loopback
 unless told otherwise; bound elsewhere they require an access token (``?token=`` on every URL,
-or ``Authorization: Bearer``), generated when not given. The page is a single static file with
-no external resources, so it works offline.
+or ``Authorization: Bearer``), generated when not given. Without a token, a request must name a
+loopback host in its ``Host`` header, and a websocket's ``Origin`` (browsers always send one)
+must be loopback: a page on another site that rebinds its own name to 127.0.0.1 (DNS
+rebinding) reads nothing. The
+page is a single static file with no external resources, so it works offline.
 """
 
 from __future__ import annotations
@@ -52,6 +55,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_is_loopback(host_header: str | None) -> bool:
+    """Whether a ``Host`` header (``name``, ``name:port``, ``[v6]:port``) names a loopback host.
+
+    A missing header is refused: every browser sends one, and a DNS-rebound page is a browser.
+    """
+    if not host_header:
+        return False
+    host = host_header.strip()
+    if host.startswith("["):
+        host = host[1 : host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return is_loopback(host.rstrip(".").lower())
+
+
 def _page(name: str) -> bytes:
     return importlib.resources.files(__package__).joinpath(name).read_bytes()
 
@@ -91,6 +109,11 @@ class DashboardApp:
         query = scope.get("query_string", b"").decode("latin-1")
         if not _token_ok(self.token, query, headers.get("authorization")):
             await self._respond(send, 403, b"forbidden: a valid token is required\n", "text/plain")
+            return
+        if self.token is None and not host_is_loopback(headers.get("host")):
+            await self._respond(
+                send, 403, b"forbidden: host is not a loopback name\n", "text/plain"
+            )
             return
         path = scope["path"]
         if path == "/":
