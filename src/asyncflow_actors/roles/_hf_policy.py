@@ -39,9 +39,11 @@ class HFTokenizer:
 
 
 def load_hf_policy(folder: str, device: str) -> tuple[Any, HFTokenizer]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model: Any = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    from ..rollout import load_causal_lm
+
+    model: Any = load_causal_lm(folder)
     model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, HFTokenizer(tokenizer)

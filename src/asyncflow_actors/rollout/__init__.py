@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ._hf_export import export_hf as export_hf
     from ._hf_export import llama_config_from_tiny as llama_config_from_tiny
     from ._hf_export import llama_weights_from_tiny as llama_weights_from_tiny
+    from ._hf_load import load_causal_lm as load_causal_lm
     from ._vllm_engine import VLLMEngine as VLLMEngine
     from ._vllm_engine import open_vllm_engine as open_vllm_engine
 
@@ -49,6 +50,7 @@ _LAZY = {
     "export_hf": "._hf_export",
     "llama_config_from_tiny": "._hf_export",
     "llama_weights_from_tiny": "._hf_export",
+    "load_causal_lm": "._hf_load",
     "VLLMEngine": "._vllm_engine",
     "open_vllm_engine": "._vllm_engine",
 }

@@ -163,12 +163,14 @@ async def open_hf_engine(
 
 
 def _load_folder(folder: str, dtype: torch.dtype | None) -> tuple[nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    kwargs: dict[str, Any] = {"local_files_only": True}
+    from ._hf_load import load_causal_lm
+
+    kwargs: dict[str, Any] = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    module = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    module = load_causal_lm(folder, **kwargs)
     tokenizer = None
     if os.path.exists(os.path.join(folder, "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
