@@ -188,3 +188,46 @@ def test_a_step_in_two_parts_changes_nothing_before_its_yield(tmp_path: Any) -> 
     assert finish(updates) == expected
     for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_an_entropy_bonus_trains_and_raises_the_policys_entropy() -> None:
+    """``entropy_coef > 0``: the trainer computes each token's entropy in its forward (it raised
+    ``RLInputError: ... needs entropy`` on every step), reports it, and with zero advantages the
+    bonus alone moves the policy towards higher entropy."""
+    import attrs
+
+    from asyncflow_actors.roles._compute import Learner, policy_token_logprobs
+    from asyncflow_actors.roles._settings import AlgorithmSettings, RunSpec, TrainSettings
+
+    base = RunSpec(mode="async", staleness=1, stage_barrier=False, colocated=False,
+                   trainer_forward=True, train=TrainSettings(lr=1e-2, weight_decay=0.0))  # fmt: skip
+    spec = attrs.evolve(base, algorithm=AlgorithmSettings(entropy_coef=0.5))
+    task = spec.task.build()
+    torch.manual_seed(0)
+    learner, plain = Learner(spec, task), Learner(base, task)
+    plain.model.load_state_dict(learner.model.state_dict())
+    prompts = [torch.tensor([1, 3 + k % 5, 4]) for k in range(8)]
+    responses = [torch.randint(3, 12, (1 + k % 4,)) for k in range(8)]
+    data = {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "behaviour_logprobs": [torch.full((len(r),), -1.0) for r in responses],
+        "advantages": [torch.zeros(len(r)) for r in responses],
+    }
+    batch = MiniBatches(data, ["advantages"], 0).batch(torch.arange(8))
+
+    def mean_entropy(model: Any) -> float:
+        with torch.no_grad():
+            out = policy_token_logprobs(model, batch, 1.0, with_entropy=True)
+        assert out.entropy is not None
+        return float(out.entropy[batch.response_mask].mean())
+
+    before = mean_entropy(learner.model)
+    for _ in range(5):
+        last = mean_entropy(learner.model)
+        metrics = learner.step(data)
+        plain_metrics = plain.step(data)
+    assert metrics["entropy"] == pytest.approx(last, rel=1e-5)  # the step's own forward
+    assert "entropy" not in plain_metrics  # computed only where the loss needs it
+    assert mean_entropy(learner.model) > before + 1e-3
+    assert mean_entropy(plain.model) == pytest.approx(before, abs=1e-6)  # no advantage, no bonus

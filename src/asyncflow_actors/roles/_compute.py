@@ -22,6 +22,7 @@ from ..models import (
     PackedBatch,
     TinyConfig,
     TinyDecoder,
+    TokenLogprobs,
     load_model,
     load_safetensors,
     load_tokenizer,
@@ -183,11 +184,19 @@ class MiniBatches:
 
 def policy_logprobs(model: Any, batch: Any, temperature: float) -> Tensor:
     """``[B, R]`` response log-probs of a packed batch under either kind of policy."""
+    return policy_token_logprobs(model, batch, temperature).logprobs
+
+
+def policy_token_logprobs(
+    model: Any, batch: Any, temperature: float, *, with_entropy: bool = False
+) -> TokenLogprobs:
+    """``policy_logprobs`` and, with ``with_entropy``, each response token's entropy (what an
+    entropy bonus needs; computed only then, from the same log-softmax)."""
     if isinstance(model, TinyDecoder):
-        return token_logprobs(model, batch, temperature=temperature).logprobs
+        return token_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
     from ._hf_policy import hf_logprobs
 
-    return hf_logprobs(model, batch, temperature)
+    return hf_logprobs(model, batch, temperature, with_entropy=with_entropy)
 
 
 def sequence_logprobs(
@@ -371,7 +380,11 @@ class Learner:
         def column(name: str) -> Tensor:
             return rows.column(name, index, width)
 
-        logprobs = policy_logprobs(self.model, batch, self.spec.rollout.temperature)
+        with_entropy = self.loss.entropy_coef > 0
+        forward = policy_token_logprobs(
+            self.model, batch, self.spec.rollout.temperature, with_entropy=with_entropy
+        )
+        logprobs = forward.logprobs
         return policy_loss(
             logprobs,
             logprobs.detach() if reuse else column("old_logprobs"),
@@ -380,6 +393,7 @@ class Learner:
             self.loss,
             behaviour_logprobs=column("behaviour_logprobs"),
             ref_logprobs=column("ref_logprobs") if self.spec.use_ref else None,
+            entropy=forward.entropy,
         )
 
     def accumulate(self, data: Mapping[str, Any], *, first: bool) -> Piece:

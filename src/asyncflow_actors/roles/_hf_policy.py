@@ -12,9 +12,8 @@ import os
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ..models import PackedBatch
+from ..models import PackedBatch, TokenLogprobs
 
 
 class HFTokenizer:
@@ -49,8 +48,11 @@ def load_hf_policy(folder: str, device: str) -> tuple[Any, HFTokenizer]:
     return model, HFTokenizer(tokenizer)
 
 
-def hf_logprobs(model: Any, batch: PackedBatch, temperature: float) -> Tensor:
-    """``[B, R]`` log-probs of the response tokens (left-padded prompts: explicit positions)."""
+def hf_logprobs(
+    model: Any, batch: PackedBatch, temperature: float, *, with_entropy: bool = False
+) -> TokenLogprobs:
+    """``[B, R]`` log-probs of the response tokens (left-padded prompts: explicit positions),
+    and with ``with_entropy`` the entropy of each token's distribution (same shape)."""
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)
     mask = batch.attention_mask.to(device)
@@ -59,8 +61,10 @@ def hf_logprobs(model: Any, batch: PackedBatch, temperature: float) -> Tensor:
     width = batch.response_length
     logits = logits[:, -width - 1 : -1].float() / temperature
     targets = ids[:, -width:]
-    out = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    return out.cpu()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    out = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1).cpu() if with_entropy else None
+    return TokenLogprobs(logprobs=out.cpu(), entropy=entropy)
 
 
 def save_hf_policy(model: Any, tokenizer: HFTokenizer, directory: str) -> None:
