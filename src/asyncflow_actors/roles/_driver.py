@@ -112,6 +112,10 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         self.cursor = resume.cursor if resume else 0
         self.backlog = list(resume.pending) if resume else []
         self.inflight: dict[int, int] = {}  # rollout group id -> prompt index
+        # Prompts taken (from the cursor, the backlog or a gone group) whose groups are being
+        # opened: in neither ``inflight`` nor ``backlog`` until ``open_groups`` returns, but a
+        # checkpoint must name them (the cursor has passed them).
+        self.admitting: set[int] = set()
         self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
@@ -167,11 +171,22 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
     ) -> None:
         """Open a rollout group for each prompt (unless its group is open already) and put the
         prompts that name them, in one put."""
-        import torch
-
         # The version these prompts are admitted for, read before any await: the slots that
         # admitted them were released once the Driver held it (``_step_done``).
         version = self.version
+        # Before any await too: the caller took these indexes (no await since), so a checkpoint
+        # from now on names them until ``inflight`` does.
+        self.admitting.update(indexes)
+        try:
+            await self._open_and_put(indexes, version, groups)
+        finally:
+            self.admitting.difference_update(indexes)
+
+    async def _open_and_put(
+        self, indexes: list[int], version: int, groups: list[int | None] | None
+    ) -> None:
+        import torch
+
         problems = [self.problem(index) for index in indexes]
         given: list[int | None] = list(groups) if groups is not None else [None] * len(indexes)
         # the groups still to open, in one request (all or none: a failure opens none)
@@ -300,7 +315,7 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         assert self.spec.run_dir is not None
         directory = os.path.join(self.spec.run_dir, "checkpoints", f"step-{self.version:06d}")
         await trainer.ask(SaveCheckpoint(directory))
-        pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog)))
+        pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog) | self.admitting))
         state = DriverState(self.version, self.cursor, pending)
         await in_thread(state.write, directory)
         self.hooks.checkpoints.append(directory)
