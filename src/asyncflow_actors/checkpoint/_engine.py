@@ -155,6 +155,21 @@ def _fused_phase(cause: BaseException) -> str:
     return "broadcast"
 
 
+def _behind(
+    targets: Sequence[ActorRef[Any]], resumed: Sequence[Resumed | None], version: int
+) -> list[tuple[str, str]]:
+    """The receivers whose answer to a committing ``SyncResume`` holds neither ``version`` nor
+    a newer one, loaded or pending (a receiver that did not answer is not judged here)."""
+    out = []
+    for ref, answer in zip(targets, resumed, strict=True):
+        if answer is None:
+            continue
+        newest = max(answer.version, answer.pending if answer.pending is not None else -1)
+        if newest < version:
+            out.append((ref.name, f"version {answer.version} (pending {answer.pending})"))
+    return out
+
+
 def _root_cause(exc: BaseException) -> tuple[BaseException, str | None]:
     """The first error inside trio's exception groups, and the receiver it came from."""
     first = _leaves(exc)[0]
@@ -396,6 +411,21 @@ class CheckpointEngine:
                 receiver=receiver,
                 timings=timings,
             ) from cause
+        behind = _behind(session.receivers, resumed, version)
+        if behind:
+            # Told to commit, a receiver reports older weights (it dropped the verified ones):
+            # the sync did not reach it, whatever the others hold. Say so, so the caller syncs
+            # again instead of counting it as delivered.
+            self._failed += 1
+            name, held = behind[0]
+            raise SyncFailed(
+                f"weight sync of version {version}: receiver {name!r} reports {held} after the "
+                f"commit ({len(behind)} receiver(s) behind); sync again",
+                phase="resume",
+                version=version,
+                receiver=name,
+                timings=timings,
+            )
         manifest = session.manifest
         self._syncs += 1
         self._last_version = version

@@ -18,7 +18,10 @@ What it promises:
   target: its host loads at its own boundaries, so nothing needs to stop while the bytes
   arrive (a rollout engine keeps generating on its old weights until its next group).
 - The target is resumed by ``SyncResume`` whatever happened, and on its own once the pause's
-  lease runs out (the sender died), so no target stays paused.
+  lease runs out (the sender died), so no target stays paused. Weights it voted for (verified
+  at finalize) outlive the lease: the sender may have committed them already, so they wait
+  for its late ``SyncResume`` (commit or drop) until a newer sync supersedes them. A yes vote
+  never turns into weights silently dropped while the sender counts them as delivered.
 - Bad input is answered with an error (``ctx.reply_error``), never a crash of the host actor.
 """
 
@@ -140,6 +143,9 @@ class WeightReceiver:
         for key, value in (expected or {}).items():
             self._known[key] = value if isinstance(value, TensorSpec) else spec_of(key, value)
         self._sync: _Sync | None = None
+        # a sync whose lease ran out after this receiver voted yes: its verified weights wait
+        # for the sender's word (a late ``SyncResume``), its target already resumed
+        self._voted: _Sync | None = None
         self._pending: dict[str, torch.Tensor] | None = None
         self._pending_version: int | None = None
         self._load_lock = trio.Lock()
@@ -304,6 +310,9 @@ class WeightReceiver:
                 # A new sync supersedes one whose sender vanished; the target stays paused.
                 log.warning("%s: sync %s superseded by %s", self._who(), sync.sync_id, msg.sync_id)
                 self._drop(sync, count=True)
+            voted, self._voted = self._voted, None
+            if voted is not None:  # its sender moved on without a word: a newer sync replaces it
+                self._drop(voted, count=True)
             sync = self._sync = _Sync(msg.sync_id)
             if math.isfinite(msg.lease):
                 scope = trio.CancelScope(deadline=trio.current_time() + msg.lease)
@@ -328,13 +337,24 @@ class WeightReceiver:
         self._expired += 1
         log.warning("%s: lease of sync %s ran out: resuming on our own", self._who(), sync.sync_id)
         await sync.pausing.wait()  # never resume under a pause that is still going on
-        if self._sync is sync:
-            try:
-                await self._end(sync, commit=False, eager=False)
-            except Exception:
-                log.exception(
-                    "%s: resuming after the lease of %s failed", self._who(), sync.sync_id
-                )
+        if self._sync is not sync:
+            return
+        if sync.verified is not None:
+            # Voted yes: the sender may have committed already (its resume is late, not lost).
+            # Resume the target on its old weights; the verified ones wait for that resume.
+            self._sync, self._voted = None, sync
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.target.resume()
+                except Exception:
+                    log.exception(
+                        "%s: resuming after the lease of %s failed", self._who(), sync.sync_id
+                    )
+            return
+        try:
+            await self._end(sync, commit=False, eager=False)
+        except Exception:
+            log.exception("%s: resuming after the lease of %s failed", self._who(), sync.sync_id)
 
     async def _prepare(self, sync: _Sync, msg: SyncPrepare) -> int:
         manifest = msg.manifest
@@ -423,9 +443,12 @@ class WeightReceiver:
         ctx.start_soon(run)
 
     async def _resume(self, msg: SyncResume) -> Resumed:
-        sync = self._sync
+        sync, voted = self._sync, self._voted
         if sync is not None and sync.sync_id == msg.sync_id:
             await self._end(sync, commit=msg.commit, eager=msg.eager)
+        elif voted is not None and voted.sync_id == msg.sync_id:
+            self._voted = None  # the sender's word on weights voted for before the lease ran out
+            await self._end(voted, commit=msg.commit, eager=msg.eager, resumed=True)
         else:
             await trio.lowlevel.checkpoint()  # a repeated or stale resume: nothing to do
         return Resumed(self.target.version, self._pending_version)
@@ -440,9 +463,13 @@ class WeightReceiver:
         if count:
             self._aborted += 1
 
-    async def _end(self, sync: _Sync, *, commit: bool, eager: bool) -> None:
-        """Commit (or drop) the staged weights, then resume the target whatever happens."""
-        self._sync = None
+    async def _end(self, sync: _Sync, *, commit: bool, eager: bool, resumed: bool = False) -> None:
+        """Commit (or drop) the staged weights, then resume the target whatever happens.
+
+        ``resumed``: the target runs already (a voted sync whose lease ran out): an eager load
+        pauses it for the load only."""
+        if self._sync is sync:
+            self._sync = None
         weights = sync.verified
         self._drop(sync, count=not commit)
         try:
@@ -456,7 +483,7 @@ class WeightReceiver:
                     self._known.setdefault(name, spec_of(name, tensor))
                 self._committed += 1
                 if eager or self.load == "eager":
-                    if not self.pause:  # a sync that asks for an eager load
+                    if not self.pause or resumed:  # an eager load of a running target
                         await self.target.pause(sync.mode)  # pauses for the load only
                     await self._apply()
         finally:
