@@ -1,4 +1,11 @@
-"""Several engines of one rollout worker as one ``SyncTarget``."""
+"""Several engines of one rollout worker as one ``SyncTarget``.
+
+A target switches whole or not at all (``SyncTarget.load_weights``): the engines first check
+and convert the weights (``prepare_weights``), all of them, and only then swap
+(``load_prepared``): weights one engine refuses change none. An engine without the two halves
+(vLLM) loads in the same call; when one of those fails after another loaded, the error says
+which engines hold what.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..checkpoint import PauseAck, PauseMode
+from ..rollout import WeightLoadError
 
 if TYPE_CHECKING:
     import torch
@@ -46,4 +54,35 @@ class MultiEngine:
         await self._all(lambda e: e.resume())
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        await self._all(lambda e: e.load_weights(weights, version))
+        two_phase = [hasattr(e, "prepare_weights") and hasattr(e, "load_prepared")
+                     for e in self.engines]  # fmt: skip
+        # every check first: a refusal leaves every engine on its old weights
+        prepared = await self._all(
+            lambda e: e.prepare_weights(weights) if hasattr(e, "prepare_weights") else _none()
+        )
+        loaded = [False] * len(self.engines)
+
+        async def load(i: int) -> None:
+            engine = self.engines[i]
+            if two_phase[i]:
+                await engine.load_prepared(prepared[i], version)  # type: ignore[attr-defined]
+            else:
+                await engine.load_weights(weights, version)
+            loaded[i] = True
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(self.engines)):
+                    nursery.start_soon(load, i)
+        except Exception as exc:  # a cancellation passes as it is
+            if any(loaded):
+                held = [e.version for e in self.engines]
+                raise WeightLoadError(
+                    f"loading version {version} failed after some engines loaded it: the "
+                    f"engines hold versions {held}"
+                ) from exc
+            raise
+
+
+async def _none() -> None:
+    await trio.lowlevel.checkpoint()

@@ -22,7 +22,7 @@ import torch
 import trio
 
 from ..checkpoint import PauseAck, PauseMode
-from ._backend import Backend
+from ._backend import Backend, PreparedWeights
 from ._config import EngineConfig
 from ._live import _Live, _Outcome, _State, _Swap, _Work
 from ._sampler import Draws, sample_from
@@ -189,9 +189,22 @@ class EngineCore:
         changes); then swapped at the next step boundary: at once when paused, between two
         decode steps otherwise. Returns once the engine holds ``version``.
         """
+        prepared = await self.prepare_weights(weights)
+        await self.load_prepared(prepared, version)
+
+    async def prepare_weights(self, weights: Mapping[str, torch.Tensor]) -> PreparedWeights:
+        """The first half of ``load_weights``: check and convert ``weights`` in a worker thread
+        (``WeightLoadError``), changing nothing. Several engines that must switch together
+        (``roles.MultiEngine``) prepare all first, then load: a refusal changes none."""
         await trio.lowlevel.checkpoint()
         self._check_open()
-        prepared = await trio.to_thread.run_sync(self._backend.prepare, dict(weights))
+        return await trio.to_thread.run_sync(self._backend.prepare, dict(weights))
+
+    async def load_prepared(self, prepared: PreparedWeights, version: int) -> None:
+        """The second half of ``load_weights``: swap to ``prepared`` (from ``prepare_weights``)
+        tagged ``version`` at the next step boundary; returns once the engine holds it."""
+        await trio.lowlevel.checkpoint()
+        self._check_open()
         async with self._load_lock:
             swap = _Swap(prepared, int(version))
             self._swap = swap
