@@ -4,7 +4,7 @@ the controller refused the commit or the client reports it as ``StorageUnavailab
 
 from __future__ import annotations
 
-from asyncflow_actors.roles._rollout import _put_outcome
+from asyncflow_actors.roles._group_writing import _put_outcome
 from asyncflow_actors.transfer_queue import StorageUnavailable, UnknownSample
 
 
