@@ -14,14 +14,20 @@ prompt of a group that vanished).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import outcome
 import trio
 
-from ..actors import RemoteError
-from ..transfer_queue import StorageUnavailable, TransferQueueClient, UnknownSample
+from ..transfer_queue import (
+    GroupError,
+    StaleVersionError,
+    StorageUnavailable,
+    TransferQueueClient,
+    UnknownGroup,
+    UnknownSample,
+)
 from . import _schema as S
 
 
@@ -108,35 +114,35 @@ def _concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _put_outcome(exc: BaseException) -> str | None:
+def _put_outcome(exc: BaseException) -> Literal["stale", "gone"] | None:
     """What a failed group put means: ``"stale"`` (its oldest token left the window before it
     was allocated: generate it again), ``"gone"`` (the group was evicted or lost meanwhile —
     a version bump can evict a put between its allocation and its commit —: the Driver
     re-injects its prompt; or it is full: a crashed predecessor wrote it before its ack), or
-    ``None`` (a real error). Errors of the TQ controller in another
-    process may arrive as ``RemoteError``s naming their type, possibly in exception groups."""
-    names = {_error_name(e) for e in _leaves(exc)}
-    if names <= {"StaleVersionError"}:
+    ``None`` (a real error). The errors are told apart by type, possibly in exception groups:
+    the TQ's errors cross the wire as their own types."""
+    leaves = _leaves(exc)
+    if all(isinstance(e, StaleVersionError) for e in leaves):
         return "stale"
-    if names <= {"StaleVersionError", "UnknownSample", "UnknownGroup", "GroupError"}:
-        return "gone"  # GroupError: a restarted worker writing a group its predecessor wrote
+    # GroupError: a restarted worker writing a group its predecessor wrote
+    if all(isinstance(e, (StaleVersionError, GroupError)) or _unknown(e) for e in leaves):
+        return "gone"
     return None
 
 
 def _vanished(exc: BaseException) -> bool:
     """Whether a ``"gone"`` put found its group no longer in the queue (rather than full:
     written by a crashed predecessor, and trained or about to be)."""
-    return bool({_error_name(e) for e in _leaves(exc)} & {"UnknownGroup", "UnknownSample"})
+    return any(_unknown(e) for e in _leaves(exc))
 
 
-def _error_name(exc: BaseException) -> str:
-    if isinstance(exc, RemoteError):
-        return exc.type_name.rsplit(":", 1)[-1]
-    if isinstance(exc, StorageUnavailable) and isinstance(exc.__cause__, UnknownSample):
+def _unknown(exc: BaseException) -> bool:
+    """Whether ``exc`` says the group or its samples are no longer in the queue."""
+    if isinstance(exc, StorageUnavailable):
         # the client's word for a put whose samples were evicted or lost before it committed:
         # the queue reports them as events, as for a put the controller refused
-        return "UnknownSample"
-    return type(exc).__name__
+        return isinstance(exc.__cause__, UnknownSample)
+    return isinstance(exc, (UnknownGroup, UnknownSample))
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

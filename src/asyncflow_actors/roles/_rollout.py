@@ -221,15 +221,15 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             try:
                 indexes = await self._writer.submit(_ToWrite(gid, data, oldest))
             except Exception as exc:
-                outcome = _put_outcome(exc)
-                if outcome is None:
+                fate = _put_outcome(exc)
+                if fate is None:
                     raise
-                key = "regenerated_groups" if outcome == "stale" else "dropped_groups"
+                key = "regenerated_groups" if fate == "stale" else "dropped_groups"
                 self.meter.extra[key] = self.meter.extra.get(key, 0) + 1
-                log.info("%s: group %d not written (%s): %r", self.worker, gid, outcome, exc)
-                if outcome == "gone" and _vanished(exc):
+                log.info("%s: group %d not written (%s): %r", self.worker, gid, fate, exc)
+                if fate == "gone" and _vanished(exc):
                     await self._report_gone(gid)
-                return outcome == "gone"
+                return fate == "gone"
             self.meter.waited("put", start, samples=indexes)
             span.set(samples=indexes, version=oldest)
         tokens = sum(len(c.token_ids) for c in completions)
