@@ -25,6 +25,7 @@ from asyncflow_actors.roles import Driver, DriverHooks, GetRoleStats, Rollout, t
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._batcher import _Batcher, _BatchFailed
 from asyncflow_actors.roles._compute import build_policy
+from asyncflow_actors.roles._group_writing import _put_outcome, _ToWrite
 from asyncflow_actors.roles._messages import (
     NeedWeights,
     ResendWeights,
@@ -32,7 +33,7 @@ from asyncflow_actors.roles._messages import (
     SyncReport,
     SyncWeights,
 )
-from asyncflow_actors.roles._rollout import NEED_WEIGHTS_AFTER_S, _put_outcome, _ToWrite
+from asyncflow_actors.roles._weight_waits import NEED_WEIGHTS_AFTER_S
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
 from ..transfer_queue.test_group_batches import Counting

@@ -62,7 +62,10 @@ class UnknownSample(TransferQueueError, LookupError):
     ``indexes`` holds the offending indexes, so a writer can retry with the others.
     """
 
-    def __init__(self, topic: str, indexes: Iterable[int]) -> None:
+    topic: str = ""  # rebuilt from the wire (``cls(message)``), it knows its message only
+    indexes: tuple[int, ...] = ()
+
+    def __init__(self, topic: str, indexes: Iterable[int] = ()) -> None:
         self.topic = topic
         self.indexes = tuple(indexes)
         super().__init__(

@@ -1,0 +1,152 @@
+"""Writing the rollout's scored groups, and what a refused write means.
+
+Each group is written once, into the group the Driver opened for its prompt. The groups scored
+together reach one writer call (``_Batcher``), which puts the groups of one version in one
+multi-group put (three queue requests instead of three per group).
+
+A put can be refused for reasons that are not errors of the run (``_put_outcome``): the
+group's oldest token fell out of the staleness window (*stale*: generate it again with the
+current weights), or the group is no longer in the queue or already full (*gone*: its storage
+unit was lost, it was evicted, or a crashed predecessor wrote it; the Driver re-injects the
+prompt of a group that vanished).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+import outcome
+import trio
+
+from ..transfer_queue import (
+    GroupError,
+    StaleVersionError,
+    StorageUnavailable,
+    TransferQueueClient,
+    UnknownGroup,
+    UnknownSample,
+)
+from . import _schema as S
+
+
+@attrs.frozen
+class _ToWrite:
+    """A generated, scored group: its rows and the version of its oldest token."""
+
+    gid: int
+    data: dict[str, Any]
+    version: int
+
+
+async def write_groups(
+    client: TransferQueueClient, groups: list[_ToWrite]
+) -> list[outcome.Outcome[tuple[int, ...]]]:
+    """Write the groups scored together: those of one version in one multi-group put (one
+    allocation, one store per unit, one commit), concurrently with the other versions'.
+
+    Each outcome is its group's own: stale, gone or written. A multi-group put is all or
+    nothing; when it is refused for one group (stale, evicted, full) nothing changed, and
+    the groups are put one by one so that each learns its own fate. Any other failure
+    (a unit or the controller lost after the allocation) is every group's, as it would
+    have been for one put each."""
+    results: list[outcome.Outcome[tuple[int, ...]]] = [outcome.Value(())] * len(groups)
+    by_version: dict[int, list[int]] = {}
+    for k, group in enumerate(groups):
+        by_version.setdefault(group.version, []).append(k)
+
+    async def one(k: int) -> None:
+        group = groups[k]
+        try:
+            indexes = await client.put(
+                S.ROLLOUT, group.data, version=group.version, group=group.gid
+            )
+        except Exception as exc:  # this group's own: stale, gone or a real error
+            results[k] = outcome.Error(exc)
+        else:
+            results[k] = outcome.Value(indexes)
+
+    async def together(version: int, ks: list[int]) -> None:
+        if len(ks) == 1:
+            await one(ks[0])
+            return
+        data = _concat_rows([groups[k].data for k in ks])
+        gids = [groups[k].gid for k in ks for _ in range(_rows(groups[k].data))]
+        try:
+            indexes = await client.put(S.ROLLOUT, data, version=version, group=gids)
+        except Exception as exc:
+            if _put_outcome(exc) is None:
+                for k in ks:
+                    results[k] = outcome.Error(exc)
+                return
+            # refused for one group (its error names it): the others are intact
+            async with trio.open_nursery() as nursery:
+                for k in ks:
+                    nursery.start_soon(one, k)
+            return
+        at = 0
+        for k in ks:
+            n = _rows(groups[k].data)
+            results[k] = outcome.Value(tuple(indexes[at : at + n]))
+            at += n
+
+    async with trio.open_nursery() as nursery:
+        for version, ks in by_version.items():
+            nursery.start_soon(together, version, ks)
+    return results
+
+
+def _rows(data: Mapping[str, Any]) -> int:
+    return len(data[S.REWARDS])
+
+
+def _concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rows of several groups' columns, in order: lists are joined, tensors concatenated."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, first in parts[0].items():
+        if isinstance(first, list):
+            out[name] = [row for part in parts for row in part[name]]
+        else:
+            out[name] = torch.cat([part[name] for part in parts])
+    return out
+
+
+def _put_outcome(exc: BaseException) -> Literal["stale", "gone"] | None:
+    """What a failed group put means: ``"stale"`` (its oldest token left the window before it
+    was allocated: generate it again), ``"gone"`` (the group was evicted or lost meanwhile —
+    a version bump can evict a put between its allocation and its commit —: the Driver
+    re-injects its prompt; or it is full: a crashed predecessor wrote it before its ack), or
+    ``None`` (a real error). The errors are told apart by type, possibly in exception groups:
+    the TQ's errors cross the wire as their own types."""
+    leaves = _leaves(exc)
+    if all(isinstance(e, StaleVersionError) for e in leaves):
+        return "stale"
+    # GroupError: a restarted worker writing a group its predecessor wrote
+    if all(isinstance(e, (StaleVersionError, GroupError)) or _unknown(e) for e in leaves):
+        return "gone"
+    return None
+
+
+def _vanished(exc: BaseException) -> bool:
+    """Whether a ``"gone"`` put found its group no longer in the queue (rather than full:
+    written by a crashed predecessor, and trained or about to be)."""
+    return any(_unknown(e) for e in _leaves(exc))
+
+
+def _unknown(exc: BaseException) -> bool:
+    """Whether ``exc`` says the group or its samples are no longer in the queue."""
+    if isinstance(exc, StorageUnavailable):
+        # the client's word for a put whose samples were evicted or lost before it committed:
+        # the queue reports them as events, as for a put the controller refused
+        return isinstance(exc.__cause__, UnknownSample)
+    return isinstance(exc, (UnknownGroup, UnknownSample))
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    inner = getattr(exc, "exceptions", None)
+    if not isinstance(inner, tuple):
+        return [exc]
+    return [leaf for e in inner for leaf in _leaves(e)]
