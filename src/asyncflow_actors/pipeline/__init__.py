@@ -17,8 +17,8 @@ from ._config import PipelineConfig as PipelineConfig
 from ._config import PipelineConfigError as PipelineConfigError
 from ._config import PlacementConfig as PlacementConfig
 from ._placement import RunFailed as RunFailed
+from ._plot import plot_run as plot_run
 from ._report import StepRecord as StepRecord
-from ._report import plot_run as plot_run
 from ._report import read_steps as read_steps
 from ._run import Pipeline as Pipeline
 from ._run import PipelineResult as PipelineResult

@@ -1,5 +1,6 @@
 """Per-step metrics of a run: one ``StepRecord`` per global batch, written as JSONL, shown as a
-progress display (rich on a terminal, plain lines otherwise), drawn as a PNG at the end."""
+progress display (rich on a terminal, plain lines otherwise), drawn as a PNG at the end
+(``_plot.plot_run``)."""
 
 from __future__ import annotations
 
@@ -142,70 +143,3 @@ def describe(record: StepRecord) -> str:
         f"| sync {record.sync.get('sync_total', 0.0) * 1e3:.0f} ms"
         + (f" | idle {idle}" if idle else "")
     )
-
-
-def plot_run(records: Sequence[StepRecord], path: str | os.PathLike[str], title: str) -> bool:
-    """Reward and throughput over time as a PNG (needs Pillow); False if it is not installed."""
-    try:
-        from PIL import Image, ImageDraw
-    except ImportError:
-        return False
-    if not records:
-        return False
-    width, height, margin = 900, 620, 60
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    draw.text((margin, 12), title, fill="black")
-    xs = [r.seconds for r in records]
-    panels = [
-        ("mean batch reward", [r.reward_mean for r in records], (31, 119, 180)),
-        ("trained samples/s", [r.samples_per_s for r in records], (214, 39, 40)),
-    ]
-    panel_h = (height - 2 * margin) // 2
-    for k, (label, ys, color) in enumerate(panels):
-        top = margin + k * panel_h + 10
-        box = (margin, top, width - margin // 2, top + panel_h - 40)
-        _panel(draw, box, xs, ys, color, label)
-    draw.text((width // 2 - 40, height - 25), "wall time (s)", fill="black")
-    image.save(os.fspath(path))
-    return True
-
-
-def _panel(
-    draw: Any,
-    box: tuple[int, int, int, int],
-    xs: Sequence[float],
-    ys: Sequence[float],
-    color: tuple[int, int, int],
-    label: str,
-) -> None:
-    left, top, right, bottom = box
-    draw.rectangle(box, outline="black")
-    draw.text((left + 6, top + 4), label, fill=color)
-    x0, x1 = min(0.0, min(xs)), max(xs) or 1.0
-    y0, y1 = min(ys), max(ys)
-    if y1 - y0 < 1e-9:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    pad = (y1 - y0) * 0.08
-    y0, y1 = y0 - pad, y1 + pad
-
-    def at(x: float, y: float) -> tuple[float, float]:
-        return (
-            left + (x - x0) / (x1 - x0 or 1.0) * (right - left),
-            bottom - (y - y0) / (y1 - y0) * (bottom - top),
-        )
-
-    for frac in (0.0, 0.5, 1.0):
-        y = y0 + frac * (y1 - y0)
-        _, py = at(x0, y)
-        draw.line((left - 4, py, left, py), fill="black")
-        draw.text((4, py - 6), f"{y:.3g}", fill="black")
-        x = x0 + frac * (x1 - x0)
-        px, _ = at(x, y0)
-        draw.line((px, bottom, px, bottom + 4), fill="black")
-        draw.text((px - 10, bottom + 6), f"{x:.0f}", fill="black")
-    points = [at(x, y) for x, y in zip(xs, ys, strict=True)]
-    if len(points) > 1:
-        draw.line(points, fill=color, width=2)
-    for px, py in points:
-        draw.ellipse((px - 2, py - 2, px + 2, py + 2), fill=color)

@@ -49,7 +49,8 @@ from ..roles._worker import wait_for_threads
 from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
-from ._report import Progress, StepRecord, idle_ratios, plot_run
+from ._plot import plot_run
+from ._report import Progress, StepRecord, idle_ratios
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
