@@ -14,7 +14,7 @@ import trio
 import zmq
 
 import asyncflow_actors as afa
-from asyncflow_actors.actors import curve_keypair
+from asyncflow_actors.actors.remote import curve_keypair
 from asyncflow_actors.actors.remote import (
     ActorAddress,
     MessageTooLarge,

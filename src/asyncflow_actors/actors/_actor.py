@@ -86,6 +86,12 @@ class ActorContext(Generic[M]):
     def system(self) -> ActorSystem:
         return self._cell.system
 
+    @property
+    def cell(self) -> ActorCell:
+        """This actor's cell (a hook for runtime extensions, such as the remote half's node
+        actors, which follow their own termination; user code needs ``self`` and ``name``)."""
+        return self._cell
+
     # -- replies -------------------------------------------------------------------------------
 
     def _require_request(self, what: str) -> Reply:
@@ -161,7 +167,9 @@ class ActorContext(Generic[M]):
         cell = self._cell.system._new_cell(
             name,
             parent=self._cell,
-            mailbox_size=mailbox_size if mailbox_size is not None else _class_mailbox(factory),
+            mailbox_size=mailbox_size
+            if mailbox_size is not None
+            else default_mailbox_size(factory),
             shutdown=shutdown,
         )
         self.children.append(cell)
@@ -215,7 +223,9 @@ class ActorContext(Generic[M]):
         ref._unwatch(self._cell)
 
 
-def _class_mailbox(factory: Callable[[], Actor[Any]]) -> int:
+def default_mailbox_size(factory: Callable[[], Actor[Any]]) -> int:
+    """The mailbox size of an actor started from ``factory`` without an explicit one: the
+    class's ``mailbox_size`` when ``factory`` is an actor class, else ``Actor.mailbox_size``."""
     size = getattr(factory, "mailbox_size", None) if isinstance(factory, type) else None
     return size if isinstance(size, int) else Actor.mailbox_size
 

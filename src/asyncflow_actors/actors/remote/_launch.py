@@ -141,7 +141,7 @@ class InProcessLauncher:
     allow: tuple[str, ...] = attrs.field(converter=_str_tuple)
 
     async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
-        from ._node import serve_node
+        from ._system import serve_node
 
         bind = f"inproc://afa-node-{name}-{id(ctx)}"
         token = secrets.token_hex(16)
