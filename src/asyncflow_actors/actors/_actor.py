@@ -186,7 +186,7 @@ class ActorContext(Generic[M]):
         parent = self._cell
 
         async def run_child(task_status: trio.TaskStatus[BaseException | None]) -> None:
-            exit = await cell.run(factory, task_status=task_status)
+            exit = await cell.run(factory, context=new_context, task_status=task_status)
             if not exit.start_failed:
                 parent.deliver_system(ChildExited(cell, cell.incarnation, exit.error, exit.stopped))
 
@@ -228,6 +228,15 @@ def default_mailbox_size(factory: Callable[[], Actor[Any]]) -> int:
     class's ``mailbox_size`` when ``factory`` is an actor class, else ``Actor.mailbox_size``."""
     size = getattr(factory, "mailbox_size", None) if isinstance(factory, type) else None
     return size if isinstance(size, int) else Actor.mailbox_size
+
+
+def new_context(
+    cell: ActorCell, actor: Actor[Any], helpers: trio.Nursery, children: trio.Nursery
+) -> ActorContext[Any]:
+    """The context of a new incarnation of ``cell`` running ``actor`` (``ActorCell.run`` makes it
+    with this); it also records the message types the actor accepts, which its refs check."""
+    cell.accepts = accepted_message_types(type(actor))
+    return ActorContext(cell, actor, helpers, children)
 
 
 def accepted_message_types(actor_cls: type) -> tuple[type, ...] | None:

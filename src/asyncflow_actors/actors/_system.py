@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ._actor import Actor, default_mailbox_size
+from ._actor import Actor, default_mailbox_size, new_context
 from ._cell import ActorCell, ActorStatistics
 from ._errors import NameTakenError
-from ._ref import ActorRef
+from ._ref import ActorRef, LocalActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
 from ._transport import Transport
 
@@ -156,7 +156,14 @@ class ActorSystem:
             raise NameTakenError(f"an actor named {path!r} is already running")
         if not (isinstance(mailbox_size, int) and mailbox_size >= 0) and mailbox_size != math.inf:
             raise ValueError(f"mailbox_size must be an int >= 0, got {mailbox_size!r}")
-        cell = ActorCell(self, path, mailbox_size=mailbox_size, parent=parent, shutdown=shutdown)
+        cell = ActorCell(
+            self,
+            path,
+            mailbox_size=mailbox_size,
+            parent=parent,
+            shutdown=shutdown,
+            ref=LocalActorRef,
+        )
         self._cells[path] = cell
         return cell
 
@@ -174,7 +181,9 @@ class ActorSystem:
         block does. A system runs once.
         """
         transport = self._transport
-        root = ActorCell(self, "", mailbox_size=math.inf, parent=None, shutdown=None)
+        root = ActorCell(
+            self, "", mailbox_size=math.inf, parent=None, shutdown=None, ref=LocalActorRef
+        )
         chosen = strategy if strategy is not None else OneForOne()
 
         # The actors run shielded from cancellation of the caller: cancelling the ``async with``
@@ -185,7 +194,9 @@ class ActorSystem:
 
         async def run_root(task_status: trio.TaskStatus[BaseException | None]) -> None:
             with tree_scope:
-                exit = await root.run(lambda: Supervisor((), chosen), task_status=task_status)
+                exit = await root.run(
+                    lambda: Supervisor((), chosen), context=new_context, task_status=task_status
+                )
             root.terminate(exit.error)
             if exit.error is not None and not exit.start_failed and not exit.killed:
                 raise exit.error  # the root failed (a kill during the stop was logged already)
