@@ -20,7 +20,6 @@ from ._curve import open_zap_authenticator as open_zap_authenticator
 from ._hosting import NotAuthorized as NotAuthorized
 from ._hosting import SpawnRefused as SpawnRefused
 from ._launch import ConnectLauncher as ConnectLauncher
-from ._launch import InProcessLauncher as InProcessLauncher
 from ._launch import Launched as Launched
 from ._launch import Launcher as Launcher
 from ._launch import NodeOptions as NodeOptions
@@ -43,6 +42,7 @@ from ._ray import RayLauncher as RayLauncher
 from ._ref import RemoteActorRef as RemoteActorRef
 from ._server import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_MESSAGE_BYTES
 from ._server import NodeServerStatistics as NodeServerStatistics
+from ._system import InProcessLauncher as InProcessLauncher
 from ._system import NodeSystem as NodeSystem
 from ._system import mesh_of as mesh_of
 from ._system import open_actor_system as open_actor_system

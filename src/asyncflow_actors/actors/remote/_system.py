@@ -3,23 +3,34 @@
 The local runtime's ``ActorSystem`` is given a transport and knows nothing more of it. A
 ``NodeSystem`` is that system with the remote half composed in: its transport is a ``Mesh``
 (so its refs travel to other processes) and it starts, connects and launches nodes, which it
-supervises as children of its root like any actor. ``serve_node`` runs one as a node.
+supervises as children of its root like any actor. ``serve_node`` runs one as a node, and
+``InProcessLauncher`` serves a node so from a task of this process.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import attrs
 import trio
 import zmq
 
+from .._actor import ActorContext
 from .._supervisor import ChildSpec, OneForOne, Restart, Strategy
 from .._system import ActorSystem
 from ._curve import CurveClient, CurveServer
-from ._launch import ConnectLauncher, InProcessLauncher, Launcher, NodeOptions, SubprocessLauncher
+from ._launch import (
+    ConnectLauncher,
+    Launched,
+    Launcher,
+    NodeOptions,
+    SubprocessLauncher,
+    _str_tuple,
+)
 from ._mesh import Mesh
 from ._node import GetNode, Node, node_spec
 from ._server import DEFAULT_MAX_MESSAGE_BYTES
@@ -213,3 +224,29 @@ async def serve_node(
         )
         task_status.started(endpoints)
         await shutdown.wait()
+
+
+@attrs.frozen
+class InProcessLauncher:
+    """Serve the node from a task of this process over ``inproc://`` (tests, benchmarks).
+
+    It has its own actor system; messages still cross the wire format and flow control.
+    """
+
+    allow: tuple[str, ...] = attrs.field(converter=_str_tuple)
+
+    async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
+        bind = f"inproc://afa-node-{name}-{id(ctx)}"
+        token = secrets.token_hex(16)
+        endpoints: list[str] = await ctx.start(
+            lambda task_status: serve_node(
+                bind,
+                allow=self.allow,
+                name=name,
+                max_message_bytes=options.max_message_bytes,
+                owner_token=token,
+                options=options,
+                task_status=task_status,
+            )
+        )
+        return Launched(endpoints[0], in_process=True, owner_token=token)
