@@ -322,6 +322,11 @@ class Mesh:
             with trio.move_on_after(self.options.connect_timeout), contextlib.suppress(Exception):
                 await link.request(P.PEERS, update)
 
+    def broadcast_soon(self, update: P.PeerUpdate, skip: str) -> None:
+        """``broadcast`` from a task of the mesh (nothing once the system is closed)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self.broadcast, update, skip)
+
     def hello(self, owner_token: str = "") -> P.Hello:
         return P.Hello(self.name, self.incarnation, self.endpoints, self.session, owner_token)
 

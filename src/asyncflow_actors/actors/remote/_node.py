@@ -86,10 +86,8 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
 
     def _terminated(self) -> None:
         self.peer.node_terminated()
-        mesh = self.peer.mesh
-        if mesh._nursery is not None:
-            update = P.PeerUpdate(self.peer.name, self.peer.incarnation, (), up=False)
-            mesh._nursery.start_soon(mesh.broadcast, update, self.peer.name)
+        update = P.PeerUpdate(self.peer.name, self.peer.incarnation, (), up=False)
+        self.peer.mesh.broadcast_soon(update, self.peer.name)
 
     async def _start(self, ctx: ActorContext[SpawnRemote | GetNode]) -> None:
         peer = self.peer
