@@ -20,22 +20,15 @@ from .actors import Backoff as Backoff
 from .actors import ChildInfo as ChildInfo
 from .actors import ChildSpec as ChildSpec
 from .actors import ComputeLane as ComputeLane
-from .actors import MessageRejected as MessageRejected
 from .actors import MessageTypeError as MessageTypeError
 from .actors import NameTakenError as NameTakenError
-from .actors import Node as Node
-from .actors import NodeLost as NodeLost
-from .actors import NodeOptions as NodeOptions
-from .actors import NotAuthorized as NotAuthorized
 from .actors import OneForAll as OneForAll
 from .actors import OneForOne as OneForOne
-from .actors import RemoteActorRef as RemoteActorRef
 from .actors import RemoteError as RemoteError
 from .actors import Reply as Reply
 from .actors import Request as Request
 from .actors import Restart as Restart
 from .actors import RestForOne as RestForOne
-from .actors import SpawnRefused as SpawnRefused
 from .actors import StartChild as StartChild
 from .actors import StartChildren as StartChildren
 from .actors import StopChild as StopChild
@@ -46,9 +39,41 @@ from .actors import SystemStatistics as SystemStatistics
 from .actors import Terminated as Terminated
 from .actors import Tracker as Tracker
 from .actors import WhichChildren as WhichChildren
-from .actors import WireError as WireError
-from .actors import open_actor_system as open_actor_system
-from .actors import register_error as register_error
+from .actors.remote import MessageRejected as MessageRejected
+from .actors.remote import Node as Node
+from .actors.remote import NodeLost as NodeLost
+from .actors.remote import NodeOptions as NodeOptions
+from .actors.remote import NodeSystem as NodeSystem
+from .actors.remote import NotAuthorized as NotAuthorized
+from .actors.remote import RemoteActorRef as RemoteActorRef
+from .actors.remote import SpawnRefused as SpawnRefused
+from .actors.remote import WireError as WireError
+from .actors.remote import open_actor_system as open_actor_system
+from .actors.remote import register_error as register_error
+
+# ``asyncflow_actors.actors`` exported these names of the remote half before the seam between
+# the halves; the local package may not import them, so the package above both hangs them
+# there, for code written against the old namespace. New code imports them from here or from
+# ``asyncflow_actors.actors.remote``.
+for _name in (
+    "CurveClient",
+    "CurveKeypair",
+    "CurveServer",
+    "MessageRejected",
+    "Node",
+    "NodeLost",
+    "NodeOptions",
+    "NotAuthorized",
+    "RemoteActorRef",
+    "SpawnRefused",
+    "WireError",
+    "curve_keypair",
+    "open_actor_system",
+    "register_error",
+    "register_types",
+):
+    setattr(actors, _name, getattr(actors.remote, _name))
+del _name
 
 __version__ = "0.1.0.dev0"
 

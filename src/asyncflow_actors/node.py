@@ -23,8 +23,8 @@ import trio
 from .actors.remote._curve import CurveKeypair, CurveServer
 from .actors.remote._launch import OWNER_TOKEN_ENV, NodeOptions
 from .actors.remote._mesh import is_loopback
-from .actors.remote._node import serve_node
 from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES
+from .actors.remote._system import serve_node
 
 
 def _parser() -> argparse.ArgumentParser:

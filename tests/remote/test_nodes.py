@@ -17,7 +17,7 @@ import zmq
 
 import asyncflow_actors as afa
 from asyncflow_actors import testing as aft
-from asyncflow_actors.actors import curve_keypair
+from asyncflow_actors.actors.remote import curve_keypair
 from tests.remote.remote_actors import (
     Add,
     Batch,

@@ -14,10 +14,10 @@ import trio
 import zmq
 
 import asyncflow_actors as afa
-from asyncflow_actors.actors import curve_keypair
 from asyncflow_actors.actors.remote import (
     ActorAddress,
     MessageTooLarge,
+    curve_keypair,
     decode,
     encode,
     open_zmq_socket,

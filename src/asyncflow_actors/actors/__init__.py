@@ -1,10 +1,14 @@
-"""The actor runtime: typed mailboxes, ask/tell, OTP supervision, nodes (``docs/actors.md``).
+"""The actor runtime: typed mailboxes, ask/tell, OTP supervision (``docs/actors.md``).
 
 Two halves: the local runtime (this package's modules: actors, refs, cells, supervision, the
-system) and the remote half in :mod:`asyncflow_actors.actors.remote` (nodes, links, the wire
-format, trio over pyzmq). This namespace exports what user code is written against; the remote
-subpackage exports the lower-level pieces (launchers, sockets, the codec).
+system, and the ``Transport`` interface a system is given) and the remote half in
+:mod:`asyncflow_actors.actors.remote` (nodes, links, the wire format, trio over pyzmq), which
+implements the transport. This package imports nothing from the remote half; the names that
+compose both (``open_actor_system``, ``Node``, ``RemoteActorRef``...) are exported by
+:mod:`asyncflow_actors.actors.remote` and by ``asyncflow_actors`` itself.
 """
+
+from typing import Any
 
 from ._actor import Actor as Actor
 from ._actor import ActorContext as ActorContext
@@ -18,6 +22,7 @@ from ._errors import ActorError as ActorError
 from ._errors import ActorKilled as ActorKilled
 from ._errors import MessageTypeError as MessageTypeError
 from ._errors import NameTakenError as NameTakenError
+from ._errors import RemoteError as RemoteError
 from ._errors import SupervisorFailed as SupervisorFailed
 from ._message import Request as Request
 from ._message import Terminated as Terminated
@@ -38,19 +43,12 @@ from ._supervisor import Supervisor as Supervisor
 from ._supervisor import WhichChildren as WhichChildren
 from ._system import ActorSystem as ActorSystem
 from ._system import SystemStatistics as SystemStatistics
-from ._system import open_actor_system as open_actor_system
-from .remote._curve import CurveClient as CurveClient
-from .remote._curve import CurveKeypair as CurveKeypair
-from .remote._curve import CurveServer as CurveServer
-from .remote._curve import curve_keypair as curve_keypair
-from .remote._hosting import NotAuthorized as NotAuthorized
-from .remote._hosting import SpawnRefused as SpawnRefused
-from .remote._launch import NodeOptions as NodeOptions
-from .remote._node import Node as Node
-from .remote._protocol import MessageRejected as MessageRejected
-from .remote._protocol import NodeLost as NodeLost
-from .remote._protocol import RemoteError as RemoteError
-from .remote._protocol import register_error as register_error
-from .remote._ref import RemoteActorRef as RemoteActorRef
-from .remote._typeinfo import register_types as register_types
-from .remote._wire import WireError as WireError
+from ._system import open_local_actor_system as open_local_actor_system
+from ._transport import Transport as Transport
+
+
+def __getattr__(name: str) -> Any:
+    # Names of the remote half this namespace used to export (``NodeOptions``, ``Node``,
+    # ``open_actor_system``...) are set here by ``asyncflow_actors`` once both halves are
+    # loaded, for code written before the seam; this declares them to type checkers.
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

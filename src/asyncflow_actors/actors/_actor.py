@@ -86,6 +86,12 @@ class ActorContext(Generic[M]):
     def system(self) -> ActorSystem:
         return self._cell.system
 
+    @property
+    def cell(self) -> ActorCell:
+        """This actor's cell (a hook for runtime extensions, such as the remote half's node
+        actors, which follow their own termination; user code needs ``self`` and ``name``)."""
+        return self._cell
+
     # -- replies -------------------------------------------------------------------------------
 
     def _require_request(self, what: str) -> Reply:
@@ -161,7 +167,9 @@ class ActorContext(Generic[M]):
         cell = self._cell.system._new_cell(
             name,
             parent=self._cell,
-            mailbox_size=mailbox_size if mailbox_size is not None else _class_mailbox(factory),
+            mailbox_size=mailbox_size
+            if mailbox_size is not None
+            else default_mailbox_size(factory),
             shutdown=shutdown,
         )
         self.children.append(cell)
@@ -178,7 +186,7 @@ class ActorContext(Generic[M]):
         parent = self._cell
 
         async def run_child(task_status: trio.TaskStatus[BaseException | None]) -> None:
-            exit = await cell.run(factory, task_status=task_status)
+            exit = await cell.run(factory, context=new_context, task_status=task_status)
             if not exit.start_failed:
                 parent.deliver_system(ChildExited(cell, cell.incarnation, exit.error, exit.stopped))
 
@@ -215,9 +223,20 @@ class ActorContext(Generic[M]):
         ref._unwatch(self._cell)
 
 
-def _class_mailbox(factory: Callable[[], Actor[Any]]) -> int:
+def default_mailbox_size(factory: Callable[[], Actor[Any]]) -> int:
+    """The mailbox size of an actor started from ``factory`` without an explicit one: the
+    class's ``mailbox_size`` when ``factory`` is an actor class, else ``Actor.mailbox_size``."""
     size = getattr(factory, "mailbox_size", None) if isinstance(factory, type) else None
     return size if isinstance(size, int) else Actor.mailbox_size
+
+
+def new_context(
+    cell: ActorCell, actor: Actor[Any], helpers: trio.Nursery, children: trio.Nursery
+) -> ActorContext[Any]:
+    """The context of a new incarnation of ``cell`` running ``actor`` (``ActorCell.run`` makes it
+    with this); it also records the message types the actor accepts, which its refs check."""
+    cell.accepts = accepted_message_types(type(actor))
+    return ActorContext(cell, actor, helpers, children)
 
 
 def accepted_message_types(actor_cls: type) -> tuple[type, ...] | None:

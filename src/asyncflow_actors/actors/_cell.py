@@ -25,10 +25,17 @@ import outcome
 import trio
 
 from ._errors import ActorCrashed, ActorKilled
+from ._message import Terminated
 
 if TYPE_CHECKING:
     from ._actor import Actor, ActorContext
+    from ._ref import LocalActorRef
     from ._system import ActorSystem
+
+    # Makes the context of a new incarnation: (cell, actor, helper nursery, children nursery).
+    ContextFactory = Callable[
+        ["ActorCell", Actor[Any], trio.Nursery, trio.Nursery], ActorContext[Any]
+    ]
 
 log = logging.getLogger("asyncflow_actors.actors")
 
@@ -165,9 +172,8 @@ class ActorCell:
         mailbox_size: int | float,
         parent: ActorCell | None,
         shutdown: float | None,
+        ref: Callable[[ActorCell], LocalActorRef[Any]],
     ) -> None:
-        from ._ref import LocalActorRef
-
         self.system = system
         self.path = path
         self.parent = parent
@@ -194,7 +200,7 @@ class ActorCell:
         self.exited.set()  # no incarnation yet
         self.terminated = trio.Event()
         self.loop_task: trio.lowlevel.Task | None = None
-        self.ref: LocalActorRef[Any] = LocalActorRef(self)
+        self.ref = ref(self)  # the local ref type is given: refs sit above cells
         self.token = secrets.token_hex(8)  # the stop capability its refs carry to other nodes
         self._parked = False
         self.actor: Actor[Any] | None = None  # the current (or last) incarnation's instance
@@ -282,6 +288,7 @@ class ActorCell:
         self,
         factory: Callable[[], Actor[Any]],
         *,
+        context: ContextFactory,
         task_status: trio.TaskStatus[BaseException | None] = trio.TASK_STATUS_IGNORED,
     ) -> IncarnationExit:
         """Run one incarnation: create the actor, ``on_start``, the message loop, ``on_stop``.
@@ -294,9 +301,8 @@ class ActorCell:
         (its work and its remaining children are cancelled) and ``on_stop`` still runs, within
         the system's ``kill_grace``; the exit's error is then ``ActorKilled``. An outer
         cancellation is a kill too. A stop requested while ``on_start`` runs cancels it.
+        ``context`` makes the incarnation's ``ActorContext`` (``_actor.new_context``).
         """
-        from ._actor import ActorContext, accepted_message_types
-
         if self.terminate_requested or self.state is ActorState.TERMINATED:
             task_status.started(_start_interrupted(self))
             return IncarnationExit(error=None, stopped=True, killed=False, start_failed=True)
@@ -321,10 +327,9 @@ class ActorCell:
                     with kill_scope:
                         try:
                             actor = factory()
-                            self.accepts = accepted_message_types(type(actor))
                             self.actor = actor
                             async with trio.open_nursery() as helpers:
-                                ctx = ActorContext(self, actor, helpers, children)
+                                ctx = context(self, actor, helpers, children)
                                 self.ctx = ctx
                                 try:
                                     started = await self._start(actor, ctx)
@@ -518,8 +523,6 @@ class ActorCell:
         self._flush_mailbox(error)
         self.mailbox_recv.close()
         self.terminate_event.set()
-        from ._message import Terminated
-
         for watcher in self.watchers:
             watcher.deliver_system(Terminated(self.ref, error))
         self.watchers.clear()

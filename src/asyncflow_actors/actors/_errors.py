@@ -78,3 +78,20 @@ class SupervisorFailed(ActorError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.reason, self.failures))
+
+
+class RemoteError(ActorError):
+    """An exception raised in another system (a node) whose type this process does not know (or
+    cannot build); the transport raises it where that exception would be.
+
+    ``type_name`` is the remote ``module:qualname``; ``remote_traceback`` the formatted trace.
+    """
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str = "") -> None:
+        self.type_name = type_name
+        self.message = message
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{type_name}: {message}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.type_name, self.message, self.remote_traceback))

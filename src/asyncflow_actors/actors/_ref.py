@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import trio
 
@@ -135,6 +135,12 @@ class LocalActorRef(ActorRef[M]):
     def name(self) -> str:
         return self._cell.path
 
+    @property
+    def cell(self) -> ActorCell:
+        """The actor's cell: its mailbox, state and incarnations (a hook for runtime extensions,
+        such as the remote half serving this actor to other systems; user code needs the ref)."""
+        return self._cell
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LocalActorRef) and other._cell is self._cell
 
@@ -192,24 +198,25 @@ class LocalActorRef(ActorRef[M]):
         result: R = await reply.wait()
         return result
 
-    async def _enqueue_ask(self, request: Request[Any], reply: Reply | None = None) -> Reply:
-        """Queue ``request`` (FIFO with tells) and return its reply slot without waiting on it."""
-        self._check(request)
-        reply = reply if reply is not None else Reply()
-        try:
-            await self._cell.mailbox_send.send(Ask(request, reply))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise self._dead() from self._cell.last_error
-        return reply
-
     async def stop(self) -> None:
         await self._cell.stop()
 
     def statistics(self) -> ActorStatistics:
         return self._cell.statistics()
 
-    def _enqueue_ask_nowait(self, request: Request[Any], reply: Reply) -> None:
-        """Like ``_enqueue_ask`` but raises ``trio.WouldBlock`` when the mailbox is full."""
+    async def enqueue_ask(self, request: object, reply: Reply) -> None:
+        """Queue ``request`` (FIFO with tells) with ``reply`` as its slot, without waiting for the
+        answer: the hook by which a server of this actor (the remote half) forwards an ask and
+        learns the answer from ``reply``'s callback. Waits while the mailbox is full; raises
+        ``MessageTypeError`` or ``ActorCrashed`` as ``send`` does."""
+        self._check(request)
+        try:
+            await self._cell.mailbox_send.send(Ask(request, reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._dead() from self._cell.last_error
+
+    def enqueue_ask_nowait(self, request: object, reply: Reply) -> None:
+        """Like ``enqueue_ask`` but raises ``trio.WouldBlock`` when the mailbox is full."""
         self._check(request)
         try:
             self._cell.mailbox_send.send_nowait(Ask(request, reply))

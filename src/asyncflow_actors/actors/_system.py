@@ -1,28 +1,30 @@
-"""``open_actor_system``: the root nursery, the root supervisor and the name registry."""
+"""``ActorSystem``: the root nursery, the root supervisor and the name registry.
+
+``open_local_actor_system`` runs one local to its process; a system given a ``Transport``
+reaches other systems (the remote half's ``open_actor_system`` makes such a system).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
+import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
-from ._actor import Actor, _class_mailbox
+from ._actor import Actor, default_mailbox_size, new_context
 from ._cell import ActorCell, ActorStatistics
 from ._errors import NameTakenError
-from ._ref import ActorRef
+from ._ref import ActorRef, LocalActorRef
 from ._supervisor import ChildSpec, OneForOne, Restart, StartChild, StopChild, Strategy, Supervisor
-
-if TYPE_CHECKING:
-    from .remote._curve import CurveClient, CurveServer
-    from .remote._launch import Launcher, NodeOptions
-    from .remote._mesh import Mesh
-    from .remote._node import Node
+from ._transport import Transport
 
 N = TypeVar("N")
 
@@ -41,48 +43,52 @@ class SystemStatistics:
 
 
 class ActorSystem:
-    """A tree of actors under one root supervisor; create it with ``open_actor_system``.
+    """A tree of actors under one root supervisor; run it with ``open_local_actor_system``, or
+    with ``asyncflow_actors.open_actor_system`` for one that reaches other processes.
 
     Actor paths are ``/``-joined names (``"tq/storage-0"``); a path is unique among live actors.
+    ``transport`` links the system to the other systems of a run (``Transport``; the remote
+    half's ``Mesh``); without one the system is local to its process.
     """
 
-    def __init__(self, *, shutdown_grace: float, kill_grace: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        shutdown_grace: float = 5.0,
+        kill_grace: float = 1.0,
+        name: str | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        for what, value in (("shutdown_grace", shutdown_grace), ("kill_grace", kill_grace)):
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
         self.shutdown_grace = shutdown_grace
         self.kill_grace = kill_grace
+        self._name = name if name is not None else default_system_name()
+        self._transport = transport
         self._cells: dict[str, ActorCell] = {}
         self._root: ActorCell | None = None
-        self._mesh: Mesh | None = None
 
     @property
-    def mesh(self) -> Mesh:
-        """How this system reaches the other systems of the run and they reach it."""
-        if self._mesh is None:
-            raise RuntimeError("the actor system is not running")
-        return self._mesh
+    def transport(self) -> Transport | None:
+        """How this system reaches the other systems of the run (``None``: it does not)."""
+        return self._transport
+
+    @property
+    def mesh(self) -> Transport:
+        """The transport, under the name the remote half gives it (its ``Mesh``).
+
+        Raises ``RuntimeError`` for a system without one. Code that needs the ``Mesh`` itself
+        uses ``asyncflow_actors.actors.remote.NodeSystem.mesh``.
+        """
+        if self._transport is None:
+            raise RuntimeError("this actor system has no transport (a local system)")
+        return self._transport
 
     @property
     def name(self) -> str:
         """This system's name in the run (how addresses of its actors name it)."""
-        return self.mesh.name
-
-    async def listen(
-        self,
-        bind: str | Sequence[str],
-        *,
-        curve: CurveServer | None = None,
-        authorized_keys: Sequence[bytes] | None = None,
-        insecure: bool = False,
-    ) -> list[str]:
-        """Listen on ``bind`` so that systems on other hosts can reach this one's actors.
-
-        A system listens on its own (ipc and loopback tcp) once it starts or connects a node;
-        call this first to be reachable from other hosts. Beyond loopback, ``curve`` (with
-        ``authorized_keys``, the Z85 public keys of the peers let in) is required, or
-        ``insecure=True`` for a trusted network (a warning is logged). Returns the endpoints.
-        """
-        return await self.mesh.listen(
-            bind, curve=curve, authorized_keys=authorized_keys, insecure=insecure
-        )
+        return self._transport.name if self._transport is not None else self._name
 
     @property
     def root(self) -> ActorRef[Any]:
@@ -106,7 +112,7 @@ class ActorSystem:
         top-level actor is ``TEMPORARY`` (not restarted; a crash is logged and reported to its
         watchers). Raises ``NameTakenError`` or ``ActorCrashed`` (it failed to start).
         """
-        size = mailbox_size if mailbox_size is not None else _class_mailbox(factory)
+        size = mailbox_size if mailbox_size is not None else default_mailbox_size(factory)
         spec = ChildSpec(factory, name, restart=restart, shutdown=shutdown, mailbox_size=size)
         ref: ActorRef[N] = await self.start_child(spec)
         return ref
@@ -119,76 +125,18 @@ class ActorSystem:
         """Stop a top-level actor for good."""
         await self.root.ask(StopChild(name))
 
-    async def start_node(
-        self,
-        name: str,
-        *,
-        allow: Sequence[str],
-        transport: Literal["ipc", "tcp", "inproc"] = "ipc",
-        host: str = "127.0.0.1",
-        env: Mapping[str, str] | None = None,
-        restart: Restart = Restart.PERMANENT,
-        options: NodeOptions | None = None,
-    ) -> Node:
-        """Start a node in a child process (``inproc``: in this process) and return its handle.
-
-        ``allow`` lists the module prefixes actors may be spawned from on it. The node is a
-        supervised child of the root (``PERMANENT``: restarted if it dies). See ``docs/remote.md``.
-        """
-        from .remote._launch import InProcessLauncher, SubprocessLauncher
-        from .remote._node import node_spec
-
-        launcher: Launcher
-        if transport == "inproc":
-            launcher = InProcessLauncher(tuple(allow))
-        else:
-            launcher = SubprocessLauncher(tuple(allow), transport=transport, host=host, env=env)
-        spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
-        return await self._start_node(spec)
-
-    async def connect_node(
-        self,
-        address: str,
-        *,
-        name: str,
-        curve: CurveClient | None = None,
-        restart: Restart = Restart.PERMANENT,
-        options: NodeOptions | None = None,
-    ) -> Node:
-        """Connect to a node started elsewhere (``python -m asyncflow_actors.node``)."""
-        from .remote._launch import ConnectLauncher
-        from .remote._node import node_spec
-
-        launcher = ConnectLauncher(address, curve)
-        spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
-        return await self._start_node(spec)
-
-    async def launch_node(
-        self,
-        name: str,
-        launcher: Launcher,
-        *,
-        restart: Restart = Restart.PERMANENT,
-        options: NodeOptions | None = None,
-    ) -> Node:
-        """Start a node with ``launcher`` (e.g. ``RayLauncher``, or one of your own) and return
-        its handle; supervised like ``start_node``'s."""
-        from .remote._node import node_spec
-
-        spec = node_spec(name, launcher, mesh=self.mesh, restart=restart, options=options)
-        return await self._start_node(spec)
-
-    async def _start_node(self, spec: ChildSpec) -> Node:
-        from .remote._node import GetNode
-
-        ref = await self.start_child(spec)
-        node: Node = await ref.ask(GetNode())
-        return node
-
     def whereis(self, path: str) -> ActorRef[Any] | None:
         """The live actor at ``path``, or ``None``."""
         cell = self._cells.get(path)
         return cell.ref if cell is not None else None
+
+    def lookup(self, path: str) -> ActorCell | None:
+        """The cell of the live actor at ``path`` (``""``: the root), or ``None``.
+
+        A hook for transports, which serve this system's actors to other systems; user code
+        uses ``whereis``.
+        """
+        return self._cells.get(path)
 
     def statistics(self) -> SystemStatistics:
         return SystemStatistics(tuple(cell.statistics() for cell in self._cells.values()))
@@ -208,7 +156,14 @@ class ActorSystem:
             raise NameTakenError(f"an actor named {path!r} is already running")
         if not (isinstance(mailbox_size, int) and mailbox_size >= 0) and mailbox_size != math.inf:
             raise ValueError(f"mailbox_size must be an int >= 0, got {mailbox_size!r}")
-        cell = ActorCell(self, path, mailbox_size=mailbox_size, parent=parent, shutdown=shutdown)
+        cell = ActorCell(
+            self,
+            path,
+            mailbox_size=mailbox_size,
+            parent=parent,
+            shutdown=shutdown,
+            ref=LocalActorRef,
+        )
         self._cells[path] = cell
         return cell
 
@@ -216,18 +171,90 @@ class ActorSystem:
         if self._cells.get(cell.path) is cell:
             del self._cells[cell.path]
 
+    @asynccontextmanager
+    async def run(
+        self, *, strategy: Strategy | None = None, handle_signals: bool = True
+    ) -> AsyncIterator[None]:
+        """Run the system (its transport, then its root supervisor) for the ``async with`` block.
+
+        See ``open_local_actor_system``, which makes a system and runs it, for what leaving the
+        block does. A system runs once.
+        """
+        transport = self._transport
+        root = ActorCell(
+            self, "", mailbox_size=math.inf, parent=None, shutdown=None, ref=LocalActorRef
+        )
+        chosen = strategy if strategy is not None else OneForOne()
+
+        # The actors run shielded from cancellation of the caller: cancelling the ``async with``
+        # block from outside must still stop them gracefully (their ``on_stop`` may have
+        # processes to reap), within their shutdown graces. Only the block's own body sees the
+        # cancellation.
+        tree_scope = trio.CancelScope(shield=True)
+
+        async def run_root(task_status: trio.TaskStatus[BaseException | None]) -> None:
+            with tree_scope:
+                exit = await root.run(
+                    lambda: Supervisor((), chosen), context=new_context, task_status=task_status
+                )
+            root.terminate(exit.error)
+            if exit.error is not None and not exit.start_failed and not exit.killed:
+                raise exit.error  # the root failed (a kill during the stop was logged already)
+
+        signals: list[int] = []
+        block = trio.CancelScope()
+
+        async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as received:
+                task_status.started()
+                async for signum in received:
+                    signals.append(signum)
+                    block.cancel()  # leave the block: the finally below stops everything cleanly
+                    return
+
+        # The transport (sockets to other systems) outlives the actors: their on_stop may still
+        # talk.
+        async with contextlib.AsyncExitStack() as stack:
+            if transport is not None:
+                await stack.enter_async_context(transport.run())
+            async with trio.open_nursery() as nursery:
+                if handle_signals and threading.current_thread() is threading.main_thread():
+                    await nursery.start(watch_signals, name="actor-system:signals")
+                error = await nursery.start(run_root, name="actor:<root>")
+                if error is not None:
+                    raise error
+                self._root = root
+                try:
+                    with block:
+                        yield
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await root.stop()
+                    tree_scope.cancel()
+                    self._root = None
+                    nursery.cancel_scope.cancel()  # the signal watcher
+        if signals:
+            raise SystemExit(128 + signals[0])
+
+
+def default_system_name() -> str:
+    """A system's name when none is given: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 @asynccontextmanager
-async def open_actor_system(
+async def open_local_actor_system(
     *,
     strategy: Strategy | None = None,
     shutdown_grace: float = 5.0,
     kill_grace: float = 1.0,
     name: str | None = None,
-    node_options: NodeOptions | None = None,
     handle_signals: bool = True,
 ) -> AsyncIterator[ActorSystem]:
-    """Run an actor system for the duration of the ``async with`` block.
+    """Run an actor system local to this process for the duration of the ``async with`` block.
+
+    ``asyncflow_actors.open_actor_system`` is the same with the remote half's transport: a
+    system that can start nodes and whose refs can travel to other processes.
 
     ``strategy`` is the root supervisor's (default ``OneForOne()``); ``shutdown_grace`` the
     default grace of a stopping actor and ``kill_grace`` the time ``on_stop`` still gets after
@@ -236,66 +263,12 @@ async def open_actor_system(
     bounded by the sum of the graces whatever an actor is stuck in. If the root supervisor
     fails (its restart intensity exceeded), the block is cancelled and ``SupervisorFailed``
     surfaces from the ``async with`` inside an ``ExceptionGroup`` (trio's strict groups).
-
-    ``name`` names the system in the run (default ``host:pid``); ``node_options`` time the
-    links it opens to other systems (``docs/remote.md``).
+    ``name`` names the system (default ``host:pid``).
 
     With ``handle_signals`` (the default; only in the main thread), SIGTERM stops the system as
-    leaving the block does — node processes stopped, their sockets and files removed — and
-    then raises ``SystemExit(143)``; SIGINT raises ``KeyboardInterrupt`` in the block as usual,
-    which leaves it the same clean way.
+    leaving the block does and then raises ``SystemExit(143)``; SIGINT raises
+    ``KeyboardInterrupt`` in the block as usual, which leaves it the same clean way.
     """
-    from .remote._launch import NodeOptions as _NodeOptions
-    from .remote._mesh import Mesh
-
-    for what, value in (("shutdown_grace", shutdown_grace), ("kill_grace", kill_grace)):
-        if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
-            raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
-    system = ActorSystem(shutdown_grace=shutdown_grace, kill_grace=kill_grace)
-    mesh = Mesh(system, name, node_options if node_options is not None else _NodeOptions())
-    root = ActorCell(system, "", mailbox_size=math.inf, parent=None, shutdown=None)
-    chosen = strategy if strategy is not None else OneForOne()
-
-    # The actors run shielded from cancellation of the caller: cancelling the ``async with``
-    # block from outside must still stop them gracefully (their ``on_stop`` may have processes
-    # to reap), within their shutdown graces. Only the block's own body sees the cancellation.
-    tree_scope = trio.CancelScope(shield=True)
-
-    async def run_root(task_status: trio.TaskStatus[BaseException | None]) -> None:
-        with tree_scope:
-            exit = await root.run(lambda: Supervisor((), chosen), task_status=task_status)
-        root.terminate(exit.error)
-        if exit.error is not None and not exit.start_failed and not exit.killed:
-            raise exit.error  # the root failed (a kill during the stop was logged already)
-
-    signals: list[int] = []
-    block = trio.CancelScope()
-
-    async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM) as received:
-            task_status.started()
-            async for signum in received:
-                signals.append(signum)
-                block.cancel()  # leave the block: the finally below stops everything cleanly
-                return
-
-    # The mesh (sockets to other systems) outlives the actors: their on_stop may still talk.
-    async with mesh.run(), trio.open_nursery() as nursery:
-        system._mesh = mesh
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            await nursery.start(watch_signals, name="actor-system:signals")
-        error = await nursery.start(run_root, name="actor:<root>")
-        if error is not None:
-            raise error
-        system._root = root
-        try:
-            with block:
-                yield system
-        finally:
-            with trio.CancelScope(shield=True):
-                await root.stop()
-            tree_scope.cancel()
-            system._root = None
-            nursery.cancel_scope.cancel()  # the signal watcher
-    if signals:
-        raise SystemExit(128 + signals[0])
+    system = ActorSystem(shutdown_grace=shutdown_grace, kill_grace=kill_grace, name=name)
+    async with system.run(strategy=strategy, handle_signals=handle_signals):
+        yield system

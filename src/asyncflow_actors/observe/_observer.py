@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import ActorCrashed, ActorRef, ActorSystem, Node, Restart, WireError
+from ..actors import ActorCrashed, ActorRef, ActorSystem, Restart
+from ..actors.remote import Node, WireError
 from ..transfer_queue import FlowControl, TransferQueueClient
 from ._agent import AGENT_TARGET, Collect, Collected, collect_local
 from ._config import ObserveConfig

@@ -23,7 +23,8 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import Actor, ActorContext, ActorCrashed, ActorRef, ActorSystem, Node, Request
+from ..actors import Actor, ActorContext, ActorCrashed, ActorRef, ActorSystem, Request
+from ..actors.remote import Node
 from ..transfer_queue import (
     WHOLE_GROUPS,
     FlowControl,

@@ -19,11 +19,10 @@ from ..actors import (
     ActorContext,
     ActorCrashed,
     ActorRef,
-    ActorSystem,
-    Node,
     Restart,
     Terminated,
 )
+from ..actors.remote import Node, NodeSystem
 from ..roles.preload import Preload
 from ._config import DRIVER, PipelineConfig
 
@@ -59,7 +58,7 @@ class Watcher(Actor[Terminated]):
 class Placement:
     """The nodes of one run, and spawning role actors wherever the config puts them."""
 
-    def __init__(self, system: ActorSystem, config: PipelineConfig, suffix: str) -> None:
+    def __init__(self, system: NodeSystem, config: PipelineConfig, suffix: str) -> None:
         self.system = system
         self.config = config
         self.suffix = suffix

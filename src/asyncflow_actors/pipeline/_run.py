@@ -26,7 +26,8 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import ActorRef, ActorSystem, Node, Restart, open_actor_system
+from ..actors import ActorRef, ActorSystem, Restart
+from ..actors.remote import Node, NodeSystem, open_actor_system
 from ..observe import GraphEdge, ObserveConfig, Observer, open_observer
 from ..roles import (
     ActorForward,
@@ -103,7 +104,7 @@ OnStep = Callable[[StepRecord], Awaitable[None] | None]
 async def run_pipeline(
     config: PipelineConfig,
     *,
-    system: ActorSystem | None = None,
+    system: NodeSystem | None = None,
     resume: str | None = None,
     on_step: OnStep | None = None,
 ) -> PipelineResult:
@@ -167,7 +168,7 @@ class Pipeline:
 
 @asynccontextmanager
 async def open_pipeline(
-    system: ActorSystem,
+    system: NodeSystem,
     config: PipelineConfig,
     *,
     resume: str | None = None,

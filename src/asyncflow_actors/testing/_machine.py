@@ -43,7 +43,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine
 from hypothesis.strategies import DataObject, SearchStrategy
 
-from ..actors import ActorSystem, Strategy, open_actor_system
+from ..actors import Strategy
+from ..actors.remote import NodeSystem, open_actor_system
 from ._harness import TrioThread
 
 P = ParamSpec("P")
@@ -172,7 +173,7 @@ class ActorMachine(TrioStateMachine):
 
     strategy: ClassVar[Strategy | None] = None
     shutdown_grace: ClassVar[float] = 5.0
-    system: ActorSystem
+    system: NodeSystem
 
     async def setup(self, stack: contextlib.AsyncExitStack) -> None:
         self.system = await stack.enter_async_context(

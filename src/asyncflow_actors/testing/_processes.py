@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 import attrs
 import trio
 
-from ..actors import Node
+from ..actors.remote import Node
 
 
 def alive(pid: int) -> bool:

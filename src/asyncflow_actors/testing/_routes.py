@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ..actors import Actor, ActorContext, Request
+from ..actors.remote import mesh_of
 
 if TYPE_CHECKING:
-    from ..actors import ActorSystem
+    from ..actors.remote import NodeSystem
     from ._proxy import LinkProxy
 
 Route = Callable[[str, str], str]
@@ -27,7 +28,7 @@ Route = Callable[[str, str], str]
 
 @contextlib.contextmanager
 def route_through(
-    system: ActorSystem, proxy: LinkProxy, *, peers: Collection[str] | None = None
+    system: NodeSystem, proxy: LinkProxy, *, peers: Collection[str] | None = None
 ) -> Iterator[None]:
     """Links ``system`` opens in the block to ``peers`` (names; ``None``: every peer) connect
     through ``proxy`` (an address of it per endpoint, ``proxy.relay``); the hook in place
@@ -78,7 +79,7 @@ class RouteLinks(Actor[Routes]):
         self._route: Route | None = None
 
     async def on_start(self, ctx: ActorContext[Routes]) -> None:
-        mesh = ctx.system.mesh
+        mesh = mesh_of(ctx.system)
         self._previous = previous = mesh.route
         self._route = mesh.route = _fixed(self.routes, previous)
 
@@ -86,7 +87,7 @@ class RouteLinks(Actor[Routes]):
         return dict(self.routes)
 
     async def on_stop(self, ctx: ActorContext[Routes], error: BaseException | None) -> None:
-        mesh = ctx.system.mesh
+        mesh = mesh_of(ctx.system)
         if mesh.route is self._route:
             mesh.route = self._previous
 

@@ -132,34 +132,6 @@ class SubprocessLauncher:
 
 
 @attrs.frozen
-class InProcessLauncher:
-    """Serve the node from a task of this process over ``inproc://`` (tests, benchmarks).
-
-    It has its own actor system; messages still cross the wire format and flow control.
-    """
-
-    allow: tuple[str, ...] = attrs.field(converter=_str_tuple)
-
-    async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
-        from ._node import serve_node
-
-        bind = f"inproc://afa-node-{name}-{id(ctx)}"
-        token = secrets.token_hex(16)
-        endpoints: list[str] = await ctx.start(
-            lambda task_status: serve_node(
-                bind,
-                allow=self.allow,
-                name=name,
-                max_message_bytes=options.max_message_bytes,
-                owner_token=token,
-                options=options,
-                task_status=task_status,
-            )
-        )
-        return Launched(endpoints[0], in_process=True, owner_token=token)
-
-
-@attrs.frozen
 class ConnectLauncher:
     """Connect to a node started by hand (``python -m asyncflow_actors.node --bind ...``).
 

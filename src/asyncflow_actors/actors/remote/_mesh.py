@@ -1,6 +1,7 @@
 """``Mesh``: how one actor system reaches every other system of a run, and they reach it.
 
-Each system has a mesh (``system.mesh``). It names the system (``name``, and an ``incarnation``
+Each system opened by ``open_actor_system`` has a mesh (``system.mesh``): it is the system's
+``Transport`` (``actors._transport``). It names the system (``name``, and an ``incarnation``
 that is new at every start), listens on a ROUTER socket (its ``NodeServer``) so that any peer can
 reach any of its actors, and keeps one ``Peer`` per other system it talks to, with a link opened
 lazily on first use. Refs travel inside messages as ``ActorAddress``es: ``address_of`` names a
@@ -32,6 +33,7 @@ import zmq
 
 from .._errors import ActorCrashed
 from .._ref import ActorRef, DeadActorRef, LocalActorRef
+from .._system import default_system_name
 from . import _protocol as P
 from ._address import ActorAddress
 from ._curve import CurveClient, CurveServer, ZapAuthenticator, open_zap_authenticator
@@ -48,10 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncflow_actors.node")
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-def default_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def heartbeat_options(options: NodeOptions) -> dict[int, int]:
@@ -107,7 +105,7 @@ class Mesh:
 
     def __init__(self, system: ActorSystem, name: str | None, options: NodeOptions) -> None:
         self.system = system
-        self.name = name if name is not None else default_name()
+        self.name = name if name is not None else default_system_name()
         self.incarnation = secrets.randbits(62)
         self.session = secrets.token_hex(16)
         self.options = options
@@ -251,7 +249,7 @@ class Mesh:
                     f"system {self.name!r} does not listen: refs to its actors cannot leave "
                     "it (it listens once it starts or connects a node, or after listen())"
                 )
-            cell = ref._cell
+            cell = ref.cell
             return ActorAddress(self.name, cell.path, self.endpoints, self.incarnation, cell.token)
         if isinstance(ref, RemoteActorRef):
             peer = ref._node
@@ -264,7 +262,7 @@ class Mesh:
     def resolve(self, address: ActorAddress) -> ActorRef[Any]:
         """A ref that works here for ``address`` (no I/O: links open on first use)."""
         if address.node == self.name:
-            cell = self.system._cells.get(address.path)
+            cell = self.system.lookup(address.path)
             if cell is None or not cell.path:
                 return DeadActorRef(f"{self.name}/{address.path}")
             return cell.ref
@@ -323,6 +321,11 @@ class Mesh:
                 continue
             with trio.move_on_after(self.options.connect_timeout), contextlib.suppress(Exception):
                 await link.request(P.PEERS, update)
+
+    def broadcast_soon(self, update: P.PeerUpdate, skip: str) -> None:
+        """``broadcast`` from a task of the mesh (nothing once the system is closed)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self.broadcast, update, skip)
 
     def hello(self, owner_token: str = "") -> P.Hello:
         return P.Hello(self.name, self.incarnation, self.endpoints, self.session, owner_token)

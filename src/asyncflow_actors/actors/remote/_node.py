@@ -1,4 +1,4 @@
-"""Nodes seen from a system: start or connect one, spawn actors on it, supervise it; serve one.
+"""Nodes seen from a system: start or connect one, spawn actors on it, supervise it.
 
 A node is an actor system in another process (or host) that hosts actors for others. Locally
 each node this system started or connected is represented by a ``NodeActor``: it launches (or
@@ -17,26 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import attrs
 import trio
-import zmq
 
 from .._actor import Actor, ActorContext, accepted_message_types
 from .._cell import Reply
 from .._errors import ActorCrashed
 from .._message import Request
-from .._supervisor import ChildSpec, OneForOne, Restart, Strategy
+from .._supervisor import ChildSpec, Restart
 from . import _protocol as P
-from ._curve import CurveServer
 from ._launch import Launched, Launcher, NodeOptions
 from ._link import NodeLink
 from ._peer import Peer
 from ._ref import RemoteActorRef
-from ._server import DEFAULT_MAX_MESSAGE_BYTES
 from ._typeinfo import register_actor_types, register_value_types
 
 M = TypeVar("M")
@@ -76,9 +72,9 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         return _stop_budget(self.options)
 
     async def on_start(self, ctx: ActorContext[SpawnRemote | GetNode]) -> None:
-        if self.peer.cell is not ctx._cell:
-            self.peer.cell = ctx._cell
-            ctx._cell.on_terminate.append(self._terminated)
+        if self.peer.cell is not ctx.cell:
+            self.peer.cell = ctx.cell
+            ctx.cell.on_terminate.append(self._terminated)
         try:
             await self._start(ctx)
         except BaseException:
@@ -90,10 +86,8 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
 
     def _terminated(self) -> None:
         self.peer.node_terminated()
-        mesh = self.peer.mesh
-        if mesh._nursery is not None:
-            update = P.PeerUpdate(self.peer.name, self.peer.incarnation, (), up=False)
-            mesh._nursery.start_soon(mesh.broadcast, update, self.peer.name)
+        update = P.PeerUpdate(self.peer.name, self.peer.incarnation, (), up=False)
+        self.peer.mesh.broadcast_soon(update, self.peer.name)
 
     async def _start(self, ctx: ActorContext[SpawnRemote | GetNode]) -> None:
         peer = self.peer
@@ -339,49 +333,3 @@ def node_spec(
     return ChildSpec(
         factory, name, restart=restart, mailbox_size=NodeActor.mailbox_size, shutdown=grace
     )
-
-
-async def serve_node(
-    bind: str | Sequence[str],
-    *,
-    allow: Sequence[str],
-    name: str | None = None,
-    curve: CurveServer | None = None,
-    authorized_keys: Sequence[bytes] | None = None,
-    insecure: bool = False,
-    strategy: Strategy | None = None,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    peer_timeout: float = math.inf,
-    owner_token: str = "",
-    options: NodeOptions | None = None,
-    context: zmq.Context[Any] | None = None,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run a node until its owner asks it to shut down (or the caller cancels it).
-
-    ``bind``: endpoints (``tcp://127.0.0.1:*`` picks a port); ``task_status.started`` reports the
-    resolved ones. ``allow``: module prefixes actors may be spawned from. ``curve`` requires
-    CURVE and ``authorized_keys`` (Z85 public keys) lists the clients let in; binding beyond
-    loopback without CURVE needs ``insecure=True``. ``peer_timeout``: stop a session's actors once
-    all its connections have been gone that long. ``owner_token``: the secret of the process
-    allowed to shut the node down (its launcher).
-    """
-    from .._system import open_actor_system
-
-    chosen = strategy if strategy is not None else OneForOne(max_restarts=3, within=5.0)
-    shutdown = trio.Event()
-    async with open_actor_system(name=name, strategy=chosen, node_options=options) as system:
-        endpoints = await system.mesh.listen(
-            bind,
-            allow=allow,
-            curve=curve,
-            authorized_keys=authorized_keys,
-            insecure=insecure,
-            max_message_bytes=max_message_bytes,
-            peer_timeout=peer_timeout,
-            owner_token=owner_token,
-            on_shutdown=shutdown.set,
-            context=context,
-        )
-        task_status.started(endpoints)
-        await shutdown.wait()

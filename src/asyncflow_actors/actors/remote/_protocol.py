@@ -36,7 +36,7 @@ from typing import Any, Final
 import attrs
 
 from .._cell import ActorState, ActorStatistics
-from .._errors import ActorCrashed, ActorError
+from .._errors import ActorCrashed, ActorError, RemoteError
 from ._wire import MessageRegistry
 
 HELLO: Final = "hello"
@@ -58,22 +58,6 @@ OK: Final = "ok"
 ERR: Final = "err"
 
 PROTOCOL_VERSION: Final = 2
-
-
-class RemoteError(ActorError):
-    """An exception raised on a node whose type this process does not know (or cannot build).
-
-    ``type_name`` is the remote ``module:qualname``; ``remote_traceback`` the formatted trace.
-    """
-
-    def __init__(self, type_name: str, message: str, remote_traceback: str = "") -> None:
-        self.type_name = type_name
-        self.message = message
-        self.remote_traceback = remote_traceback
-        super().__init__(f"{type_name}: {message}")
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.type_name, self.message, self.remote_traceback))
 
 
 class NodeLost(ActorError):

@@ -40,6 +40,7 @@ from . import _protocol as P
 from ._curve import CurveClient, CurveKeypair, CurveServer, curve_keypair
 from ._launch import Launched, NodeOptions, _str_tuple
 from ._mesh import Mesh, is_loopback
+from ._system import mesh_of
 
 log = logging.getLogger("asyncflow_actors.node")
 
@@ -136,7 +137,7 @@ class RayLauncher:
     async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
         import ray
 
-        mesh = ctx.system.mesh
+        mesh = mesh_of(ctx.system)
         host = await trio.to_thread.run_sync(ray.util.get_node_ip_address)
         keypair = await _prepare_driver(mesh, host, insecure=self.insecure)
         token = secrets.token_hex(16)
@@ -341,7 +342,7 @@ class _RayNode:
 
         ray_util: Any = ray.util  # (not fully typed)
 
-        from ._node import serve_node
+        from ._system import serve_node
 
         curve = None
         authorized = None

@@ -34,7 +34,7 @@ import outcome
 import trio
 import zmq
 
-from .._actor import _class_mailbox
+from .._actor import default_mailbox_size
 from .._cell import ActorCell, Reply
 from .._errors import ActorCrashed, ActorError, NameTakenError
 from .._ref import LocalActorRef
@@ -364,7 +364,7 @@ class NodeServer:
                     await served.ref.send(msg)
                 else:
                     reply = self._reply_slot(served, peer, corr)
-                    await served.ref._enqueue_ask(msg, reply)  # type: ignore[arg-type]
+                    await served.ref.enqueue_ask(msg, reply)
             except (ActorError, TypeError) as exc:
                 if kind == P.ASK:
                     self._reply_error(peer, corr, exc, served.path)
@@ -381,7 +381,7 @@ class NodeServer:
                 served.ref.send_nowait(msg)
             else:
                 reply = self._reply_slot(served, peer, corr)
-                served.ref._enqueue_ask_nowait(msg, reply)  # type: ignore[arg-type]
+                served.ref.enqueue_ask_nowait(msg, reply)
         except (ActorError, TypeError) as exc:
             if kind == P.ASK:
                 self._reply_error(peer, corr, exc, served.path)
@@ -440,7 +440,7 @@ class NodeServer:
     ) -> _Served:
         """Start serving a local actor to peers (idempotent): its inbox, forwarder and watch."""
         served = self.served.get(cell.path)
-        if served is not None and served.ref._cell is cell:
+        if served is not None and served.ref.cell is cell:
             return served
         actor_cls = type(cell.actor) if cell.actor is not None else None
         if actor_cls is not None:
@@ -464,13 +464,13 @@ class NodeServer:
     def _actor_info(self, served: _Served, *, token: bool) -> P.ActorInfo:
         """What a sender needs; the stop token only for the actor's spawner (a capability:
         others get it only inside a ref that someone holding it chose to send)."""
-        cell = served.ref._cell
+        cell = served.ref.cell
         actor_cls = type(cell.actor) if cell.actor is not None else None
         accepts = register_actor_types(self.registry, actor_cls) if actor_cls is not None else ()
         return P.ActorInfo(served.path, accepts, served.capacity, cell.token if token else "")
 
     def _resolve(self, peer: bytes, corr: int, target: object) -> None:
-        cell = self.system._cells.get(target) if isinstance(target, str) else None
+        cell = self.system.lookup(target) if isinstance(target, str) else None
         if cell is None or not cell.path:
             error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
             self._reply_error(peer, corr, error, str(target))
@@ -508,7 +508,7 @@ class NodeServer:
                 restart=Restart(request.restart),
                 mailbox_size=request.mailbox_size
                 if request.mailbox_size is not None
-                else _class_mailbox(cls),
+                else default_mailbox_size(cls),
             )
         except (
             SpawnRefused,
@@ -523,12 +523,12 @@ class NodeServer:
             self._reply_error(peer, corr, exc, request.name)
             return
         assert isinstance(ref, LocalActorRef)
-        served = self.serve_actor(ref._cell, spawner=state.session)
+        served = self.serve_actor(ref.cell, spawner=state.session)
         served.windows[peer] = _Window()
         self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served, token=True))
 
     async def _watch(self, served: _Served) -> None:
-        cell = served.ref._cell
+        cell = served.ref.cell
         await cell.terminated.wait()
         if self.served.get(served.path) is served:
             del self.served[served.path]
@@ -548,7 +548,7 @@ class NodeServer:
                 or (
                     isinstance(token, str)
                     and bool(token)
-                    and secrets.compare_digest(token, served.ref._cell.token)
+                    and secrets.compare_digest(token, served.ref.cell.token)
                 )
             )
             if not allowed:
