@@ -23,8 +23,6 @@ import attrs
 import trio
 
 from . import _shm
-from ._client import TransferQueueClient
-from ._controller import Controller, ControllerShared
 from ._errors import SchemaError
 from ._runtime import (
     ActorRef,
@@ -40,7 +38,9 @@ from ._runtime import (
     node_spec,
 )
 from ._spec import TopicSpec, topic_specs_from_dict
-from ._storage import StorageUnit
+from .client._client import TransferQueueClient
+from .controller._controller import Controller, ControllerShared
+from .storage._unit import StorageUnit
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
-from ._topic import Topic
+from .state._topic import Topic
 
 
 @attrs.frozen

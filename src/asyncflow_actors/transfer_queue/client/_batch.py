@@ -22,10 +22,10 @@ from typing import Any
 
 import attrs
 
-from ._errors import SchemaError
-from ._results import Lease
-from ._runtime import RawTensor
-from ._spec import ColumnSpec, TopicSpec
+from .._errors import SchemaError
+from .._results import Lease
+from .._runtime import RawTensor
+from .._spec import ColumnSpec, TopicSpec
 
 
 def torch_module() -> Any:

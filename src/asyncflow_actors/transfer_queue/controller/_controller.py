@@ -25,17 +25,17 @@ from typing import Any
 import attrs
 import trio
 
-from . import _messages as M
-from . import _unit_messages as U
+from .. import _messages as M
+from .. import _unit_messages as U
+from .._errors import TransferQueueError, UnknownSample
+from .._located import Locations
+from .._results import Allocation, GroupSlot, Lease, Update
+from .._runtime import Actor, ActorContext, ActorRef, Reply, Request
+from .._spec import TopicSpec
+from ..state._state import ControllerState
 from . import _units
 from ._delivery import Delivered, Delivery
-from ._errors import TransferQueueError, UnknownSample
-from ._located import Locations
 from ._recovery import Recovery, UnitSeen
-from ._results import Allocation, GroupSlot, Lease, Update
-from ._runtime import Actor, ActorContext, ActorRef, Reply, Request
-from ._spec import TopicSpec
-from ._state import ControllerState
 from ._waiters import ClaimQueues, EventLog, EventWaiters, WaitingClaim
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")

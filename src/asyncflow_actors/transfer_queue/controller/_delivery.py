@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from . import _messages as M
-from . import _unit_messages as U
+from .. import _messages as M
+from .. import _unit_messages as U
+from .._errors import TransferQueueError
+from .._results import Update
+from .._runtime import ActorContext, Reply
+from ..state._state import ControllerState
 from . import _units
-from ._errors import TransferQueueError
-from ._results import Update
-from ._runtime import ActorContext, Reply
-from ._state import ControllerState
 
 if TYPE_CHECKING:
     from ._controller import ControllerShared

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from . import _unit_messages as U
+from .. import _unit_messages as U
+from .._errors import TransferQueueError, UnknownSample
+from .._located import Locations
+from .._results import Loss, Update
+from .._runtime import ActorContext, ActorCrashed
+from ..state._inventory import Inventory, TopicRecord
+from ..state._state import ControllerState
 from . import _units
-from ._errors import TransferQueueError, UnknownSample
-from ._inventory import Inventory, TopicRecord
-from ._located import Locations
-from ._results import Loss, Update
-from ._runtime import ActorContext, ActorCrashed
-from ._state import ControllerState
 
 if TYPE_CHECKING:
     from ._controller import ControllerShared

@@ -19,10 +19,9 @@ from typing import Any
 
 import trio
 
-from ._errors import TransferQueueError
-from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._runtime import ActorCrashed, ActorRef, Reply
-from ._unit_messages import (
+from .._errors import TransferQueueError
+from .._runtime import ActorCrashed, ActorRef, Reply
+from .._unit_messages import (
     Delete,
     FreeSegment,
     GetToken,
@@ -31,6 +30,7 @@ from ._unit_messages import (
     UnitBatch,
     UnitInventory,
 )
+from ..state._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
 
 MAX_BATCH = 4096  # bookkeeping items per UnitBatch
 

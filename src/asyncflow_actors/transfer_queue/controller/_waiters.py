@@ -16,8 +16,8 @@ from collections.abc import Callable, Hashable
 
 import attrs
 
-from . import _messages as M
-from ._runtime import Reply
+from .. import _messages as M
+from .._runtime import Reply
 
 
 @attrs.define(eq=False)

@@ -14,9 +14,9 @@ from collections.abc import Hashable
 import attrs
 import numpy as np
 
-from ._errors import ShareMismatch, UnknownLease
-from ._results import Lease
-from ._samplers import (
+from .._errors import ShareMismatch, UnknownLease
+from .._results import Lease
+from .._samplers import (
     MAX_SKIPPED_GROUPS,
     Balanced,
     Sampler,

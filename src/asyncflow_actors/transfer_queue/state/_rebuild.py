@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._errors import InventoryError, TransferQueueError
+from .._errors import InventoryError, TransferQueueError
+from .._results import Loss, LostSamples, Update
+from .._spec import TopicSpec
 from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._results import Loss, LostSamples, Update
-from ._spec import TopicSpec
 from ._topic import Effects, Topic
 
 if TYPE_CHECKING:

@@ -18,19 +18,19 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-from ._check import finite_time, holder_name, int_at_least
-from ._errors import (
+from .._errors import (
     InvalidArgument,
     SchemaError,
     StaleVersionError,
     UnknownUnit,
 )
+from .._results import Lease, Loss, Update
+from .._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
+from .._spec import TopicSpec
+from .._stats import StateStatistics, topic_statistics
+from ._check import finite_time, holder_name, int_at_least
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
-from ._results import Lease, Loss, Update
-from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
-from ._spec import TopicSpec
-from ._stats import StateStatistics, topic_statistics
 from ._table import Ints
 from ._topic import Effects, Topic
 from ._writes import Writes

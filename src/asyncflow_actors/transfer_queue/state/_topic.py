@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
-from ._results import STALE, Abandoned, Eviction, Release, Update
-from ._spec import TopicSpec
+from .._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
+from .._results import STALE, Abandoned, Eviction, Release, Update
+from .._spec import TopicSpec
 from ._table import (
     Bools,
     Index,

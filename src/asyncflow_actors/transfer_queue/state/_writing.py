@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _table
-from ._check import byte_sizes, finite_time, holder_name, int_at_least
-from ._errors import (
+from .._errors import (
     CapacityError,
     GroupError,
     InvalidArgument,
@@ -28,8 +26,10 @@ from ._errors import (
     UnknownTopic,
     about_group,
 )
+from .._results import Allocation, GroupSlot, Update
+from . import _table
+from ._check import byte_sizes, finite_time, holder_name, int_at_least
 from ._placement import least_loaded
-from ._results import Allocation, GroupSlot, Update
 from ._table import Ints, rows_of
 from ._topic import Effects, Topic
 from ._writes import Writes

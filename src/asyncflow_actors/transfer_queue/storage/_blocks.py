@@ -25,10 +25,10 @@ import math
 import sys
 from typing import Any
 
-from . import _shm
-from ._batch import is_tensor as is_torch_tensor
-from ._runtime import RawTensor, itemsize
-from ._unit_messages import ShmBody, UnitError
+from .. import _shm
+from .._runtime import RawTensor, itemsize
+from .._unit_messages import ShmBody, UnitError
+from ..client._batch import is_tensor as is_torch_tensor
 
 COMPACT_MIN = 64 * 1024  # blocks holding fewer bytes are never compacted
 

@@ -1,0 +1,5 @@
+"""The TransferQueue's client: puts, gets, located reads and the I/O to storage units.
+
+It speaks the controller's and the units' protocols (``_messages``, ``_unit_messages``) and
+knows neither's internals.
+"""

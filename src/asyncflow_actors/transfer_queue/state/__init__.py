@@ -1,0 +1,6 @@
+"""The TransferQueue's control state: pure, deterministic, sans-I/O.
+
+Tables, topics, leases, writes and samplers' selection, the rebuild from inventories and the
+statistics: everything the controller decides, with no actor, no clock of its own and no I/O
+(time is an argument). It imports only the shared value modules at the package root.
+"""
