@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from asyncflow_actors.transfer_queue import StorageUnavailable
-from asyncflow_actors.transfer_queue._located import Located, Locations, locate
+from asyncflow_actors.transfer_queue._located import Located, locate
 from asyncflow_actors.transfer_queue._unit_messages import ShmBody
+from asyncflow_actors.transfer_queue.controller._locations import Locations
 
 
 def test_parts_read_like_a_fetch_and_go_with_releases_rewrites_and_losses() -> None:

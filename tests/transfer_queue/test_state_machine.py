@@ -40,8 +40,8 @@ from asyncflow_actors.transfer_queue import (
     UnknownLease,
     UnknownSample,
     Update,
-    _table,
 )
+from asyncflow_actors.transfer_queue.state import _table
 
 from .model import (
     COLUMN_SETS,

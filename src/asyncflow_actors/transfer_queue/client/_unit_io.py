@@ -23,6 +23,7 @@ from .. import _shm
 from .._errors import StorageUnavailable, TransferQueueError
 from .._located import Located, locate
 from .._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
+from .._tensors import dtype_name, is_tensor, torch_module
 from .._unit_messages import (
     Delete,
     Fetch,
@@ -36,7 +37,7 @@ from .._unit_messages import (
     StoreGroups,
     UnitError,
 )
-from ._batch import dtype_name, is_tensor, take, torch_module
+from ._batch import take
 from ._filler import Filler
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread

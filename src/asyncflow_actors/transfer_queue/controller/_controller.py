@@ -28,13 +28,13 @@ import trio
 from .. import _messages as M
 from .. import _unit_messages as U
 from .._errors import TransferQueueError, UnknownSample
-from .._located import Locations
 from .._results import Allocation, GroupSlot, Lease, Update
 from .._runtime import Actor, ActorContext, ActorRef, Reply, Request
 from .._spec import TopicSpec
 from ..state._state import ControllerState
 from . import _units
 from ._delivery import Delivered, Delivery
+from ._locations import Locations
 from ._recovery import Recovery, UnitSeen
 from ._waiters import ClaimQueues, EventLog, EventWaiters, WaitingClaim
 

@@ -18,12 +18,12 @@ import trio
 
 from .. import _unit_messages as U
 from .._errors import TransferQueueError, UnknownSample
-from .._located import Locations
 from .._results import Loss, Update
 from .._runtime import ActorContext, ActorCrashed
 from ..state._inventory import Inventory, TopicRecord
 from ..state._state import ControllerState
 from . import _units
+from ._locations import Locations
 
 if TYPE_CHECKING:
     from ._controller import ControllerShared

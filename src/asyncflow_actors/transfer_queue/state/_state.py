@@ -27,10 +27,12 @@ from .._errors import (
 from .._results import Lease, Loss, Update
 from .._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from .._spec import TopicSpec
-from .._stats import StateStatistics, topic_statistics
+from .._stats import StateStatistics
 from ._check import finite_time, holder_name, int_at_least
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
+from ._rebuild import Parts, export_inventory, group_records, rebuild, storage_lost
+from ._statistics import topic_statistics
 from ._table import Ints
 from ._topic import Effects, Topic
 from ._writes import Writes
@@ -135,9 +137,7 @@ class ControllerState(Writing):
         """Records of the live *explicit* groups among ``group_ids`` (opened with
         :meth:`open_group`) as storage units keep them: ``allocated`` counts committed members
         only, so a rebuild gives uncommitted members' slots back to their writer."""
-        from ._rebuild import group_records
-
-        return group_records(self, self._topic(topic), group_ids)
+        return group_records(self._units, self._topic(topic), group_ids)
 
     def topic_record(self, topic: str) -> TopicRecord:
         """The topic's latest version and id watermarks (what units keep for a rebuild)."""
@@ -306,9 +306,7 @@ class ControllerState(Writing):
         u = self._unit_ix.get(unit) if isinstance(unit, str) else None
         if u is None:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
-        from ._rebuild import storage_lost
-
-        return storage_lost(self, unit, u)
+        return storage_lost(self._parts(), unit, u)
 
     # -- inventory -----------------------------------------------------------------------------
 
@@ -317,9 +315,7 @@ class ControllerState(Writing):
         what :meth:`from_inventory` rebuilds from. Raises :class:`UnknownUnit`."""
         if unit is not None and unit not in self._unit_ix:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
-        from ._rebuild import export_inventory
-
-        return export_inventory(self, unit)
+        return export_inventory(self._parts(), unit)
 
     @classmethod
     def from_inventory(
@@ -342,13 +338,14 @@ class ControllerState(Writing):
         ``now`` they and open groups' unfilled slots expire ``write_ttl`` from ``now``. Raises
         :class:`InventoryError` for inconsistent records.
         """
-        from ._rebuild import rebuild
+        state = cls(specs, units, epoch=epoch)
+        return state, rebuild(state._parts(), inventory, now=now)
 
-        return rebuild(specs, units, inventory, epoch=epoch, now=now)
-
-    def _rebuilt_write(self, topic: str, index: int, now: float | None) -> None:
-        """A rebuilt uncommitted sample: it expires ``write_ttl`` from ``now``."""
-        self._writes.rebuilt(topic, index, self._deadline(self._topics[topic], now))
+    def _parts(self) -> Parts:
+        """This state's parts, for the rebuild functions (``_rebuild``)."""
+        return Parts(
+            self._topics, self._units, self._unit_ix, self._load, self._writes, self._lease_table
+        )
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from .. import _shm
 from .._runtime import RawTensor, itemsize
+from .._tensors import is_tensor as is_torch_tensor
 from .._unit_messages import ShmBody, UnitError
-from ..client._batch import is_tensor as is_torch_tensor
 
 COMPACT_MIN = 64 * 1024  # blocks holding fewer bytes are never compacted
 
