@@ -668,6 +668,12 @@ class TQMachine(Model, RuleBasedStateMachine):
     # -- invariants ---------------------------------------------------------------------------
 
     @invariant()
+    def bookkeeping_is_consistent(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        assert self.state.check_invariants() == []
+
+    @invariant()
     def matches_model(self) -> None:
         if not hasattr(self, "state"):
             return

@@ -18,10 +18,11 @@ import numpy as np
 from .._errors import InventoryError, TransferQueueError
 from .._results import Loss, LostSamples, Update
 from ._check import finite_time
+from ._effects import Effects
 from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
 from ._leases import LeaseTable
 from ._table import Ints
-from ._topic import Effects, Topic
+from ._topic import Topic
 from ._writes import Writes
 
 

@@ -28,13 +28,15 @@ from .._results import Lease, Loss, Update
 from .._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from .._spec import TopicSpec
 from .._stats import StateStatistics
+from ._audit import topic_problems
 from ._check import finite_time, holder_name, int_at_least
+from ._effects import Effects
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
 from ._rebuild import Parts, export_inventory, group_records, rebuild, storage_lost
 from ._statistics import topic_statistics
 from ._table import Ints
-from ._topic import Effects, Topic
+from ._topic import Topic
 from ._writes import Writes
 from ._writing import Writing
 
@@ -348,6 +350,23 @@ class ControllerState(Writing):
         )
 
     # -- introspection -------------------------------------------------------------------------
+
+    def check_invariants(self) -> list[str]:
+        """What is inconsistent in the incremental bookkeeping, in words (empty: nothing): each
+        view's candidate counts and hints against a recount from the tables, and the occupied
+        slots per unit against the topics'. For tests: O(samples * views)."""
+        out = [p for t in self._topics.values() for p in topic_problems(t)]
+        occupied = np.zeros(len(self._units), np.int64)
+        for t in self._topics.values():
+            s, g = t.s, t.g
+            np.add.at(occupied, s.unit[: s.n][s.live[: s.n]], 1)
+            pending = (g.size[: g.n] - g.alloc[: g.n])[g.live[: g.n]]
+            np.add.at(occupied, g.unit[: g.n][g.live[: g.n]], pending)
+        if not np.array_equal(occupied, self._load):
+            out.append(
+                f"occupied slots per unit {self._load.tolist()}, counted {occupied.tolist()}"
+            )
+        return out
 
     def statistics(self) -> StateStatistics:
         """A frozen snapshot: per-topic counts, occupied slots per unit, outstanding leases."""
