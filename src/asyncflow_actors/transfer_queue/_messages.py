@@ -288,6 +288,12 @@ class CheckUnits(Request[None]):
     """Check now that every storage unit is alive and unchanged (a client saw it fail)."""
 
 
+@attrs.frozen
+class CheckInvariants(Request[tuple[str, ...]]):
+    """The controller's invariants, checked now: what is violated, in words (empty: nothing).
+    For tests: it recounts the whole state."""
+
+
 ControllerMessage = (
     CreateTopic
     | GetTopology
@@ -311,6 +317,7 @@ ControllerMessage = (
     | Flushed
     | AwaitStores
     | CheckUnits
+    | CheckInvariants
     # not sent on their own: named so a node registers them at the top level (deterministic)
     | Located
     | ShmBody

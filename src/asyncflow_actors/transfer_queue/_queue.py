@@ -38,9 +38,9 @@ from ._runtime import (
     node_spec,
 )
 from ._spec import TopicSpec, topic_specs_from_dict
-from .client._client import TransferQueueClient
-from .controller._controller import Controller, ControllerShared
-from .storage._unit import StorageUnit
+from .client import TransferQueueClient
+from .controller import Controller, ControllerShared
+from .storage import StorageUnit
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -3,3 +3,7 @@
 It speaks the controller's and the units' protocols (``_messages``, ``_unit_messages``) and
 knows neither's internals.
 """
+
+from ._batch import Batch as Batch
+from ._client import TransferQueueClient as TransferQueueClient
+from ._client import TransferQueueStatistics as TransferQueueStatistics

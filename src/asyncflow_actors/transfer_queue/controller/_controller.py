@@ -3,16 +3,27 @@
 It owns the state machine and does what the state cannot: it parks puts while a topic is full
 and claims until enough samples qualify (deferred replies, so a waiting request never blocks
 others), expires leases and abandoned writes on time, forwards to the storage units what they
-keep for a rebuild (kept until each unit has taken it), watches the units, and rebuilds its own
-state from their inventories when it is restarted. Everything it must report (evictions,
-losses, abandoned writes) becomes a numbered ``TQEvent``.
+keep for a rebuild (``Delivery``: kept until each unit has taken it), watches the units
+(``Recovery``), and rebuilds its own state from their inventories when it is restarted
+(``ControllerShared`` outlives an incarnation). Everything it must report (evictions, losses,
+abandoned writes) becomes a numbered ``TQEvent``. Each message type has one handler, named in
+one table (``Controller.handlers``): adding a message means adding its handler there.
 
-The controller always knows which incarnation of each unit holds what: data messages name the
-incarnation, and that knowledge (with the last state, the event log, the undelivered
-bookkeeping and the replies of non-idempotent requests) lives in :class:`ControllerShared`,
-which outlives a controller incarnation. So a unit that restarted while the controller was down
-is found at the rebuild and its samples are reported lost, never silently dropped; and a client
-retrying a request across a controller restart gets the answer the first try got.
+Invariants of the bookkeeping maps (hold between any two messages; ``check_invariants``):
+
+1. ``granted`` (claim id -> lease id) and ``granted_by_lease`` (lease id -> claim id) are one
+   map read both ways: a granted claim names one lease, and that lease names it back.
+2. Every lease in ``granted_by_lease`` is outstanding in the state: a lease that ends (ack,
+   nack, expiry, holder released) leaves both maps in the same message (``_apply``).
+3. A claim id is either waiting (``claims``) or granted, never both; the waiting claims'
+   index and their per-kind queues agree (``ClaimQueues.problems``).
+4. Every waiting put (``puts[topic]``) is for that topic, and a put id is either waiting or
+   granted (``granted_puts``), never both. ``granted_puts`` and ``shared.done`` stay bounded.
+5. ``shared.known`` names every unit, and the state places nothing on exactly the units whose
+   incarnation is unknown (``known[unit] is None``: down or not adopted yet).
+6. A unit being adopted (``recovery.adopting``) is one of the units, and the fresh incarnation
+   it waits for is not the one ``known`` holds.
+7. The state's own bookkeeping is consistent (``ControllerState.check_invariants``).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,48 +40,21 @@ import trio
 from .. import _messages as M
 from .. import _unit_messages as U
 from .._errors import TransferQueueError, UnknownSample
-from .._results import Allocation, GroupSlot, Lease, Update
-from .._runtime import Actor, ActorContext, ActorRef, Reply, Request
-from .._spec import TopicSpec
+from .._results import Allocation, GroupSlot, Lease, Loss, Update
+from .._runtime import Actor, ActorContext, Reply, Request
 from ..state._state import ControllerState
-from . import _units
+from ._claims import ClaimQueues, WaitingClaim
 from ._delivery import Delivered, Delivery
+from ._events import EventWaiters
 from ._locations import Locations
-from ._recovery import Recovery, UnitSeen
-from ._waiters import ClaimQueues, EventLog, EventWaiters, WaitingClaim
+from ._recovery import Recovery, UnitSeen, unit_tokens
+from ._shared import REMEMBERED, ControllerShared
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 
 _RESERVE = 4096  # ids reserved ahead per watermark update (see Controller._records)
-_REMEMBERED = 65536  # replies of non-idempotent requests kept for retries
 
-
-@attrs.define(eq=False)
-class ControllerShared:
-    """What outlives a controller incarnation: topics, units, options, and the knowledge a
-    restarted controller needs to stay exact (see the module docstring)."""
-
-    specs: dict[str, TopicSpec]
-    units: dict[str, ActorRef[Any]]
-    unit_check_interval: float = 0.5
-    flush_linger: float = 0.05  # bookkeeping nobody waits for waits this long to travel with more
-    unit_timeout: float = 5.0  # the controller's own requests to units
-    io_timeout: float = 60.0  # clients' data requests to units
-    shm_min_bytes: int | None = 64 << 10
-    max_events: int = 10_000
-    incarnations: int = 0
-    log: EventLog = attrs.Factory(lambda self: EventLog(self.max_events), takes_self=True)
-    outbox: _units.Outbox = attrs.Factory(_units.Outbox)
-    watermarks: dict[str, U.TopicInfo] = attrs.Factory(dict)
-    known: dict[str, str | None] = attrs.Factory(dict)  # unit -> incarnation holding its data
-    state: ControllerState | None = None  # the last incarnation's (its losses at a rebuild)
-    done: OrderedDict[int, Any] = attrs.Factory(OrderedDict)  # request id -> reply
-
-    def remember(self, request_id: int, reply: Any) -> None:
-        if request_id:
-            self.done[request_id] = reply
-            while len(self.done) > _REMEMBERED:
-                self.done.popitem(last=False)
+Handler = Callable[[Any, ActorContext[Any], ControllerState], Any]
 
 
 @attrs.frozen
@@ -91,8 +76,7 @@ class _WaitingPut:
     reply: Reply
 
 
-# (Delivery before Recovery: Recovery only declares the ``_to_unit`` that Delivery defines)
-class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
+class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -112,13 +96,37 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         self.abandoned_samples = 0
         self.timer_wake = trio.Event()
         self.timer_at = math.inf  # the deadline the timer sleeps until
-        self.check_now = trio.Event()
-        self.outbox_wake = trio.Event()
-        self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
-        self.flush_now = trio.Event()
-        self.flush_waiters: list[Reply] = []
-        self.store_waits = _units.StoreWaits()  # replies held until units took told stores
-        self.locations = Locations()  # rows put through shared memory (see ``_located``)
+        self.locations = Locations()  # rows put through shared memory (see ``_locations``)
+        self.delivery = Delivery(shared, self.puts, self._check_units)
+        self.recovery = Recovery(shared, self.delivery, self.locations)
+        self.handlers: dict[type, Handler] = {
+            M.Commit: self._commit,
+            M.Claim: self._claim,
+            M.Ack: self._on_ack,
+            M.Allocate: self._on_put,
+            M.OpenGroups: self._on_put,
+            M.CommitSharedGroups: self._on_commit_shared_groups,
+            M.CancelClaim: lambda msg, ctx, state: self._cancel_claim(state, msg.claim_id),
+            M.CancelPut: lambda msg, ctx, state: self._cancel_put(state, msg.put_id),
+            M.Nack: self._on_nack,
+            M.Renew: lambda msg, ctx, state: state.renew(msg.lease_id, trio.current_time()),
+            M.SetVersion: self._on_set_version,
+            M.Discard: self._on_discard,
+            M.ShrinkGroup: self._on_shrink_group,
+            M.ReleaseHolder: self._on_release_holder,
+            M.WaitEvents: self._on_wait_events,
+            M.CancelWait: lambda msg, ctx, state: self.waiters.cancel(msg.wait_id),
+            M.CreateTopic: self._on_create_topic,
+            M.GetTopology: self._on_get_topology,
+            M.GetControllerStatistics: lambda msg, ctx, state: self._statistics(state),
+            M.CheckUnits: lambda msg, ctx, state: self.recovery.check(),
+            M.AwaitStores: self._on_await_stores,
+            M.Flushed: self._on_flushed,
+            M.CheckInvariants: lambda msg, ctx, state: tuple(self.check_invariants()),
+            Delivered: self._on_delivered,
+            _Tick: self._on_tick,
+            UnitSeen: lambda msg, ctx, state: self.recovery.unit_seen(state, msg, self._lost),
+        }
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -126,7 +134,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         shared = self.shared
         self.epoch = shared.incarnations
         shared.incarnations += 1
-        tokens = await _units.tokens(shared.units, shared.unit_timeout)
+        tokens = await unit_tokens(shared.units, shared.unit_timeout)
         if shared.state is None:
             self.state = ControllerState(shared.specs.values(), list(shared.units), epoch=0)
             shared.state = self.state
@@ -134,10 +142,17 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             for unit, token in tokens.items():
                 self.state.set_unit_up(unit, token is not None)
         else:
-            await self._rebuild(tokens)
+            rebuilt = await self.recovery.rebuild(tokens, self.epoch)
+            self.state = rebuilt.state
+            self._apply(rebuilt.update)
+            for loss in rebuilt.losses:
+                self._report_loss(loss)
         ctx.start_soon(self._timer, ctx)
-        ctx.start_soon(self._unit_watcher, ctx)
-        ctx.start_soon(self._flusher, ctx)
+        ctx.start_soon(self.recovery.watch, ctx)
+        ctx.start_soon(self.delivery.run, ctx)
+
+    def _check_units(self) -> None:
+        self.recovery.check()
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -145,7 +160,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         state = self.state
         assert state is not None
         try:
-            return self._handle(msg, ctx, state)
+            handler = self.handlers.get(type(msg))
+            return None if handler is None else handler(msg, ctx, state)
         except TransferQueueError as exc:  # bad input: answer it, keep running
             if isinstance(msg, Request):
                 ctx.reply_error(exc)
@@ -155,92 +171,113 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         finally:
             self.waiters.serve()  # one batch per message: events of one change arrive together
 
-    def _handle(self, msg: Any, ctx: ActorContext[Any], state: ControllerState) -> Any:
-        if isinstance(msg, M.Commit):
-            return self._commit(msg, state)
-        if isinstance(msg, M.Claim):
-            return self._claim(msg, ctx, state)
-        if isinstance(msg, M.Ack):
-            if msg.request_id in self.shared.done:
-                return self.shared.done[msg.request_id]
-            missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
-            self.shared.remember(msg.request_id, missing)
-            return missing
-        if isinstance(msg, (M.Allocate, M.OpenGroups)):
-            size = _slots(msg)
-            if size == 0:  # members of an open group use its reserved slots: never wait
-                return self._put(state, msg)
-            waiting = self.puts.setdefault(msg.topic, deque())
-            if self._fits(state, msg.topic, size) and not waiting:  # CapacityError: never
-                return self._put(state, msg)
-            waiting.append(_WaitingPut(msg, ctx.defer_reply()))
-            if msg.topic in self.shared.outbox.deleting:
-                self.flush_now.set()  # the slots it waits for free once units took deletes
-            return None
-        if isinstance(msg, M.CommitSharedGroups):
-            state.commit_shared_groups(msg.topic, msg.columns)
-            self._group_infos(msg.topic, tuple(msg.columns))
-            self._kick(msg.topic)
-        elif isinstance(msg, M.CancelClaim):
-            self._cancel_claim(state, msg.claim_id)
-        elif isinstance(msg, M.CancelPut):
-            self._cancel_put(state, msg.put_id)
-        elif isinstance(msg, M.Nack):
-            self._end_lease(state, msg.lease_id, None, ack=False)
-        elif isinstance(msg, M.Renew):
-            return state.renew(msg.lease_id, trio.current_time())
-        elif isinstance(msg, M.SetVersion):
-            self._apply(state.set_latest_version(msg.topic, msg.version))
-            self._records(msg.topic)
-            self._kick(msg.topic)
-        elif isinstance(msg, M.Discard):
-            self.granted_puts.pop(msg.put_id, None)
-            return self._discard(state, msg)
-        elif isinstance(msg, M.ShrinkGroup):
-            if msg.request_id not in self.shared.done:
-                self._apply(state.shrink_group(msg.topic, msg.group_id, msg.slots))
-                self._group_infos(msg.topic, (msg.group_id,))
-                self.shared.remember(msg.request_id, None)
-                self._kick(msg.topic)
-        elif isinstance(msg, M.ReleaseHolder):
-            self._withdraw(msg.holder)
-            self._apply(state.release_holder(msg.holder))
-            self._kick_all()
-        elif isinstance(msg, Delivered):
-            self._stores_missing(state)
-            self._stores_taken(state)
-            for topic in list(self.puts):
-                self._retry_puts(topic)
-        elif isinstance(msg, _Tick):
-            self._apply(state.expire(trio.current_time()))
-            self._kick_all()
-        elif isinstance(msg, UnitSeen):
-            self._unit_seen(state, msg)
-        elif isinstance(msg, M.WaitEvents):
-            self.waiters.add(msg.wait_id, msg.since, ctx.defer_reply())
-        elif isinstance(msg, M.CancelWait):
-            self.waiters.cancel(msg.wait_id)
-        elif isinstance(msg, M.CreateTopic):
-            state.add_topic(msg.spec)
-            self.shared.specs[msg.spec.name] = msg.spec
-        elif isinstance(msg, M.GetTopology):
-            shared = self.shared
-            return M.Topology(
-                dict(shared.specs), dict(shared.units), shared.shm_min_bytes, shared.io_timeout
-            )
-        elif isinstance(msg, M.GetControllerStatistics):
-            return self._statistics(state)
-        elif isinstance(msg, M.CheckUnits):
-            self.check_now.set()
-        elif isinstance(msg, M.AwaitStores):
-            marks = self.store_waits.marks(self.shared.outbox, msg.units)
-            if marks:
-                self._hold(marks, ctx.defer_reply(), None)
-        elif isinstance(msg, M.Flushed) and len(self.shared.outbox):
-            self.flush_waiters.append(ctx.defer_reply())  # answered once it is empty
-            self.flush_now.set()
-            self.outbox_wake.set()
+    def _on_ack(self, msg: M.Ack, ctx: ActorContext[Any], state: ControllerState) -> Any:
+        if msg.request_id in self.shared.done:
+            return self.shared.done[msg.request_id]
+        missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
+        self.shared.remember(msg.request_id, missing)
+        return missing
+
+    def _on_nack(self, msg: M.Nack, ctx: ActorContext[Any], state: ControllerState) -> None:
+        self._end_lease(state, msg.lease_id, None, ack=False)
+
+    def _on_put(
+        self, msg: M.Allocate | M.OpenGroups, ctx: ActorContext[Any], state: ControllerState
+    ) -> Any:
+        size = _slots(msg)
+        if size == 0:  # members of an open group use its reserved slots: never wait
+            return self._put(state, msg)
+        waiting = self.puts.setdefault(msg.topic, deque())
+        if self._fits(state, msg.topic, size) and not waiting:  # CapacityError: never
+            return self._put(state, msg)
+        waiting.append(_WaitingPut(msg, ctx.defer_reply()))
+        if msg.topic in self.shared.outbox.deleting:
+            self.delivery.hurry()  # the slots it waits for free once units took deletes
         return None
+
+    def _on_commit_shared_groups(
+        self, msg: M.CommitSharedGroups, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        state.commit_shared_groups(msg.topic, msg.columns)
+        self._group_infos(msg.topic, tuple(msg.columns))
+        self._kick(msg.topic)
+
+    def _on_set_version(
+        self, msg: M.SetVersion, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        self._apply(state.set_latest_version(msg.topic, msg.version))
+        self._records(msg.topic)
+        self._kick(msg.topic)
+
+    def _on_discard(self, msg: M.Discard, ctx: ActorContext[Any], state: ControllerState) -> Any:
+        self.granted_puts.pop(msg.put_id, None)
+        return self._discard(state, msg)
+
+    def _on_shrink_group(
+        self, msg: M.ShrinkGroup, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        if msg.request_id not in self.shared.done:
+            self._apply(state.shrink_group(msg.topic, msg.group_id, msg.slots))
+            self._group_infos(msg.topic, (msg.group_id,))
+            self.shared.remember(msg.request_id, None)
+            self._kick(msg.topic)
+
+    def _on_release_holder(
+        self, msg: M.ReleaseHolder, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        self._withdraw(msg.holder)
+        self._apply(state.release_holder(msg.holder))
+        self._kick_all()
+
+    def _on_delivered(self, msg: Delivered, ctx: ActorContext[Any], state: ControllerState) -> None:
+        for miss in self.recovery.missing_stores(state):
+            self.locations.drop(miss.topic, miss.indexes)
+            self._apply(state.lose(miss.topic, miss.indexes))
+            self._group_infos(miss.topic, miss.group_ids)
+            self.lost_samples += len(miss.indexes)
+            detail = f"unit {miss.unit}: its segment was gone"
+            self._event("lost", miss.topic, miss.group_ids, miss.indexes, detail)
+            log.warning(
+                "unit %s lost told stores of %s %s", miss.unit, miss.topic, miss.indexes[:8]
+            )
+            self._kick(miss.topic)
+        self._stores_taken(state)
+        for topic in list(self.puts):
+            self._retry_puts(topic)
+
+    def _on_tick(self, msg: _Tick, ctx: ActorContext[Any], state: ControllerState) -> None:
+        self._apply(state.expire(trio.current_time()))
+        self._kick_all()
+
+    def _on_wait_events(
+        self, msg: M.WaitEvents, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        self.waiters.add(msg.wait_id, msg.since, ctx.defer_reply())
+
+    def _on_create_topic(
+        self, msg: M.CreateTopic, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        state.add_topic(msg.spec)
+        self.shared.specs[msg.spec.name] = msg.spec
+
+    def _on_get_topology(
+        self, msg: M.GetTopology, ctx: ActorContext[Any], state: ControllerState
+    ) -> M.Topology:
+        shared = self.shared
+        return M.Topology(
+            dict(shared.specs), dict(shared.units), shared.shm_min_bytes, shared.io_timeout
+        )
+
+    def _on_await_stores(
+        self, msg: M.AwaitStores, ctx: ActorContext[Any], state: ControllerState
+    ) -> None:
+        marks = self.delivery.marks(msg.units)
+        if marks:
+            self.delivery.hold(marks, ctx.defer_reply(), None)
+
+    def _on_flushed(self, msg: M.Flushed, ctx: ActorContext[Any], state: ControllerState) -> None:
+        if len(self.shared.outbox):
+            self.delivery.await_empty(ctx.defer_reply())
 
     def _statistics(self, state: ControllerState) -> M.ControllerStatistics:
         return M.ControllerStatistics(
@@ -257,6 +294,42 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             outbox=len(self.shared.outbox),
             incarnations=dict(self.shared.known),
         )
+
+    def check_invariants(self) -> list[str]:
+        """The module docstring's invariants, checked now: what is violated, in words (empty:
+        nothing). For tests (it recounts the whole state)."""
+        out: list[str] = []
+        shared, state = self.shared, self.state
+        if state is None:
+            return ["the controller has no state (not started)"]
+        if self.granted_by_lease != {lease: claim for claim, lease in self.granted.items()}:
+            out.append("1: granted and granted_by_lease are not one map read both ways")
+        ended = set(self.granted_by_lease) - {lease.id for lease in state.leases()}
+        if ended:
+            out.append(f"2: grants name leases that ended: {sorted(ended)}")
+        both = self.claims.ids() & set(self.granted)
+        if both:
+            out.append(f"3: claims both waiting and granted: {sorted(both)}")
+        out.extend(f"3: {problem}" for problem in self.claims.problems())
+        if any(w.msg.topic != topic for topic, queue in self.puts.items() for w in queue):
+            out.append("4: a put waits under another topic than its own")
+        waiting = {w.msg.put_id for queue in self.puts.values() for w in queue if w.msg.put_id}
+        if waiting & set(self.granted_puts):
+            out.append(
+                f"4: puts both waiting and granted: {sorted(waiting & set(self.granted_puts))}"
+            )
+        if len(self.granted_puts) > REMEMBERED or len(shared.done) > REMEMBERED:
+            out.append("4: the remembered puts or replies outgrew their bound")
+        if set(shared.known) != set(shared.units):
+            out.append(f"5: known units {sorted(shared.known)}, units {sorted(shared.units)}")
+        unknown = {u for u, token in shared.known.items() if token is None}
+        if state.units_down() != unknown:
+            out.append(f"5: units down {sorted(state.units_down())}, unknown {sorted(unknown)}")
+        for unit, token in self.recovery.adopting.items():
+            if unit not in shared.units or token == shared.known.get(unit):
+                out.append(f"6: unit {unit!r} is adopted as an incarnation it is known as")
+        out.extend(f"7: {problem}" for problem in state.check_invariants())
+        return out
 
     # -- puts ------------------------------------------------------------------------------------
 
@@ -301,13 +374,22 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         free = state.free_slots(topic)
         return free is None or free - self.shared.outbox.deleting.get(topic, 0) >= size
 
+    def _short(self, topic: str) -> bool:
+        """Whether less than half of ``topic``'s capacity is free for new puts, the freed
+        samples whose delete units have not taken yet counted as occupied (see ``_delivery``)."""
+        capacity = self.shared.specs[topic].capacity
+        free = self.state.free_slots(topic) if self.state is not None else None
+        if capacity is None or free is None:
+            return False
+        return 2 * (free - self.shared.outbox.deleting.get(topic, 0)) < capacity
+
     def _granted(self, put_id: int, result: Any) -> None:
         if put_id:
             self.granted_puts[put_id] = result
-            while len(self.granted_puts) > _REMEMBERED:
+            while len(self.granted_puts) > REMEMBERED:
                 self.granted_puts.popitem(last=False)
 
-    def _commit(self, msg: M.Commit, state: ControllerState) -> None:
+    def _commit(self, msg: M.Commit, ctx: ActorContext[Any], state: ControllerState) -> None:
         if msg.put_id and msg.put_id in self.shared.done:
             return  # a retry: the first commit went through
         known = self.shared.known
@@ -405,7 +487,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             marks = self._store_marks(msg, leased)
             if not marks:
                 return leased
-            self._hold(marks, ctx.defer_reply(), leased)
+            self.delivery.hold(marks, ctx.defer_reply(), leased)
             return None
         if not msg.wait:
             return None
@@ -416,7 +498,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         """The told stores to wait for before the claimant may ask the units of its lease:
         none for units whose rows it maps from shared memory without asking."""
         units = [u for u in leased.lease.placement if u not in leased.located or u not in msg.maps]
-        return self.store_waits.marks(self.shared.outbox, units)
+        return self.delivery.marks(units)
 
     def _try_claim(self, state: ControllerState, msg: M.Claim) -> M.Leased | None:
         lease = state.claim(
@@ -466,12 +548,22 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
                 return False
             marks = self._store_marks(waiting.msg, leased)
             if marks:
-                self._hold(marks, waiting.reply, leased)
+                self.delivery.hold(marks, waiting.reply, leased)
             elif not waiting.reply.send(leased):  # the claimant is gone: give the samples back
                 self._apply(state.nack(leased.lease.id))
             return True
 
         self.claims.serve(topic, state.changes(topic), attempt)
+
+    def _stores_taken(self, state: ControllerState) -> None:
+        """Send the held replies whose units took their stores (or were declared lost)."""
+        for reply, value in self.delivery.taken():
+            if not reply.send(value) and isinstance(value, M.Leased):
+                try:  # the claimant is gone: give the samples back
+                    self._apply(state.nack(value.lease.id))
+                except TransferQueueError:
+                    pass  # it ended already (its claim was cancelled)
+                self._kick(value.lease.topic)
 
     def _cancel_claim(self, state: ControllerState, claim_id: int) -> None:
         waiting = self.claims.pop(claim_id)
@@ -541,6 +633,26 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             if claim_id is not None:
                 self.granted.pop(claim_id, None)
 
+    def _lost(self, loss: Loss) -> None:
+        """A unit lost its data (``Recovery``): report it, and wake who waits."""
+        self._report_loss(loss)
+        self._kick_all()
+
+    def _report_loss(self, loss: Loss) -> None:
+        for lost in loss.lost:
+            self.lost_samples += len(lost.indexes)
+            self._event("lost", lost.topic, lost.group_ids, lost.indexes, f"unit {loss.unit}")
+        if loss.lost:
+            log.warning("storage unit %s lost: %s", loss.unit, loss.group_ids)
+
+    def _to_unit(self, unit: str, item: Any) -> None:
+        """Queue bookkeeping for a unit (``Delivery``); deletes go at once while puts wait for
+        their slots, or soon will (see ``_delivery``)."""
+        if not self.delivery.send(unit, item) or self.delivery.flush_waiters:
+            return  # the unit is down, or nothing lingers anyway
+        if isinstance(item, U.Delete) and (self.puts.get(item.topic) or self._short(item.topic)):
+            self.delivery.hurry()  # counted once queued: the delete occupies its slots till taken
+
     def _group_infos(self, topic: str, gids: Any) -> None:
         """Send explicit groups' records (absolute values) to their units."""
         assert self.state is not None
@@ -590,7 +702,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
     ) -> None:
         self.shared.log.add(kind, topic, groups, indexes, detail)
 
-    # -- helper tasks ----------------------------------------------------------------------------
+    # -- the timer -------------------------------------------------------------------------------
 
     def _deadline(self, at: float) -> None:
         """Something new is due at ``at``: wake the timer if it sleeps past that. (Deadlines

@@ -1,11 +1,11 @@
 """How the controller delivers its bookkeeping to the storage units (internal).
 
-The flusher task sends each unit what a rebuild needs (``_units.Outbox``): ``flush_linger``
+The flusher task sends each unit what a rebuild needs (``_outbox.Outbox``): ``flush_linger``
 after it is queued, so that what many operations queue travels together (every message to a
 unit process costs the data path on the client's host: one per linger, not one per operation),
 and at once when someone waits for it: ``flush()``, a put waiting for the slots deletes free,
 or a reply held until a unit took the puts told to it (a reader that must ask the unit for
-rows it has not heard of yet, a writer of columns to them: see ``_units.StoreWaits``).
+rows it has not heard of yet, a writer of columns to them: see ``_store_waits``).
 
 Deletes also go at once, before any put waits, while a topic is short of capacity: less than
 half of it is free for new puts (live samples, reserved group slots and freed samples whose
@@ -13,27 +13,21 @@ delete their unit has not taken yet occupy the rest). A freed slot counts as occ
 until its unit took the delete (so that the capacity bounds what the units really hold), and a
 writer that streams puts would otherwise fill the topic with freed slots within one linger,
 then wait for a flush and the unit's work on it on every put. Sent as soon as the slots are
-freed, the deletes reach the units while the writer is still copying its next put.
+freed, the deletes reach the units while the writer is still copying its next put. (Which
+items are urgent is the controller's call: it knows the puts and the capacity.)
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sized
+from typing import Any
 
 import attrs
 import trio
 
-from .. import _messages as M
-from .. import _unit_messages as U
-from .._errors import TransferQueueError
-from .._results import Update
 from .._runtime import ActorContext, Reply
-from ..state._state import ControllerState
-from . import _units
-
-if TYPE_CHECKING:
-    from ._controller import ControllerShared
+from ._shared import ControllerShared
+from ._store_waits import StoreWaits
 
 
 @attrs.frozen
@@ -43,66 +37,76 @@ class Delivered:
 
 
 class Delivery:
-    """The delivery part of the controller actor (a mixin of ``Controller``)."""
+    """Delivers one controller incarnation's bookkeeping to the units (see the module docstring).
 
-    shared: ControllerShared
-    state: ControllerState | None
-    puts: dict[str, deque[Any]]
-    flush_now: trio.Event
-    outbox_wake: trio.Event
-    check_now: trio.Event
-    flush_waiters: list[Reply]
-    store_waits: _units.StoreWaits
+    ``puts``: the controller's waiting puts per topic (read only: a delete a unit took may let
+    them fit); ``check_units``: called when a unit did not take its items (gone, restarted or
+    slow), so that someone looks at the units.
+    """
 
-    def _apply(self, update: Update) -> None: ...
-    def _kick(self, topic: str, *, puts: bool = True) -> None: ...
+    def __init__(
+        self,
+        shared: ControllerShared,
+        puts: Mapping[str, Sized],
+        check_units: Callable[[], None],
+    ) -> None:
+        self.shared = shared
+        self._puts = puts
+        self._check_units = check_units
+        self.flush_now = trio.Event()
+        self.outbox_wake = trio.Event()
+        self.flush_waiters: list[Reply] = []  # answered once the outbox is empty
+        self.store_waits = StoreWaits()  # replies held until units took told stores
 
-    def _to_unit(self, unit: str, item: Any) -> None:
-        """Queue bookkeeping for a unit; the flusher delivers it (kept until taken)."""
+    def send(self, unit: str, item: Any) -> bool:
+        """Queue bookkeeping for a unit; the flusher delivers it (kept until taken). Returns
+        whether it was queued (not when the unit is down: its loss covers what it described)."""
         if unit not in self.shared.units or self.shared.known.get(unit) is None:
-            return  # the unit is down: its loss covers what this item described
+            return False
         self.shared.outbox.put(unit, item)
         self.outbox_wake.set()
         if self.flush_waiters:
             self.flush_now.set()  # someone waits for an empty outbox: no lingering
-        elif isinstance(item, U.Delete) and (self.puts.get(item.topic) or self._short(item.topic)):
-            self.flush_now.set()  # puts wait, or soon will, for these slots: no lingering
+        return True
 
-    def _short(self, topic: str) -> bool:
-        """Whether less than half of ``topic``'s capacity is free for new puts, the freed
-        samples whose delete units have not taken yet counted as occupied (see the module
-        docstring)."""
-        capacity = self.shared.specs[topic].capacity
-        free = self.state.free_slots(topic) if self.state is not None else None
-        if capacity is None or free is None:
-            return False
-        return 2 * (free - self.shared.outbox.deleting.get(topic, 0)) < capacity
+    def hurry(self) -> None:
+        """Flush without lingering what is queued (deletes that puts wait for, or soon will)."""
+        self.flush_now.set()
 
-    def _hold(self, marks: dict[str, int], reply: Reply, value: Any) -> None:
-        """Send ``value`` once the units took the told stores ``marks`` names."""
-        self.store_waits.add(marks, reply, value)
-        self.flush_now.set()  # no lingering: someone waits
+    def wake(self) -> None:
+        """Flush now, without lingering (someone waits)."""
+        self.flush_now.set()
         self.outbox_wake.set()
 
-    def _stores_taken(self, state: ControllerState) -> None:
-        """Send the held replies whose units took their stores (or were declared lost)."""
-        for reply, value in self.store_waits.ready(self.shared.outbox):
-            if not reply.send(value) and isinstance(value, M.Leased):
-                try:  # the claimant is gone: give the samples back
-                    self._apply(state.nack(value.lease.id))
-                except TransferQueueError:
-                    pass  # it ended already (its claim was cancelled)
-                self._kick(value.lease.topic)
+    def marks(self, units: Iterable[str]) -> dict[str, int]:
+        """The told stores to wait for before asking ``units`` (empty: none)."""
+        return self.store_waits.marks(self.shared.outbox, units)
 
-    async def _flusher(self, ctx: ActorContext[Any]) -> None:
-        """Deliver bookkeeping to the units (see the module docstring)."""
+    def hold(self, marks: dict[str, int], reply: Reply, value: Any) -> None:
+        """Send ``value`` once the units took the told stores ``marks`` names."""
+        self.store_waits.add(marks, reply, value)
+        self.wake()
+
+    def taken(self) -> list[tuple[Reply, Any]]:
+        """The held replies whose units took their stores (or were declared lost): removed
+        from the waits, for the caller to send."""
+        return self.store_waits.ready(self.shared.outbox)
+
+    def await_empty(self, reply: Reply) -> None:
+        """Answer ``reply`` once the outbox is empty."""
+        self.flush_waiters.append(reply)
+        self.wake()
+
+    async def run(self, ctx: ActorContext[Any]) -> None:
+        """The flusher task: deliver bookkeeping to the units (see the module docstring)."""
         shared = self.shared
 
         def missing() -> bool:
             return bool(shared.outbox.missing)
 
         async def taken(deleted: bool) -> None:  # a unit took a batch: wake who waits
-            if (deleted and any(self.puts.values())) or len(self.store_waits) or missing():
+            puts_wait = any(len(w) for w in self._puts.values())
+            if (deleted and puts_wait) or len(self.store_waits) or missing():
                 await ctx.self.send(Delivered())
 
         while True:
@@ -121,7 +125,7 @@ class Delivery:
                 for reply in waiters:
                     reply.send(None)
             if failed:  # gone, restarted or slow: look at them, and try again in a while
-                self.check_now.set()
+                self._check_units()
                 with trio.move_on_after(shared.unit_check_interval):
                     await trio.sleep_forever()
                 self.outbox_wake.set()

@@ -11,7 +11,8 @@ changed meanwhile are reported lost from the last state it had (kept in ``Contro
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -19,14 +20,12 @@ import trio
 from .. import _unit_messages as U
 from .._errors import TransferQueueError, UnknownSample
 from .._results import Loss, Update
-from .._runtime import ActorContext, ActorCrashed
-from ..state._inventory import Inventory, TopicRecord
+from .._runtime import ActorContext, ActorCrashed, ActorRef
+from ..state._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
 from ..state._state import ControllerState
-from . import _units
+from ._delivery import Delivery
 from ._locations import Locations
-
-if TYPE_CHECKING:
-    from ._controller import ControllerShared
+from ._shared import ControllerShared
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 
@@ -39,31 +38,49 @@ class UnitSeen:
     token: str | None
 
 
+@attrs.frozen
+class Rebuilt:
+    """A rebuilt state, what rebuilding it did, and the losses of the units that changed
+    while the controller was down (to report once the state is in place)."""
+
+    state: ControllerState
+    update: Update
+    losses: tuple[Loss, ...]
+
+
+@attrs.frozen
+class MissingStores:
+    """Live samples ``indexes`` (of groups ``group_ids``) of told stores ``unit`` could not take."""
+
+    unit: str
+    topic: str
+    indexes: tuple[int, ...]
+    group_ids: tuple[int, ...]
+
+
 class Recovery:
-    """The failure handling part of the controller actor (a mixin of ``Controller``)."""
+    """Unit incarnations of one controller incarnation (see the module docstring).
 
-    shared: ControllerShared
-    state: ControllerState | None
-    epoch: int
-    adopting: dict[str, str]
-    flush_now: trio.Event
-    outbox_wake: trio.Event
-    check_now: trio.Event
-    lost_samples: int
-    locations: Locations
+    It owns the units' side of the failure handling: which fresh incarnation is being adopted,
+    the watcher task, the rebuild's reads. What a loss means for the state's clients (events,
+    waiting requests) is the controller's: ``Recovery`` returns losses, never reports them.
+    """
 
-    def _apply(self, update: Update) -> None: ...
-    def _to_unit(self, unit: str, item: Any) -> None: ...
-    def _kick_all(self) -> None: ...
-    def _kick(self, topic: str, *, puts: bool = True) -> None: ...
-    def _group_infos(self, topic: str, gids: Any) -> None: ...
-    def _event(
-        self, kind: str, topic: str, groups: tuple[int, ...], indexes: tuple[int, ...], detail: str
-    ) -> None: ...
+    def __init__(self, shared: ControllerShared, delivery: Delivery, locations: Locations):
+        self.shared = shared
+        self.delivery = delivery
+        self.locations = locations
+        self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
+        self.check_now = trio.Event()
 
-    async def _rebuild(self, tokens: dict[str, str | None]) -> None:
+    def check(self) -> None:
+        """Look at the units now, not at the next interval."""
+        self.check_now.set()
+
+    async def rebuild(self, tokens: dict[str, str | None], epoch: int) -> Rebuilt:
         """Deliver what the last incarnation decided, read the inventories of the units still
-        on the incarnations it knew, report what the others held as lost, and rebuild."""
+        on the incarnations it knew, and rebuild; the others are dropped and adopted afresh,
+        and what they held is returned as losses."""
         shared = self.shared
         timeout = shared.unit_timeout
         stale = set(await shared.outbox.flush(shared.units, shared.known, timeout))
@@ -81,32 +98,30 @@ class Recovery:
             if inv.incarnation != shared.known.get(unit):
                 lost.append(unit)
                 continue
-            parts.append(_units.inventory_of(unit, inv))
+            parts.append(inventory_of(unit, inv))
         fresh = {}
         for unit in lost:  # whatever they hold now is not what the state knew: drop it
-            fresh[unit] = await self._reset(unit)
+            fresh[unit] = await self.reset(unit)
         # From here on nothing awaits: a crash cannot split the losses from their report.
         old = shared.state
-        losses = [
+        losses = tuple(
             old.storage_lost(u) for u in lost if old is not None and shared.known.get(u) is not None
-        ]
+        )
         state, update = ControllerState.from_inventory(
             shared.specs.values(),
             list(shared.units),
             Inventory.merge(parts),
-            epoch=self.epoch,
+            epoch=epoch,
             now=trio.current_time(),
         )
-        self.state = shared.state = state
+        shared.state = state
         for unit in lost:
-            self._dropped(unit)
-            self._adopt(unit, fresh[unit])
-        self._apply(update)
-        for loss in losses:
-            self._report_loss(loss)
-        log.info("controller rebuilt (epoch %d); units lost meanwhile: %s", self.epoch, lost)
+            self.dropped(unit)
+            self.adopt(state, unit, fresh[unit])
+        log.info("controller rebuilt (epoch %d); units lost meanwhile: %s", epoch, lost)
+        return Rebuilt(state, update, losses)
 
-    async def _reset(self, unit: str) -> str | None:
+    async def reset(self, unit: str) -> str | None:
         """Have ``unit`` drop everything it holds; its new token (``None``: it did not answer)."""
         try:
             with trio.fail_after(self.shared.unit_timeout):
@@ -115,19 +130,29 @@ class Recovery:
         except (ActorCrashed, trio.TooSlowError):
             return None
 
-    def _adopt(self, unit: str, token: str | None) -> None:
+    def adopt(self, state: ControllerState, unit: str, token: str | None) -> None:
         """``unit`` is now incarnation ``token`` (empty), or down (``None``)."""
-        assert self.state is not None
         self.shared.known[unit] = token
-        self.state.set_unit_up(unit, token is not None)
+        state.set_unit_up(unit, token is not None)
         if token is not None:  # a fresh, empty incarnation: give it the watermarks again
             for info in self.shared.watermarks.values():
-                self._to_unit(unit, info)
+                self.delivery.send(unit, info)
             orphans = self.shared.outbox.orphans.pop(unit, None)
             if orphans:  # and the segments of told stores its predecessor never took
-                self._to_unit(unit, U.Unlink(orphans))
+                self.delivery.send(unit, U.Unlink(orphans))
 
-    def _unit_seen(self, state: ControllerState, msg: UnitSeen) -> None:
+    def dropped(self, unit: str) -> None:
+        """``unit``'s bookkeeping went with its incarnation: wake those who wait for it."""
+        self.locations.drop_unit(unit)
+        self.shared.outbox.drop(unit)
+        self.delivery.wake()
+
+    def unit_seen(
+        self, state: ControllerState, msg: UnitSeen, lost: Callable[[Loss], None]
+    ) -> None:
+        """The watcher saw ``msg.unit`` on incarnation ``msg.token``: if the one the controller
+        knew is gone, its samples are dropped and ``lost`` is called with them (before the
+        fresh incarnation, if any, is adopted)."""
         known = self.shared.known
         old = known.get(msg.unit)
         if msg.token is not None and self.adopting.get(msg.unit) == msg.token:
@@ -136,26 +161,19 @@ class Recovery:
             return
         if old is not None:
             loss = state.storage_lost(msg.unit)
-            self._dropped(msg.unit)
+            self.dropped(msg.unit)
             known[msg.unit] = None
             state.set_unit_up(msg.unit, False)
-            self._report_loss(loss)
-            self._kick_all()
+            lost(loss)
         if msg.token is not None:
-            self._adopt(msg.unit, msg.token)
+            self.adopt(state, msg.unit, msg.token)
             log.info("storage unit %s is back (empty)", msg.unit)
 
-    def _report_loss(self, loss: Loss) -> None:
-        for lost in loss.lost:
-            self.lost_samples += len(lost.indexes)
-            self._event("lost", lost.topic, lost.group_ids, lost.indexes, f"unit {loss.unit}")
-        if loss.lost:
-            log.warning("storage unit %s lost: %s", loss.unit, loss.group_ids)
-
-    def _stores_missing(self, state: ControllerState) -> None:
-        """Report lost the live samples of told stores their unit could not take (the segment
-        went before the store arrived: e.g. the unit swept it after ``shm_orphan_age`` while
-        the store waited in the outbox): dropped, never served from a hole."""
+    def missing_stores(self, state: ControllerState) -> Iterator[MissingStores]:
+        """The live samples of told stores their unit could not take (the segment went before
+        the store arrived: e.g. the unit swept it after ``shm_orphan_age`` while the store
+        waited in the outbox), to drop and report lost, never to serve from a hole. One at a
+        time: each is located in the state as the caller left it after the previous one."""
         outbox = self.shared.outbox
         while outbox.missing:
             unit, per_topic = outbox.missing.pop(0)
@@ -168,38 +186,26 @@ class Recovery:
                 except TransferQueueError:
                     continue  # the topic is gone
                 lost = tuple(i for i, (_, u) in where.items() if u == unit)
-                if not lost:
-                    continue
-                gids = tuple(sorted({where[i][0] for i in lost}))
-                self.locations.drop(topic, lost)
-                self._apply(state.lose(topic, lost))
-                self._group_infos(topic, gids)
-                self.lost_samples += len(lost)
-                self._event("lost", topic, gids, lost, f"unit {unit}: its segment was gone")
-                log.warning("unit %s lost told stores of %s %s", unit, topic, lost[:8])
-                self._kick(topic)
+                if lost:
+                    gids = tuple(sorted({where[i][0] for i in lost}))
+                    yield MissingStores(unit, topic, lost, gids)
 
-    def _dropped(self, unit: str) -> None:
-        """``unit``'s bookkeeping went with its incarnation: wake those who wait for it."""
-        self.locations.drop_unit(unit)
-        self.shared.outbox.drop(unit)
-        self.flush_now.set()
-        self.outbox_wake.set()
-
-    async def _unit_watcher(self, ctx: ActorContext[Any]) -> None:
+    async def watch(self, ctx: ActorContext[Any]) -> None:
+        """The unit watcher task: every ``unit_check_interval`` (or when asked), each unit's
+        incarnation; a changed one is reported (``UnitSeen``) and a fresh one reset first."""
         shared = self.shared
         while True:
             with trio.move_on_after(shared.unit_check_interval):
                 await self.check_now.wait()
             self.check_now = trio.Event()
-            tokens = await _units.tokens(shared.units, shared.unit_timeout)
+            tokens = await unit_tokens(shared.units, shared.unit_timeout)
             for unit, token in tokens.items():
                 if token == shared.known.get(unit) or token == self.adopting.get(unit):
                     continue
                 if shared.known.get(unit) is not None:
                     await ctx.self.send(UnitSeen(unit, None))  # its data is gone: report it
                 if token is not None:  # back: make sure it holds nothing from before
-                    fresh = await self._reset(unit)
+                    fresh = await self.reset(unit)
                     if fresh is not None:
                         self.adopting[unit] = fresh
                         await ctx.self.send(UnitSeen(unit, fresh))
@@ -207,3 +213,62 @@ class Recovery:
 
 def _record(info: U.TopicInfo) -> TopicRecord:
     return TopicRecord(info.topic, info.latest_version, info.next_index, info.next_group_id)
+
+
+async def unit_tokens(units: Mapping[str, ActorRef[Any]], timeout: float) -> dict[str, str | None]:
+    """Every unit's incarnation token, asked concurrently (``None``: it did not answer)."""
+    out: dict[str, str | None] = dict.fromkeys(units)
+
+    async def one(unit: str, ref: ActorRef[Any]) -> None:
+        try:
+            with trio.fail_after(timeout):
+                out[unit] = await ref.ask(U.GetToken())
+        except (ActorCrashed, trio.TooSlowError):
+            out[unit] = None
+
+    async with trio.open_nursery() as nursery:
+        for unit, ref in units.items():
+            nursery.start_soon(one, unit, ref)
+    return out
+
+
+def inventory_of(unit: str, inv: U.UnitInventory) -> Inventory:
+    """A unit's report as inventory records. A group counts as allocated its committed members
+    and the uncommitted ones the unit holds (a member never stored goes back to its writer)."""
+    topics = tuple(
+        TopicRecord(t.topic, t.latest_version, t.next_index, t.next_group_id) for t in inv.topics
+    )
+    stored: dict[tuple[str, int], int] = {}
+    for topic, records in inv.samples.items():
+        for s in records:
+            if not s.committed:
+                stored[(topic, s.group_id)] = stored.get((topic, s.group_id), 0) + 1
+    groups = tuple(
+        GroupRecord(
+            topic,
+            g.group_id,
+            unit,
+            g.size,
+            g.committed + stored.get((topic, g.group_id), 0),
+            g.shared,
+            g.explicit,
+        )
+        for topic, records in inv.groups.items()
+        for g in records
+    )
+    samples = tuple(
+        SampleRecord(
+            topic,
+            s.index,
+            s.version,
+            s.group_id,
+            unit,
+            s.length,
+            s.columns,
+            s.consumed,
+            s.committed,
+        )
+        for topic, records in inv.samples.items()
+        for s in records
+    )
+    return Inventory(topics, groups, samples)

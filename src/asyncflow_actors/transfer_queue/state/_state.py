@@ -297,6 +297,10 @@ class ControllerState(Writing):
         else:
             self._down.add(u)
 
+    def units_down(self) -> frozenset[str]:
+        """The units new groups and samples avoid (see :meth:`set_unit_up`)."""
+        return frozenset(self._units[u] for u in self._down)
+
     def storage_lost(self, unit: str) -> Loss:
         """Drop everything placed on ``unit`` (its data is gone) and report it, per topic, so the
         driver can re-inject those prompts: the committed samples, and the groups that had one

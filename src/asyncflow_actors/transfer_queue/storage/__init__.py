@@ -2,3 +2,5 @@
 
 A unit knows its own protocol (``_unit_messages``) and nothing of the controller or the client.
 """
+
+from ._unit import StorageUnit as StorageUnit
