@@ -11,72 +11,52 @@ one table (``Controller.handlers``): adding a message means adding its handler t
 
 Invariants of the bookkeeping maps (hold between any two messages; ``check_invariants``):
 
-1. ``granted`` (claim id -> lease id) and ``granted_by_lease`` (lease id -> claim id) are one
-   map read both ways: a granted claim names one lease, and that lease names it back.
-2. Every lease in ``granted_by_lease`` is outstanding in the state: a lease that ends (ack,
-   nack, expiry, holder released) leaves both maps in the same message (``_apply``).
+1. ``grants`` maps claim ids to lease ids and back as one map read both ways: a granted claim
+   names one lease, and that lease names it back (``Grants.problems``).
+2. Every granted lease is outstanding in the state: a lease that ends (ack, nack, expiry,
+   holder released) leaves ``grants`` in the same message (``_apply``).
 3. A claim id is either waiting (``claims``) or granted, never both; the waiting claims'
    index and their per-kind queues agree (``ClaimQueues.problems``).
-4. Every waiting put (``puts[topic]``) is for that topic, and a put id is either waiting or
-   granted (``granted_puts``), never both. ``granted_puts`` and ``shared.done`` stay bounded.
+4. Every waiting put (``puts``) waits under its own topic, and a put id is either waiting or
+   granted, never both (``PutQueues.problems``); the granted puts and the remembered replies
+   (``shared.done``) stay bounded.
 5. ``shared.known`` names every unit, and the state places nothing on exactly the units whose
    incarnation is unknown (``known[unit] is None``: down or not adopted yet).
 6. A unit being adopted (``recovery.adopting``) is one of the units, and the fresh incarnation
-   it waits for is not the one ``known`` holds.
+   it waits for is not the one ``known`` holds (5 and 6: ``Recovery.problems``).
 7. The state's own bookkeeping is consistent (``ControllerState.check_invariants``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import trio
 
 from .. import _messages as M
 from .. import _unit_messages as U
 from .._errors import TransferQueueError, UnknownSample
-from .._results import Allocation, GroupSlot, Lease, Loss, Update
-from .._runtime import Actor, ActorContext, Reply, Request
+from .._results import GroupSlot, Loss, Update
+from .._runtime import Actor, ActorContext, Request
 from ..state._state import ControllerState
-from ._claims import ClaimQueues, WaitingClaim
+from ._claims import ClaimQueues, Grants, WaitingClaim
 from ._delivery import Delivered, Delivery
 from ._events import EventWaiters
 from ._locations import Locations
+from ._puts import Allocated, PutQueues, WaitingPut, slots_of
 from ._recovery import Recovery, UnitSeen, unit_tokens
 from ._shared import REMEMBERED, ControllerShared
+from ._timer import Tick, Timer
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 
-_RESERVE = 4096  # ids reserved ahead per watermark update (see Controller._records)
-
-Handler = Callable[[Any, ActorContext[Any], ControllerState], Any]
-
-
-@attrs.frozen
-class _Tick:
-    """Self-message from the timer: expire what is due."""
+Ctx = ActorContext[Any]
+Handler = Callable[[Any, Ctx, ControllerState], Any]
 
 
-@attrs.frozen
-class _Allocated:
-    """An allocation granted to a put (``group``: the open group it joined, if any)."""
-
-    allocation: Allocation
-    group: int | tuple[int, ...] | None
-
-
-@attrs.define(eq=False)
-class _WaitingPut:
-    msg: M.Allocate | M.OpenGroups
-    reply: Reply
-
-
-class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
+class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -85,19 +65,16 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         self.shared = shared
         self.state: ControllerState | None = None
         self.epoch = 0
-        self.puts: dict[str, deque[_WaitingPut]] = {}
+        self.puts = PutQueues()
         self.claims = ClaimQueues()
-        self.granted: dict[int, int] = {}  # claim id -> lease id, until the lease ends
-        self.granted_by_lease: dict[int, int] = {}
-        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> _Allocated | slot
+        self.grants = Grants()  # claim id <-> lease id, until the lease ends
         self.waiters = EventWaiters(shared.log)
         self.evicted_groups = 0
         self.lost_samples = 0
         self.abandoned_samples = 0
-        self.timer_wake = trio.Event()
-        self.timer_at = math.inf  # the deadline the timer sleeps until
+        self.timer = Timer(self._next_deadline)
         self.locations = Locations()  # rows put through shared memory (see ``_locations``)
-        self.delivery = Delivery(shared, self.puts, self._check_units)
+        self.delivery = Delivery(shared, self.puts.waiting, self._check_units)
         self.recovery = Recovery(shared, self.delivery, self.locations)
         self.handlers: dict[type, Handler] = {
             M.Commit: self._commit,
@@ -124,7 +101,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
             M.Flushed: self._on_flushed,
             M.CheckInvariants: lambda msg, ctx, state: tuple(self.check_invariants()),
             Delivered: self._on_delivered,
-            _Tick: self._on_tick,
+            Tick: self._on_tick,
             UnitSeen: lambda msg, ctx, state: self.recovery.unit_seen(state, msg, self._lost),
         }
 
@@ -147,7 +124,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
             self._apply(rebuilt.update)
             for loss in rebuilt.losses:
                 self._report_loss(loss)
-        ctx.start_soon(self._timer, ctx)
+        ctx.start_soon(self.timer.run, ctx)
         ctx.start_soon(self.recovery.watch, ctx)
         ctx.start_soon(self.delivery.run, ctx)
 
@@ -171,65 +148,57 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         finally:
             self.waiters.serve()  # one batch per message: events of one change arrive together
 
-    def _on_ack(self, msg: M.Ack, ctx: ActorContext[Any], state: ControllerState) -> Any:
+    def _on_ack(self, msg: M.Ack, ctx: Ctx, state: ControllerState) -> Any:
         if msg.request_id in self.shared.done:
             return self.shared.done[msg.request_id]
         missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
         self.shared.remember(msg.request_id, missing)
         return missing
 
-    def _on_nack(self, msg: M.Nack, ctx: ActorContext[Any], state: ControllerState) -> None:
+    def _on_nack(self, msg: M.Nack, ctx: Ctx, state: ControllerState) -> None:
         self._end_lease(state, msg.lease_id, None, ack=False)
 
-    def _on_put(
-        self, msg: M.Allocate | M.OpenGroups, ctx: ActorContext[Any], state: ControllerState
-    ) -> Any:
-        size = _slots(msg)
+    def _on_put(self, msg: M.Allocate | M.OpenGroups, ctx: Ctx, state: ControllerState) -> Any:
+        size = slots_of(msg)
         if size == 0:  # members of an open group use its reserved slots: never wait
             return self._put(state, msg)
-        waiting = self.puts.setdefault(msg.topic, deque())
+        waiting = self.puts.queue(msg.topic)
         if self._fits(state, msg.topic, size) and not waiting:  # CapacityError: never
             return self._put(state, msg)
-        waiting.append(_WaitingPut(msg, ctx.defer_reply()))
+        waiting.append(WaitingPut(msg, ctx.defer_reply()))
         if msg.topic in self.shared.outbox.deleting:
             self.delivery.hurry()  # the slots it waits for free once units took deletes
         return None
 
     def _on_commit_shared_groups(
-        self, msg: M.CommitSharedGroups, ctx: ActorContext[Any], state: ControllerState
+        self, msg: M.CommitSharedGroups, ctx: Ctx, state: ControllerState
     ) -> None:
         state.commit_shared_groups(msg.topic, msg.columns)
         self._group_infos(msg.topic, tuple(msg.columns))
         self._kick(msg.topic)
 
-    def _on_set_version(
-        self, msg: M.SetVersion, ctx: ActorContext[Any], state: ControllerState
-    ) -> None:
+    def _on_set_version(self, msg: M.SetVersion, ctx: Ctx, state: ControllerState) -> None:
         self._apply(state.set_latest_version(msg.topic, msg.version))
         self._records(msg.topic)
         self._kick(msg.topic)
 
-    def _on_discard(self, msg: M.Discard, ctx: ActorContext[Any], state: ControllerState) -> Any:
-        self.granted_puts.pop(msg.put_id, None)
+    def _on_discard(self, msg: M.Discard, ctx: Ctx, state: ControllerState) -> Any:
+        self.puts.pop_granted(msg.put_id)
         return self._discard(state, msg)
 
-    def _on_shrink_group(
-        self, msg: M.ShrinkGroup, ctx: ActorContext[Any], state: ControllerState
-    ) -> None:
+    def _on_shrink_group(self, msg: M.ShrinkGroup, ctx: Ctx, state: ControllerState) -> None:
         if msg.request_id not in self.shared.done:
             self._apply(state.shrink_group(msg.topic, msg.group_id, msg.slots))
             self._group_infos(msg.topic, (msg.group_id,))
             self.shared.remember(msg.request_id, None)
             self._kick(msg.topic)
 
-    def _on_release_holder(
-        self, msg: M.ReleaseHolder, ctx: ActorContext[Any], state: ControllerState
-    ) -> None:
+    def _on_release_holder(self, msg: M.ReleaseHolder, ctx: Ctx, state: ControllerState) -> None:
         self._withdraw(msg.holder)
         self._apply(state.release_holder(msg.holder))
         self._kick_all()
 
-    def _on_delivered(self, msg: Delivered, ctx: ActorContext[Any], state: ControllerState) -> None:
+    def _on_delivered(self, msg: Delivered, ctx: Ctx, state: ControllerState) -> None:
         for miss in self.recovery.missing_stores(state):
             self.locations.drop(miss.topic, miss.indexes)
             self._apply(state.lose(miss.topic, miss.indexes))
@@ -242,47 +211,39 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
             )
             self._kick(miss.topic)
         self._stores_taken(state)
-        for topic in list(self.puts):
+        for topic in self.puts.topics():
             self._retry_puts(topic)
 
-    def _on_tick(self, msg: _Tick, ctx: ActorContext[Any], state: ControllerState) -> None:
+    def _on_tick(self, msg: Tick, ctx: Ctx, state: ControllerState) -> None:
         self._apply(state.expire(trio.current_time()))
         self._kick_all()
 
-    def _on_wait_events(
-        self, msg: M.WaitEvents, ctx: ActorContext[Any], state: ControllerState
-    ) -> None:
+    def _on_wait_events(self, msg: M.WaitEvents, ctx: Ctx, state: ControllerState) -> None:
         self.waiters.add(msg.wait_id, msg.since, ctx.defer_reply())
 
-    def _on_create_topic(
-        self, msg: M.CreateTopic, ctx: ActorContext[Any], state: ControllerState
-    ) -> None:
+    def _on_create_topic(self, msg: M.CreateTopic, ctx: Ctx, state: ControllerState) -> None:
         state.add_topic(msg.spec)
         self.shared.specs[msg.spec.name] = msg.spec
 
-    def _on_get_topology(
-        self, msg: M.GetTopology, ctx: ActorContext[Any], state: ControllerState
-    ) -> M.Topology:
+    def _on_get_topology(self, msg: M.GetTopology, ctx: Ctx, state: ControllerState) -> M.Topology:
         shared = self.shared
         return M.Topology(
             dict(shared.specs), dict(shared.units), shared.shm_min_bytes, shared.io_timeout
         )
 
-    def _on_await_stores(
-        self, msg: M.AwaitStores, ctx: ActorContext[Any], state: ControllerState
-    ) -> None:
+    def _on_await_stores(self, msg: M.AwaitStores, ctx: Ctx, state: ControllerState) -> None:
         marks = self.delivery.marks(msg.units)
         if marks:
             self.delivery.hold(marks, ctx.defer_reply(), None)
 
-    def _on_flushed(self, msg: M.Flushed, ctx: ActorContext[Any], state: ControllerState) -> None:
+    def _on_flushed(self, msg: M.Flushed, ctx: Ctx, state: ControllerState) -> None:
         if len(self.shared.outbox):
             self.delivery.await_empty(ctx.defer_reply())
 
     def _statistics(self, state: ControllerState) -> M.ControllerStatistics:
         return M.ControllerStatistics(
             state.statistics(),
-            sum(len(w) for w in self.puts.values()),
+            len(self.puts),
             len(self.claims),
             self.evicted_groups,
             self.lost_samples,
@@ -302,32 +263,15 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         shared, state = self.shared, self.state
         if state is None:
             return ["the controller has no state (not started)"]
-        if self.granted_by_lease != {lease: claim for claim, lease in self.granted.items()}:
-            out.append("1: granted and granted_by_lease are not one map read both ways")
-        ended = set(self.granted_by_lease) - {lease.id for lease in state.leases()}
-        if ended:
-            out.append(f"2: grants name leases that ended: {sorted(ended)}")
-        both = self.claims.ids() & set(self.granted)
+        out.extend(self.grants.problems({lease.id for lease in state.leases()}))
+        both = self.claims.ids() & self.grants.claims()
         if both:
             out.append(f"3: claims both waiting and granted: {sorted(both)}")
         out.extend(f"3: {problem}" for problem in self.claims.problems())
-        if any(w.msg.topic != topic for topic, queue in self.puts.items() for w in queue):
-            out.append("4: a put waits under another topic than its own")
-        waiting = {w.msg.put_id for queue in self.puts.values() for w in queue if w.msg.put_id}
-        if waiting & set(self.granted_puts):
-            out.append(
-                f"4: puts both waiting and granted: {sorted(waiting & set(self.granted_puts))}"
-            )
-        if len(self.granted_puts) > REMEMBERED or len(shared.done) > REMEMBERED:
-            out.append("4: the remembered puts or replies outgrew their bound")
-        if set(shared.known) != set(shared.units):
-            out.append(f"5: known units {sorted(shared.known)}, units {sorted(shared.units)}")
-        unknown = {u for u, token in shared.known.items() if token is None}
-        if state.units_down() != unknown:
-            out.append(f"5: units down {sorted(state.units_down())}, unknown {sorted(unknown)}")
-        for unit, token in self.recovery.adopting.items():
-            if unit not in shared.units or token == shared.known.get(unit):
-                out.append(f"6: unit {unit!r} is adopted as an incarnation it is known as")
+        out.extend(f"4: {problem}" for problem in self.puts.problems())
+        if len(shared.done) > REMEMBERED:
+            out.append("4: the remembered replies outgrew their bound")
+        out.extend(self.recovery.problems(state))
         out.extend(f"7: {problem}" for problem in state.check_invariants())
         return out
 
@@ -342,7 +286,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
             slots = state.open_groups(msg.topic, msg.sizes, holder=msg.holder, now=now)
             self._group_infos(msg.topic, tuple(s.group_id for s in slots))
             self._records(msg.topic)
-            self._granted(msg.put_id, slots)
+            self.puts.grant(msg.put_id, slots)
             self._write_deadline(msg.topic, now)
             return M.OpenedGroups(slots, self._incarnations({s.unit for s in slots}))
         allocation = state.allocate(
@@ -357,7 +301,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         # every unit keeps the watermarks: a rebuild must never reuse an index, even if the
         # unit that held the newest samples is gone
         self._records(msg.topic)
-        self._granted(msg.put_id, _Allocated(allocation, msg.group))
+        self.puts.grant(msg.put_id, Allocated(allocation, msg.group))
         self._write_deadline(msg.topic, now)
         self._kick(msg.topic, puts=False)
         units = set(allocation.units)
@@ -374,22 +318,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         free = state.free_slots(topic)
         return free is None or free - self.shared.outbox.deleting.get(topic, 0) >= size
 
-    def _short(self, topic: str) -> bool:
-        """Whether less than half of ``topic``'s capacity is free for new puts, the freed
-        samples whose delete units have not taken yet counted as occupied (see ``_delivery``)."""
-        capacity = self.shared.specs[topic].capacity
-        free = self.state.free_slots(topic) if self.state is not None else None
-        if capacity is None or free is None:
-            return False
-        return 2 * (free - self.shared.outbox.deleting.get(topic, 0)) < capacity
-
-    def _granted(self, put_id: int, result: Any) -> None:
-        if put_id:
-            self.granted_puts[put_id] = result
-            while len(self.granted_puts) > REMEMBERED:
-                self.granted_puts.popitem(last=False)
-
-    def _commit(self, msg: M.Commit, ctx: ActorContext[Any], state: ControllerState) -> None:
+    def _commit(self, msg: M.Commit, ctx: Ctx, state: ControllerState) -> None:
         if msg.put_id and msg.put_id in self.shared.done:
             return  # a retry: the first commit went through
         known = self.shared.known
@@ -404,8 +333,8 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         for unit, located in msg.located.items():
             self.locations.add(msg.topic, unit, located)
         if msg.new:
-            granted = self.granted_puts.pop(msg.put_id, None)
-            if isinstance(granted, _Allocated) and granted.allocation.indexes == msg.indexes:
+            granted = self.puts.pop_granted(msg.put_id)
+            if isinstance(granted, Allocated) and granted.allocation.indexes == msg.indexes:
                 # placed as allocated (no lookup); only an explicit group has a record to send
                 pairs: Any = zip(msg.indexes, granted.allocation.units, strict=True)
                 group = granted.group
@@ -424,13 +353,11 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         self._kick(msg.topic)
 
     def _cancel_put(self, state: ControllerState, put_id: int) -> None:
-        for waiting in self.puts.values():
-            for item in waiting:
-                if item.msg.put_id == put_id:
-                    waiting.remove(item)
-                    item.reply.fail(TransferQueueError(f"put {put_id} cancelled by its writer"))
-                    return
-        granted = self.granted_puts.pop(put_id, None)
+        item = self.puts.cancel(put_id)
+        if item is not None:
+            item.reply.fail(TransferQueueError(f"put {put_id} cancelled by its writer"))
+            return
+        granted = self.puts.pop_granted(put_id)
         if granted is None:
             return
         if isinstance(granted, tuple):  # groups opened, but the writer never saw them
@@ -458,20 +385,18 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
             waiting.reply.fail(
                 TransferQueueError(f"claim withdrawn: its holder {holder!r} was released")
             )
-        for queue in self.puts.values():
-            for item in [w for w in queue if w.msg.holder == holder]:
-                queue.remove(item)
-                item.reply.fail(
-                    TransferQueueError(f"put withdrawn: its holder {holder!r} was released")
-                )
+        for item in self.puts.withdraw(holder):
+            item.reply.fail(
+                TransferQueueError(f"put withdrawn: its holder {holder!r} was released")
+            )
 
     def _retry_puts(self, topic: str) -> None:
         state = self.state
-        waiting = self.puts.get(topic)
+        waiting = self.puts.waiting.get(topic)
         assert state is not None
         while waiting:
             head = waiting[0]
-            if not self._fits(state, topic, _slots(head.msg)):
+            if not self._fits(state, topic, slots_of(head.msg)):
                 return  # FIFO: later puts wait behind the head
             waiting.popleft()
             try:
@@ -481,7 +406,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
 
     # -- claims ----------------------------------------------------------------------------------
 
-    def _claim(self, msg: M.Claim, ctx: ActorContext[Any], state: ControllerState) -> Any:
+    def _claim(self, msg: M.Claim, ctx: Ctx, state: ControllerState) -> Any:
         leased = self._try_claim(state, msg)
         if leased is not None:
             marks = self._store_marks(msg, leased)
@@ -515,24 +440,10 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         )
         if lease is None:
             return None
-        self.granted[msg.claim_id] = lease.id
-        self.granted_by_lease[lease.id] = msg.claim_id
-        self._deadline(lease.deadline)
-        return M.Leased(lease, self._incarnations(lease.placement), self._located(lease))
-
-    def _located(self, lease: Lease) -> dict[str, Any]:
-        """The lease's parts on units whose rows all lie in shared memory (a unit that also
-        holds group-shared columns the lease needs is fetched from, as usual)."""
-        spec = self.shared.specs[lease.topic]
-        per_sample = [c for c in lease.columns if not spec.columns[c].shared]
-        shared = len(per_sample) < len(lease.columns)
-        out = {}
-        for unit, indexes in lease.placement.items():
-            if not (shared and lease.shared.get(unit)):
-                parts = self.locations.parts(lease.topic, indexes, per_sample)
-                if parts is not None:
-                    out[unit] = parts
-        return out
+        self.grants.add(msg.claim_id, lease.id)
+        self.timer.deadline(lease.deadline)
+        located = self.locations.of_lease(lease, self.shared.specs[lease.topic])
+        return M.Leased(lease, self._incarnations(lease.placement), located)
 
     def _retry_claims(self, topic: str) -> None:
         state = self.state
@@ -570,9 +481,8 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         if waiting is not None:
             waiting.reply.fail(TransferQueueError(f"claim {claim_id} cancelled by its claimant"))
             return
-        lease_id = self.granted.pop(claim_id, None)
+        lease_id = self.grants.cancel(claim_id)
         if lease_id is not None:  # granted, but the claimant never saw it
-            self.granted_by_lease.pop(lease_id, None)
             try:
                 self._apply(state.nack(lease_id))
             except TransferQueueError:
@@ -628,10 +538,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
             self.abandoned_samples += len(gone.indexes)
             self._event("abandoned", gone.topic, gone.group_ids, gone.indexes, "writer gone")
             self._group_infos(gone.topic, gone.group_ids)
-        for lease_id in update.ended:
-            claim_id = self.granted_by_lease.pop(lease_id, None)
-            if claim_id is not None:
-                self.granted.pop(claim_id, None)
+        self.grants.ended(update.ended)
 
     def _lost(self, loss: Loss) -> None:
         """A unit lost its data (``Recovery``): report it, and wake who waits."""
@@ -650,41 +557,18 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         their slots, or soon will (see ``_delivery``)."""
         if not self.delivery.send(unit, item) or self.delivery.flush_waiters:
             return  # the unit is down, or nothing lingers anyway
-        if isinstance(item, U.Delete) and (self.puts.get(item.topic) or self._short(item.topic)):
+        if isinstance(item, U.Delete) and (
+            self.puts.waits(item.topic) or self.delivery.short(self.state, item.topic)
+        ):
             self.delivery.hurry()  # counted once queued: the delete occupies its slots till taken
 
     def _group_infos(self, topic: str, gids: Any) -> None:
-        """Send explicit groups' records (absolute values) to their units."""
         assert self.state is not None
-        if not gids:
-            return  # implicit groups only (a plain put): they have no record
-        for rec in self.state.group_records(topic, gids):
-            self._to_unit(rec.unit, U.GroupInfo(topic, rec.group_id, rec.size, rec.allocated))
+        self.delivery.group_infos(self.state, topic, gids)
 
     def _records(self, topic: str) -> None:
-        """Tell units the topic's version and id watermarks. Ids are reserved ahead in blocks,
-        so allocations only reach the units once per block: a rebuild skips the rest of a block
-        but never reuses an id."""
-        state = self.state
-        assert state is not None
-        record = state.topic_record(topic)
-        sent = self.shared.watermarks.get(topic)
-        if (
-            sent is not None
-            and sent.latest_version == record.latest_version
-            and record.next_index <= sent.next_index
-            and record.next_group_id <= sent.next_group_id
-        ):
-            return
-        info = U.TopicInfo(
-            topic,
-            record.latest_version,
-            record.next_index + _RESERVE,
-            record.next_group_id + _RESERVE,
-        )
-        self.shared.watermarks[topic] = info
-        for unit in self.shared.units:
-            self._to_unit(unit, info)
+        assert self.state is not None
+        self.delivery.records(self.state, topic)
 
     # -- waking waiters --------------------------------------------------------------------------
 
@@ -694,7 +578,7 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
         self._retry_claims(topic)
 
     def _kick_all(self) -> None:
-        for topic in set(self.puts) | set(self.claims.topics()):
+        for topic in set(self.puts.topics()) | set(self.claims.topics()):
             self._kick(topic)
 
     def _event(
@@ -702,37 +586,13 @@ class Controller(Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
     ) -> None:
         self.shared.log.add(kind, topic, groups, indexes, detail)
 
-    # -- the timer -------------------------------------------------------------------------------
-
-    def _deadline(self, at: float) -> None:
-        """Something new is due at ``at``: wake the timer if it sleeps past that. (Deadlines
-        that go away need no wake-up: the timer then wakes early, finds nothing due and
-        sleeps again.)"""
-        if at < self.timer_at:
-            self.timer_wake.set()
-
     def _write_deadline(self, topic: str, now: float) -> None:
         ttl = self.shared.specs[topic].write_ttl
         if ttl is not None:
-            self._deadline(now + ttl)
+            self.timer.deadline(now + ttl)
 
-    async def _timer(self, ctx: ActorContext[Any]) -> None:
-        while True:
-            self.timer_wake = trio.Event()
-            state = self.state
-            deadline = state.next_deadline() if state is not None else None
-            self.timer_at = deadline if deadline is not None else math.inf
-            with trio.move_on_at(self.timer_at):
-                await self.timer_wake.wait()
-                continue
-            await ctx.self.send(_Tick())
-
-
-def _slots(msg: M.Allocate | M.OpenGroups) -> int:
-    """Capacity slots a put needs (0: members of open groups use their reserved slots)."""
-    if isinstance(msg, M.OpenGroups):
-        return sum(msg.sizes)
-    return msg.n if msg.group is None else 0
+    def _next_deadline(self) -> float | None:
+        return self.state.next_deadline() if self.state is not None else None
 
 
 def _as_tuple(group: int | tuple[int, ...]) -> tuple[int, ...]:

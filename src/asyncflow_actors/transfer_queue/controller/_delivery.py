@@ -25,9 +25,13 @@ from typing import Any
 import attrs
 import trio
 
+from .. import _unit_messages as U
 from .._runtime import ActorContext, Reply
+from ..state._state import ControllerState
 from ._shared import ControllerShared
 from ._store_waits import StoreWaits
+
+_RESERVE = 4096  # ids reserved ahead per watermark update (see Delivery.records)
 
 
 @attrs.frozen
@@ -72,6 +76,46 @@ class Delivery:
     def hurry(self) -> None:
         """Flush without lingering what is queued (deletes that puts wait for, or soon will)."""
         self.flush_now.set()
+
+    def group_infos(self, state: ControllerState, topic: str, gids: Any) -> None:
+        """Send explicit groups' records (absolute values) to their units."""
+        if not gids:
+            return  # implicit groups only (a plain put): they have no record
+        for rec in state.group_records(topic, gids):
+            self.send(rec.unit, U.GroupInfo(topic, rec.group_id, rec.size, rec.allocated))
+
+    def records(self, state: ControllerState, topic: str) -> None:
+        """Tell units the topic's version and id watermarks. Ids are reserved ahead in blocks,
+        so allocations only reach the units once per block: a rebuild skips the rest of a block
+        but never reuses an id."""
+        record = state.topic_record(topic)
+        sent = self.shared.watermarks.get(topic)
+        if (
+            sent is not None
+            and sent.latest_version == record.latest_version
+            and record.next_index <= sent.next_index
+            and record.next_group_id <= sent.next_group_id
+        ):
+            return
+        info = U.TopicInfo(
+            topic,
+            record.latest_version,
+            record.next_index + _RESERVE,
+            record.next_group_id + _RESERVE,
+        )
+        self.shared.watermarks[topic] = info
+        for unit in self.shared.units:
+            self.send(unit, info)
+
+    def short(self, state: ControllerState | None, topic: str) -> bool:
+        """Whether less than half of ``topic``'s capacity is free for new puts, the freed
+        samples whose delete units have not taken yet counted as occupied (see the module
+        docstring)."""
+        capacity = self.shared.specs[topic].capacity
+        free = state.free_slots(topic) if state is not None else None
+        if capacity is None or free is None:
+            return False
+        return 2 * (free - self.shared.outbox.deleting.get(topic, 0)) < capacity
 
     def wake(self) -> None:
         """Flush now, without lingering (someone waits)."""

@@ -15,7 +15,9 @@ from typing import Any
 import attrs
 
 from .._located import Located
+from .._results import Lease
 from .._runtime import itemsize
+from .._spec import TopicSpec
 from .._unit_messages import ShmBody
 
 
@@ -91,6 +93,19 @@ class Locations:
                 else:
                     parts.append(values)
             out[column] = parts
+        return out
+
+    def of_lease(self, lease: Lease, spec: TopicSpec) -> dict[str, Any]:
+        """The lease's parts on units whose rows all lie in shared memory (a unit that also
+        holds group-shared columns the lease needs is fetched from, as usual)."""
+        per_sample = [c for c in lease.columns if not spec.columns[c].shared]
+        shared = len(per_sample) < len(lease.columns)
+        out = {}
+        for unit, indexes in lease.placement.items():
+            if not (shared and lease.shared.get(unit)):
+                parts = self.parts(lease.topic, indexes, per_sample)
+                if parts is not None:
+                    out[unit] = parts
         return out
 
 

@@ -190,6 +190,22 @@ class Recovery:
                     gids = tuple(sorted({where[i][0] for i in lost}))
                     yield MissingStores(unit, topic, lost, gids)
 
+    def problems(self, state: ControllerState) -> list[str]:
+        """What is inconsistent, in words (empty: nothing): ``known`` names every unit, the
+        state avoids exactly the units of unknown incarnation, and a unit being adopted waits
+        for another incarnation than the one known."""
+        out = []
+        known = self.shared.known
+        if set(known) != set(self.shared.units):
+            out.append(f"5: known units {sorted(known)}, units {sorted(self.shared.units)}")
+        unknown = {u for u, token in known.items() if token is None}
+        if state.units_down() != unknown:
+            out.append(f"5: units down {sorted(state.units_down())}, unknown {sorted(unknown)}")
+        for unit, token in self.adopting.items():
+            if unit not in self.shared.units or token == known.get(unit):
+                out.append(f"6: unit {unit!r} is adopted as an incarnation it is known as")
+        return out
+
     async def watch(self, ctx: ActorContext[Any]) -> None:
         """The unit watcher task: every ``unit_check_interval`` (or when asked), each unit's
         incarnation; a changed one is reported (``UnitSeen``) and a fresh one reset first."""
