@@ -7,6 +7,7 @@ node processes); clients put and get through it. The sans-I/O control plane
 
 from __future__ import annotations
 
+from ._config import TransferQueueConfig as TransferQueueConfig
 from ._errors import CapacityError as CapacityError
 from ._errors import ControllerUnavailable as ControllerUnavailable
 from ._errors import FlowControlError as FlowControlError
@@ -31,7 +32,6 @@ from ._messages import ControllerStatistics as ControllerStatistics
 from ._messages import EventBatch as EventBatch
 from ._messages import TQEvent as TQEvent
 from ._queue import TransferQueue as TransferQueue
-from ._queue import TransferQueueConfig as TransferQueueConfig
 from ._queue import open_transfer_queue as open_transfer_queue
 from ._results import STALE as STALE
 from ._results import Abandoned as Abandoned

@@ -41,9 +41,10 @@ from .._errors import TransferQueueError, UnknownSample
 from .._results import GroupSlot, Loss, Update
 from .._runtime import Actor, ActorContext, Request
 from ..state._state import ControllerState
-from ._claims import ClaimQueues, Grants, WaitingClaim
+from ._claims import ClaimQueues, WaitingClaim
 from ._delivery import Delivered, Delivery
 from ._events import EventWaiters
+from ._grants import Grants
 from ._locations import Locations
 from ._puts import Allocated, PutQueues, WaitingPut, slots_of
 from ._recovery import Recovery, UnitSeen, unit_tokens
