@@ -84,7 +84,7 @@ class Topology:
 class Placed:
     """An allocation and the incarnation of each unit it places samples on (stores name it);
     ``free``: the free segments those units last reported (a writer on their host may claim
-    one instead of creating a segment, see ``_pool``)."""
+    one instead of creating a segment, see ``storage._pool``)."""
 
     allocation: Allocation
     incarnations: dict[str, str]
