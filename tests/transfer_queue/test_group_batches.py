@@ -15,9 +15,9 @@ import trio.testing
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
-from asyncflow_actors.transfer_queue import _client
 from asyncflow_actors.transfer_queue import _messages as M
 from asyncflow_actors.transfer_queue import _unit_messages as U
+from asyncflow_actors.transfer_queue.client import _client
 
 from .faults import Tap
 

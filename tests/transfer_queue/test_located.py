@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from asyncflow_actors.transfer_queue import StorageUnavailable
-from asyncflow_actors.transfer_queue._located import Located, Locations, locate
+from asyncflow_actors.transfer_queue._located import Located, locate
 from asyncflow_actors.transfer_queue._unit_messages import ShmBody
+from asyncflow_actors.transfer_queue.controller._locations import Locations
 
 
 def test_parts_read_like_a_fetch_and_go_with_releases_rewrites_and_losses() -> None:
@@ -49,7 +50,7 @@ def test_a_store_with_values_held_by_the_unit_is_not_located() -> None:
 async def test_unit_work_inline_or_in_tasks_has_the_same_results_and_errors(inline: bool) -> None:
     # ``inline`` runs the units' work one after the other (it waits for nothing): every unit's
     # work still runs, and the error raised is the same (a StorageUnavailable first)
-    from asyncflow_actors.transfer_queue._unit_io import UnitIO
+    from asyncflow_actors.transfer_queue.client._unit_io import UnitIO
 
     io = UnitIO({}, shm_min_bytes=None, timeout=1.0, on_failure=lambda: None)
     ran: list[str] = []

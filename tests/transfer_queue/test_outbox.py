@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncflow_actors.transfer_queue._unit_messages import Committed, Delete, MarkConsumed
-from asyncflow_actors.transfer_queue._units import Outbox, _coalesce
+from asyncflow_actors.transfer_queue.controller._outbox import Outbox, _coalesce
 
 
 def test_a_delivery_drops_the_marks_of_samples_it_deletes_and_nothing_else() -> None:

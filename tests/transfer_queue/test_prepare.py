@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncflow_actors.transfer_queue import SchemaError, TopicSpec
-from asyncflow_actors.transfer_queue._batch import prepare
+from asyncflow_actors.transfer_queue.client._batch import prepare
 
 SPEC = TopicSpec.from_dict(
     {

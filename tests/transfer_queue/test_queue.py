@@ -14,8 +14,8 @@ import trio.testing
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
 from asyncflow_actors.transfer_queue import _messages as M
-from asyncflow_actors.transfer_queue._controller import ControllerShared
 from asyncflow_actors.transfer_queue._unit_messages import Store, UnitBatch
+from asyncflow_actors.transfer_queue.controller import ControllerShared
 
 from .faults import Tap
 

@@ -12,8 +12,9 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
-from asyncflow_actors.transfer_queue import _shm, _unit_io
+from asyncflow_actors.transfer_queue import _shm
 from asyncflow_actors.transfer_queue import _unit_messages as U
+from asyncflow_actors.transfer_queue.client import _unit_io
 
 SPEC = tq.TopicSpec.from_dict(
     {

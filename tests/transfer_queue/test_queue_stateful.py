@@ -341,6 +341,8 @@ def test_random_schedules_keep_every_promise(schedule: list[tuple[Any, ...]]) ->
                 replay = Replay(client, queue)
                 for op in schedule:
                     await replay.step(op)
+                    # the controller's invariants (its module docstring), after every step
+                    assert await queue.controller.ask(M.CheckInvariants()) == ()
                 await replay.drain()
                 reported: set[int] = set()
                 events = (

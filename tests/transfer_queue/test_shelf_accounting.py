@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflow_actors.actors.remote import RawTensor
-from asyncflow_actors.transfer_queue._shelf import Shelf
 from asyncflow_actors.transfer_queue._unit_messages import Delete, Fetch, MarkConsumed, Store
+from asyncflow_actors.transfer_queue.storage._shelf import Shelf
 
 WIDTHS = {"a": 3, "b": 512}  # batch columns: int64 rows of these widths (b: blocks that compact)
 OPS = st.lists(

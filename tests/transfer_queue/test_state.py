@@ -320,7 +320,7 @@ def test_new_groups_fill_the_least_loaded_units_one_sample_at_a_time() -> None:
     import heapq
     import random
 
-    from asyncflow_actors.transfer_queue._placement import least_loaded
+    from asyncflow_actors.transfer_queue.state._placement import least_loaded
 
     def naive(loads: list[int], down: set[int], n: int, min_block: int) -> list[int]:
         up = [r for r in range(len(loads)) if r not in down] or list(range(len(loads)))
@@ -351,7 +351,7 @@ def test_ascending_and_distinct_agree_with_python_on_both_sides_of_small(
 
     import numpy as np
 
-    from asyncflow_actors.transfer_queue import _table
+    from asyncflow_actors.transfer_queue.state import _table
 
     monkeypatch.setattr(_table, "SMALL", small)
     rng = random.Random(7)
@@ -369,7 +369,7 @@ def test_tables_compact_as_samples_die_and_keep_every_answer(
 ) -> None:
     # hundreds of samples and groups go through while some linger (never ready for "train": no
     # "lp"), so the sample and group tables compact many times around live rows
-    from asyncflow_actors.transfer_queue import _table
+    from asyncflow_actors.transfer_queue.state import _table
 
     monkeypatch.setattr(_table, "_COMPACT_AT", 16)
     state = make(consumers=("fwd", "train"))
@@ -409,7 +409,7 @@ def test_a_lease_ends_exactly_after_its_rows_moved_or_died(
 ) -> None:
     # a lease keeps its samples' slots to skip the lookup at its end: valid only until the
     # sample table compacts (slots move) and while none of its samples died
-    from asyncflow_actors.transfer_queue import _table
+    from asyncflow_actors.transfer_queue.state import _table
 
     monkeypatch.setattr(_table, "_COMPACT_AT", 16 if compact else 1 << 20)
     state = make(consumers=("train",))

@@ -40,8 +40,8 @@ from asyncflow_actors.transfer_queue import (
     UnknownLease,
     UnknownSample,
     Update,
-    _table,
 )
+from asyncflow_actors.transfer_queue.state import _table
 
 from .model import (
     COLUMN_SETS,
@@ -666,6 +666,12 @@ class TQMachine(Model, RuleBasedStateMachine):
             g.deadline = self.now + WRITE_TTL if g.pending and g.deadline != math.inf else math.inf
 
     # -- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def bookkeeping_is_consistent(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        assert self.state.check_invariants() == []
 
     @invariant()
     def matches_model(self) -> None:

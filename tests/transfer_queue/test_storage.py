@@ -17,11 +17,12 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors.actors.remote import RawTensor
-from asyncflow_actors.transfer_queue import _filler, _shm, _unit_io
+from asyncflow_actors.transfer_queue import _shm
 from asyncflow_actors.transfer_queue import _unit_messages as S
-from asyncflow_actors.transfer_queue._batch import dtype_name
-from asyncflow_actors.transfer_queue._filler import Filler
-from asyncflow_actors.transfer_queue._storage import StorageUnit
+from asyncflow_actors.transfer_queue._tensors import dtype_name
+from asyncflow_actors.transfer_queue.client import _filler, _unit_io
+from asyncflow_actors.transfer_queue.client._filler import Filler
+from asyncflow_actors.transfer_queue.storage._unit import StorageUnit
 
 
 def raw(t: torch.Tensor) -> RawTensor:

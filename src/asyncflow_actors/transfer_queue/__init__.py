@@ -7,10 +7,7 @@ node processes); clients put and get through it. The sans-I/O control plane
 
 from __future__ import annotations
 
-from ._batch import Batch as Batch
-from ._client import TransferQueueClient as TransferQueueClient
-from ._client import TransferQueueStatistics as TransferQueueStatistics
-from ._controller import Controller as Controller
+from ._config import TransferQueueConfig as TransferQueueConfig
 from ._errors import CapacityError as CapacityError
 from ._errors import ControllerUnavailable as ControllerUnavailable
 from ._errors import FlowControlError as FlowControlError
@@ -31,15 +28,10 @@ from ._errors import UnknownTopic as UnknownTopic
 from ._errors import UnknownUnit as UnknownUnit
 from ._flow_control import FlowControl as FlowControl
 from ._flow_control import FlowControlStatistics as FlowControlStatistics
-from ._inventory import GroupRecord as GroupRecord
-from ._inventory import Inventory as Inventory
-from ._inventory import SampleRecord as SampleRecord
-from ._inventory import TopicRecord as TopicRecord
 from ._messages import ControllerStatistics as ControllerStatistics
 from ._messages import EventBatch as EventBatch
 from ._messages import TQEvent as TQEvent
 from ._queue import TransferQueue as TransferQueue
-from ._queue import TransferQueueConfig as TransferQueueConfig
 from ._queue import open_transfer_queue as open_transfer_queue
 from ._results import STALE as STALE
 from ._results import Abandoned as Abandoned
@@ -60,12 +52,20 @@ from ._samplers import WholeGroups as WholeGroups
 from ._spec import ColumnSpec as ColumnSpec
 from ._spec import TopicSpec as TopicSpec
 from ._spec import topic_specs_from_dict as topic_specs_from_dict
-from ._state import ControllerState as ControllerState
 from ._stats import ConsumerStatistics as ConsumerStatistics
 from ._stats import StateStatistics as StateStatistics
 from ._stats import TopicStatistics as TopicStatistics
 from ._stats import ViewStatistics as ViewStatistics
-from ._storage import StorageUnit as StorageUnit
 from ._unit_messages import IncarnationMismatch as IncarnationMismatch
 from ._unit_messages import StorageStatistics as StorageStatistics
 from ._unit_messages import UnitError as UnitError
+from .client import Batch as Batch
+from .client import TransferQueueClient as TransferQueueClient
+from .client import TransferQueueStatistics as TransferQueueStatistics
+from .controller import Controller as Controller
+from .state import ControllerState as ControllerState
+from .state import GroupRecord as GroupRecord
+from .state import Inventory as Inventory
+from .state import SampleRecord as SampleRecord
+from .state import TopicRecord as TopicRecord
+from .storage import StorageUnit as StorageUnit

@@ -84,7 +84,7 @@ class Topology:
 class Placed:
     """An allocation and the incarnation of each unit it places samples on (stores name it);
     ``free``: the free segments those units last reported (a writer on their host may claim
-    one instead of creating a segment, see ``_pool``)."""
+    one instead of creating a segment, see ``storage._pool``)."""
 
     allocation: Allocation
     incarnations: dict[str, str]
@@ -288,6 +288,12 @@ class CheckUnits(Request[None]):
     """Check now that every storage unit is alive and unchanged (a client saw it fail)."""
 
 
+@attrs.frozen
+class CheckInvariants(Request[tuple[str, ...]]):
+    """The controller's invariants, checked now: what is violated, in words (empty: nothing).
+    For tests: it recounts the whole state."""
+
+
 ControllerMessage = (
     CreateTopic
     | GetTopology
@@ -311,6 +317,7 @@ ControllerMessage = (
     | Flushed
     | AwaitStores
     | CheckUnits
+    | CheckInvariants
     # not sent on their own: named so a node registers them at the top level (deterministic)
     | Located
     | ShmBody

@@ -1,7 +1,7 @@
 """Samplers: which ready samples a claim hands out, and how they split across DP ranks.
 
 A sampler is a small frozen value passed to ``claim``; the selection itself is vectorized in the
-lease table (``_leases``), from each view's hint onwards, never a scan from the oldest sample.
+lease table (``state._leases``), from each view's hint onwards, never a scan from the oldest sample.
 
 - :class:`Fifo`: ready samples, oldest index first; group members may go to different claims.
 - :class:`WholeGroups`: complete groups only (every remaining member ready, fresh and not held by

@@ -242,7 +242,7 @@ def claim(free: str, name: str) -> bool:
     """Take free segment ``free`` as ``name`` (``False``: another writer was first, or the unit
     dropped it). Its modification time is set to now first: the unit's sweep takes a segment
     that is neither its own nor in its pool for a dead writer's once it is ``older_than``, and
-    neither a rename nor a refill through a kept mapping (``_filler``) updates it."""
+    neither a rename nor a refill through a kept mapping (``client._filler``) updates it."""
     try:
         os.utime(path(free))
         os.rename(path(free), path(name))

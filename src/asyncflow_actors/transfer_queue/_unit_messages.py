@@ -51,7 +51,7 @@ class FreeSegment:
 
 @attrs.frozen
 class Stored:
-    """Reply of ``Store``: free segments of the unit's pool (see ``_pool``). Of a
+    """Reply of ``Store``: free segments of the unit's pool (see ``storage._pool``). Of a
     ``UnitBatch``, also ``missing``: per topic, samples of told stores the unit could not take
     (their segment was gone) and does not hold; the controller reports those still live as
     lost (the others were stored and freed before: a delivery again)."""
@@ -179,7 +179,7 @@ class UnitBatch(Request[Stored]):
     to once applied (the controller keeps the items until then). Every item is idempotent.
 
     A ``Store`` item is a put a writer on the unit's host handed over in a shared-memory
-    segment and committed through the controller (told, not asked: see ``_client``); applied
+    segment and committed through the controller (told, not asked: see ``client._client``); applied
     again, or after its segment went, it changes nothing. The reply names the unit's free
     segments (the controller passes them on to writers with their placements)."""
 

@@ -1,4 +1,4 @@
-"""The controller's side of its storage units: bookkeeping delivery, incarnations, inventories.
+"""The controller's bookkeeping for its storage units, kept until each unit has taken it.
 
 The controller forwards to each unit what a rebuild will need (deletes, consumption marks,
 commits, group records, watermarks). :class:`Outbox` keeps those items until the unit *replied*
@@ -14,23 +14,14 @@ took the puts told to it through the controller (``Store`` items) before the rea
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
 
-from ._errors import TransferQueueError
-from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._runtime import ActorCrashed, ActorRef, Reply
-from ._unit_messages import (
-    Delete,
-    FreeSegment,
-    GetToken,
-    MarkConsumed,
-    Store,
-    UnitBatch,
-    UnitInventory,
-)
+from .._errors import TransferQueueError
+from .._runtime import ActorCrashed, ActorRef
+from .._unit_messages import Delete, FreeSegment, MarkConsumed, Store, UnitBatch
 
 MAX_BATCH = 4096  # bookkeeping items per UnitBatch
 
@@ -150,95 +141,3 @@ class Outbox:
             for unit in [u for u, items in self.items.items() if items and u in units]:
                 nursery.start_soon(one, unit)
         return failed
-
-
-class StoreWaits:
-    """Replies held until units took the puts told to them so far (:meth:`Outbox.storing`):
-    a reader must not ask a unit for rows it has not heard of yet."""
-
-    def __init__(self) -> None:
-        self._waits: list[tuple[dict[str, int], Reply, Any]] = []
-
-    def __len__(self) -> int:
-        return len(self._waits)
-
-    @staticmethod
-    def marks(outbox: Outbox, units: Iterable[str]) -> dict[str, int]:
-        """What to wait for before asking ``units`` (empty: nothing)."""
-        if not outbox.last_store:
-            return {}
-        return {u: m for u in units if (m := outbox.storing(u)) is not None}
-
-    def add(self, marks: dict[str, int], reply: Reply, value: Any) -> None:
-        self._waits.append((marks, reply, value))
-
-    def ready(self, outbox: Outbox) -> list[tuple[Reply, Any]]:
-        """The held replies whose units took what they waited for (removed from the waits)."""
-        done, keep = [], []
-        for wait in self._waits:
-            marks = wait[0]
-            if all(outbox.taken_up_to(u, m) for u, m in marks.items()):
-                done.append((wait[1], wait[2]))
-            else:
-                keep.append(wait)
-        self._waits = keep
-        return done
-
-
-async def tokens(units: Mapping[str, ActorRef[Any]], timeout: float) -> dict[str, str | None]:
-    """Every unit's incarnation token, asked concurrently (``None``: it did not answer)."""
-    out: dict[str, str | None] = dict.fromkeys(units)
-
-    async def one(unit: str, ref: ActorRef[Any]) -> None:
-        try:
-            with trio.fail_after(timeout):
-                out[unit] = await ref.ask(GetToken())
-        except (ActorCrashed, trio.TooSlowError):
-            out[unit] = None
-
-    async with trio.open_nursery() as nursery:
-        for unit, ref in units.items():
-            nursery.start_soon(one, unit, ref)
-    return out
-
-
-def inventory_of(unit: str, inv: UnitInventory) -> Inventory:
-    """A unit's report as inventory records. A group counts as allocated its committed members
-    and the uncommitted ones the unit holds (a member never stored goes back to its writer)."""
-    topics = tuple(
-        TopicRecord(t.topic, t.latest_version, t.next_index, t.next_group_id) for t in inv.topics
-    )
-    stored: dict[tuple[str, int], int] = {}
-    for topic, records in inv.samples.items():
-        for s in records:
-            if not s.committed:
-                stored[(topic, s.group_id)] = stored.get((topic, s.group_id), 0) + 1
-    groups = tuple(
-        GroupRecord(
-            topic,
-            g.group_id,
-            unit,
-            g.size,
-            g.committed + stored.get((topic, g.group_id), 0),
-            g.shared,
-            g.explicit,
-        )
-        for topic, records in inv.groups.items()
-        for g in records
-    )
-    samples = tuple(
-        SampleRecord(
-            topic,
-            s.index,
-            s.version,
-            s.group_id,
-            unit,
-            s.length,
-            s.columns,
-            s.consumed,
-            s.committed,
-        )
-        for topic, records in inv.samples.items()
-        for s in records
-    )
-    return Inventory(topics, groups, samples)

@@ -20,11 +20,9 @@ from typing import Any
 
 import trio
 
-from . import _shm
-from ._pool import SegmentPool
-from ._runtime import Actor, ActorContext
-from ._shelf import Shelf
-from ._unit_messages import (
+from .. import _shm
+from .._runtime import Actor, ActorContext
+from .._unit_messages import (
     Delete,
     Fetch,
     GetInventory,
@@ -43,6 +41,8 @@ from ._unit_messages import (
     UnitError,
     Unlink,
 )
+from ._pool import SegmentPool
+from ._shelf import Shelf
 
 ORPHAN_AGE = 60.0  # default: a segment not handed over after this long lost its writer
 POOL_BYTES = 256 << 20  # default: freed segments kept for reuse (see ``_pool``)

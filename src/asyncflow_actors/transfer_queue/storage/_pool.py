@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from . import _shm
-from ._unit_messages import FreeSegment
+from .. import _shm
+from .._unit_messages import FreeSegment
 
 MAX_HINTS = 8  # free segments named in one store reply
 

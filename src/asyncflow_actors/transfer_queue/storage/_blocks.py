@@ -12,7 +12,7 @@ is mostly dead (its live bytes fall under half of what it held live when filled,
 go: held bytes stay under about twice the live bytes plus one small block's worth. Copies cost
 at most the bytes freed.
 
-Shared-memory segments (:mod:`._shm`) are owned here: a segment is unlinked (or kept for reuse,
+Shared-memory segments (``.._shm``) are owned here: a segment is unlinked (or kept for reuse,
 see ``_pool``) once no row in it is live (the controller frees a row only once no valid lease
 holds it, so no reader still needs to map it). A segment handed to a reader in the last ``MAP_GRACE`` seconds is not compacted away
 (its rows are still live, and that reader may not have mapped it yet): that waits.
@@ -25,10 +25,10 @@ import math
 import sys
 from typing import Any
 
-from . import _shm
-from ._batch import is_tensor as is_torch_tensor
-from ._runtime import RawTensor, itemsize
-from ._unit_messages import ShmBody, UnitError
+from .. import _shm
+from .._runtime import RawTensor, itemsize
+from .._tensors import is_tensor as is_torch_tensor
+from .._unit_messages import ShmBody, UnitError
 
 COMPACT_MIN = 64 * 1024  # blocks holding fewer bytes are never compacted
 

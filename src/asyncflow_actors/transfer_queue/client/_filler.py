@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _shm
+from .. import _shm
 
 BUDGET = 128 << 20  # default: bytes of segment mappings a filler keeps
 MAX_KEPT = 16  # default: mappings a filler keeps (each holds a file descriptor)

@@ -2,44 +2,59 @@
 
 The public entry points are ``ControllerState.export_inventory`` and
 ``ControllerState.from_inventory``; see :mod:`._inventory` for what the records hold and what
-the wrapper must forward to the storage units to keep them accurate.
+the wrapper must forward to the storage units to keep them accurate. These functions work on
+the state's parts, given explicitly (:class:`Parts`), so this module never needs the state's
+class: the state calls it, never the other way round.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
 
+import attrs
 import numpy as np
 
-from ._errors import InventoryError, TransferQueueError
+from .._errors import InventoryError, TransferQueueError
+from .._results import Loss, LostSamples, Update
+from ._check import finite_time
+from ._effects import Effects
 from ._inventory import GroupRecord, Inventory, SampleRecord, TopicRecord
-from ._results import Loss, LostSamples, Update
-from ._spec import TopicSpec
-from ._topic import Effects, Topic
-
-if TYPE_CHECKING:
-    from ._state import ControllerState
+from ._leases import LeaseTable
+from ._table import Ints
+from ._topic import Topic
+from ._writes import Writes
 
 
 def _present(names: dict[str, int], mask: int, sizes: list[int]) -> dict[str, int]:
     return {c: sizes[k] for k, c in enumerate(names) if mask >> k & 1}
 
 
-def export_inventory(state: ControllerState, unit: str | None) -> Inventory:
+@attrs.frozen
+class Parts:
+    """The parts of a controller state these functions read and change (shared, not copied)."""
+
+    topics: Mapping[str, Topic]
+    units: Sequence[str]
+    unit_ix: Mapping[str, int]
+    load: Ints  # occupied slots per unit, all topics
+    writes: Writes
+    lease_table: LeaseTable
+
+
+def export_inventory(state: Parts, unit: str | None) -> Inventory:
     """The records of every live sample and group (on ``unit`` only, if given)."""
     topics: list[TopicRecord] = []
     groups: list[GroupRecord] = []
     samples: list[SampleRecord] = []
-    for t in state._topics.values():
+    for t in state.topics.values():
         topics.append(TopicRecord(t.name, t.latest, t.next_index, t.next_gid))
         consumers = t.spec.consumers
         s, g = t.s, t.g
         gm = g.live[: g.n].copy()
         sm = s.live[: s.n].copy()
         if unit is not None:
-            u = state._unit_ix[unit]
+            u = state.unit_ix[unit]
             gm &= g.unit[: g.n] == u
             sm &= s.unit[: s.n] == u
         for x in np.flatnonzero(gm).tolist():
@@ -76,31 +91,22 @@ def _bad(message: str) -> InventoryError:
     return InventoryError(f"inventory: {message}")
 
 
-def rebuild(
-    specs: Iterable[TopicSpec],
-    units: Iterable[str],
-    inventory: Inventory,
-    *,
-    epoch: int,
-    now: float | None = None,
-) -> tuple[ControllerState, Update]:
-    """A state equivalent to the one that wrote ``inventory``, with every lease returned.
+def rebuild(state: Parts, inventory: Inventory, *, now: float | None = None) -> Update:
+    """Fill a new, empty state's parts so that it is equivalent to the one that wrote
+    ``inventory``, with every lease returned.
 
-    Returns the state and what rebuilding did: samples every consumer had acked are freed, groups
-    with nothing left are freed, and groups that are stale at the recorded latest version are
-    evicted (no lease holds them any more). With ``now``, uncommitted samples and open groups'
-    unfilled slots expire ``write_ttl`` from ``now`` (their writers may have died while the
-    controller was down).
+    Returns what rebuilding did: samples every consumer had acked are freed, groups with nothing
+    left are freed, and groups that are stale at the recorded latest version are evicted (no
+    lease holds them any more). With ``now``, uncommitted samples and open groups' unfilled
+    slots expire ``write_ttl`` from ``now`` (their writers may have died while the controller
+    was down).
     """
-    from ._state import ControllerState
-
-    state = ControllerState(specs, units, epoch=epoch)
     fx = Effects()
 
     def topic_of(name: str) -> Topic:
-        t = state._topics.get(name)
+        t = state.topics.get(name)
         if t is None:
-            raise _bad(f"record for unknown topic {name!r} (declared: {sorted(state._topics)})")
+            raise _bad(f"record for unknown topic {name!r} (declared: {sorted(state.topics)})")
         return t
 
     for trec in inventory.topics:
@@ -118,9 +124,11 @@ def rebuild(
     seen.clear()
     for srec in sorted(inventory.samples, key=lambda r: (r.topic, r.index)):
         _add_sample(state, topic_of(srec.topic), srec, seen)
-        if not srec.committed:
-            state._rebuilt_write(srec.topic, srec.index, now)
-    for t in state._topics.values():
+        if not srec.committed:  # it expires ``write_ttl`` from ``now``
+            ttl = state.topics[srec.topic].spec.write_ttl
+            deadline = math.inf if now is None or ttl is None else finite_time(now) + ttl
+            state.writes.rebuilt(srec.topic, srec.index, deadline)
+    for t in state.topics.values():
         g, s = t.g, t.s
         over = np.flatnonzero(g.nmem[: g.n] > g.alloc[: g.n])
         if over.size:
@@ -135,11 +143,11 @@ def rebuild(
         t.settle(np.flatnonzero(g.live[: g.n]), fx)
         t.apply_window(fx)
         t.tidy()
-    return state, fx.update()
+    return fx.update()
 
 
 def _add_group(
-    state: ControllerState,
+    state: Parts,
     t: Topic,
     rec: GroupRecord,
     seen: set[tuple[str, int]],
@@ -151,7 +159,7 @@ def _add_group(
     if (t.name, rec.group_id) in seen:
         raise _bad(f"{where} is recorded twice")
     seen.add((t.name, rec.group_id))
-    u = state._unit_ix.get(rec.unit)
+    u = state.unit_ix.get(rec.unit)
     if u is None:
         raise _bad(f"{where} is on unknown unit {rec.unit!r} (units: {list(state.units)})")
     if not (isinstance(rec.size, int) and isinstance(rec.allocated, int)):
@@ -178,14 +186,12 @@ def _add_group(
         g.sbytes[rows, t.shared_ix[col]] = nbytes
     g.nbytes[rows] = sum(rec.shared.values())
     t.reserved -= rec.allocated  # only the unfilled slots stay reserved
-    state._load[u] -= rec.allocated
+    state.load[u] -= rec.allocated
     t.shared_total += sum(rec.shared.values())
-    state._writes.group_deadline(t.name, rec.group_id, deadline)
+    state.writes.group_deadline(t.name, rec.group_id, deadline)
 
 
-def _add_sample(
-    state: ControllerState, t: Topic, rec: SampleRecord, seen: set[tuple[str, int]]
-) -> None:
+def _add_sample(state: Parts, t: Topic, rec: SampleRecord, seen: set[tuple[str, int]]) -> None:
     where = f"sample {rec.index!r} of topic {t.name!r}"
     if not isinstance(rec.index, int) or rec.index < 0:
         raise _bad(f"{where}: index must be an int >= 0")
@@ -234,14 +240,14 @@ def _add_sample(
             g.unacked[gslot, ci] -= 1
     t.written += bool(mask)
     t.live_bytes += nbytes
-    state._load[int(g.unit[gslot])] += 1
+    state.load[int(g.unit[gslot])] += 1
 
 
-def storage_lost(state: ControllerState, unit: str, u: int) -> Loss:
+def storage_lost(state: Parts, unit: str, u: int) -> Loss:
     """``ControllerState.storage_lost`` on unit number ``u`` (see there)."""
     lost: list[LostSamples] = []
     leases: list[int] = []
-    for t in state._topics.values():
+    for t in state.topics.values():
         s, g = t.s, t.g
         gslots = np.flatnonzero(g.live[: g.n] & (g.unit[: g.n] == u))
         if not gslots.size:
@@ -261,14 +267,14 @@ def storage_lost(state: ControllerState, unit: str, u: int) -> Loss:
         if gids:
             kept = tuple(indexes[committed].tolist())
             lost.append(LostSamples(topic=t.name, indexes=kept, group_ids=gids))
-        leases.extend(state._lease_table.touching(t.name, indexes))
+        leases.extend(state.lease_table.touching(t.name, indexes))
         t.tidy()
-    assert state._load[u] == 0, state._load[u]
+    assert state.load[u] == 0, state.load[u]
     return Loss(unit=unit, lost=tuple(lost), leases=tuple(leases))
 
 
 def group_records(
-    state: ControllerState, t: Topic, group_ids: Iterable[int]
+    units: Sequence[str], t: Topic, group_ids: Iterable[int]
 ) -> tuple[GroupRecord, ...]:
     """``ControllerState.group_records`` (see there)."""
     g = t.g
@@ -279,7 +285,7 @@ def group_records(
         GroupRecord(
             t.name,
             int(g.ids[x]),
-            state.units[int(g.unit[x])],
+            units[int(g.unit[x])],
             int(g.size[x]),
             int(g.committed[x]),
             _present(t.shared_ix, int(g.shared[x]), g.sbytes[x].tolist()),

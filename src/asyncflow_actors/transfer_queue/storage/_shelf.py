@@ -13,11 +13,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import _shm
-from ._blocks import COMPACT_MIN, Block, Column, Segment, gather, is_tensor, nbytes
-from ._pool import SegmentPool
-from ._runtime import RawTensor
-from ._unit_messages import (
+from .. import _shm
+from .._runtime import RawTensor
+from .._unit_messages import (
     Committed,
     Delete,
     Fetch,
@@ -32,6 +30,8 @@ from ._unit_messages import (
     UnitInventory,
     UnitSample,
 )
+from ._blocks import COMPACT_MIN, Block, Column, Segment, gather, is_tensor, nbytes
+from ._pool import SegmentPool
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 

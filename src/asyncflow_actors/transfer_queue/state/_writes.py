@@ -17,8 +17,9 @@ from collections import OrderedDict
 import numpy as np
 
 from ._check import holder_name
+from ._effects import Effects
 from ._table import Ints
-from ._topic import Effects, Topic
+from ._topic import Topic
 
 
 class _Write:

@@ -7,15 +7,9 @@ that lease it (bit masks), bytes per column, committed. Per-group fields: unit, 
 allocated and committed, shared columns present, live members, live members each consumer has
 not acked, (member, consumer) pairs under lease, pending-eviction flag, first and last member.
 
-A *view* (consumer c, columns C) answers "which samples may c claim for C": a sample is a
-candidate iff its per-sample columns of C and its group's shared columns of C are present, c
-has neither acked nor leased it, and its group is not pending eviction. A claim computes that
-predicate over the rows in index order, from a per-view hint below which no candidate exists
-(every change that may create one lowers the hint). For whole-group claims each view keeps,
-per group, its number of candidates (a group field kept up to date by every change): a group
-is eligible iff it is complete and that count equals its live members c has not acked.
-Freshness needs no per-claim check: stale groups leave every view the moment the version moves
-past them (see ``ControllerState.set_latest_version``).
+A *view* (:class:`View`) answers which samples a consumer may claim for a column set; every
+mutation that may change it goes through :meth:`Topic._changing` or one of the mutation methods
+that use it, so its counts and hints can never fall out of step.
 
 Capacity is counted in *occupied* slots: live samples plus reserved (not yet allocated) slots of
 open groups, so a streaming group can always complete once opened.
@@ -23,99 +17,31 @@ open groups, so a streaming group can always complete once opened.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from ._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
-from ._results import STALE, Abandoned, Eviction, Release, Update
-from ._spec import TopicSpec
+from .._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
+from .._spec import TopicSpec
+from ._effects import Effects
 from ._table import (
     Bools,
     Index,
     Ints,
-    Runs,
     Table,
     distinct,
-    groups_of,
     popcount,
     rows_of,
     runs,
     scatter_add,
 )
+from ._view import View
 
 _MAX_BITS = 63  # masks are int64
 _NONE: Bools = np.zeros((), np.bool_)  # "no candidate before": 0-d, broadcasts against any rows
 NO_MEMBER = int(np.iinfo(np.int64).max)  # ``first`` of a group with no member yet
-
-
-class View:
-    __slots__ = ("bit", "ci", "columns", "field", "glo", "gmask", "lo", "nready", "smask")
-
-    def __init__(self, ci: int, columns: frozenset[str], smask: int, gmask: int, field: str):
-        self.ci = ci
-        self.bit = 1 << ci
-        self.columns = columns
-        self.smask = smask
-        self.gmask = gmask
-        self.field = field  # the group-table field counting this view's candidates per group
-        self.lo = 0  # no candidate has a lower index
-        self.glo = 0  # no eligible group has a lower id
-        self.nready = 0  # candidates
-
-
-class Effects:
-    """Collects what one mutating call must report, then builds its :class:`Update`."""
-
-    def __init__(self) -> None:
-        self._rel: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
-        self._evi: dict[str, tuple[list[int], list[int], list[int]]] = {}
-        self._aba: dict[str, tuple[list[int], list[int]]] = {}
-        self.ended: list[int] = []
-        self.missing: list[int] = []
-
-    def _entry(self, unit: str, topic: str) -> tuple[list[int], list[int], list[int]]:
-        entry = self._rel.get((unit, topic))
-        if entry is None:
-            entry = self._rel[(unit, topic)] = ([], [], [0])
-        return entry
-
-    def free(self, t: Topic, unit_ix: Ints, ids: Ints, nbytes: Ints, *, groups: bool) -> None:
-        """Release rows (samples, or group blobs with ``groups``) placed on ``unit_ix``."""
-        for u, mine in groups_of(unit_ix):
-            entry = self._entry(t.units[u], t.name)
-            entry[1 if groups else 0].extend(ids[mine].tolist())
-            entry[2][0] += int(nbytes[mine].sum())
-
-    def evicted(self, topic: str, gids: Iterable[int], indexes: Iterable[int], nbytes: int) -> None:
-        entry = self._evi.setdefault(topic, ([], [], [0]))
-        entry[0].extend(gids)
-        entry[1].extend(indexes)
-        entry[2][0] += nbytes
-
-    def abandoned(self, topic: str, indexes: Iterable[int], gids: Iterable[int]) -> None:
-        entry = self._aba.setdefault(topic, ([], []))
-        entry[0].extend(indexes)
-        entry[1].extend(gids)
-
-    def update(self) -> Update:
-        return Update(
-            releases=tuple(
-                Release(unit=u, topic=t, indexes=tuple(i), group_ids=tuple(g), nbytes=n[0])
-                for (u, t), (i, g, n) in self._rel.items()
-            ),
-            evictions=tuple(
-                Eviction(topic=t, group_ids=tuple(g), indexes=tuple(i), reason=STALE, nbytes=n[0])
-                for t, (g, i, n) in self._evi.items()
-            ),
-            ended=tuple(self.ended),
-            missing=tuple(self.missing),
-            abandoned=tuple(
-                Abandoned(topic=t, indexes=tuple(i), group_ids=tuple(dict.fromkeys(g)))
-                for t, (i, g) in self._aba.items()
-            ),
-        )
 
 
 def _bits(kind: str, topic: str, names: Iterable[str]) -> dict[str, int]:
@@ -293,22 +219,24 @@ class Topic:
             scatter_add(getattr(self.g, v.field), gslots, sign)
             v.nready += sign * int(gslots.size)
 
-    def before(self, rows: Index, views: Iterable[View] | None = None) -> list[tuple[View, Bools]]:
-        """Candidacy of ``rows`` in ``views`` (default: all), to pass to :meth:`after`."""
+    @contextmanager
+    def _changing(
+        self, rows: Index, views: Iterable[View] | None = None, *, fresh: Iterable[View] = ()
+    ) -> Iterator[None]:
+        """Around a change of ``rows``' candidacy (columns present, acks, leases, doom, group
+        shared columns): on exit, the views' counts and hints follow what changed. ``views``:
+        those whose candidacy of ``rows`` may change (default: all); ``fresh``: views none of
+        ``rows`` was a candidate of (nothing to look at before)."""
+        befores = self._before(rows, views)
+        yield
+        self._after(rows, befores + [(v, _NONE) for v in fresh])
+
+    def _before(self, rows: Index, views: Iterable[View] | None = None) -> list[tuple[View, Bools]]:
+        """Candidacy of ``rows`` in ``views`` (default: all), to pass to :meth:`_after`."""
         return [(v, self.cand(v, rows)) for v in (self.views.values() if views is None else views)]
 
-    def uncount(self, befores: list[tuple[View, Bools]], gs: Ints) -> None:
-        """The candidates of :meth:`before` (on rows of groups ``gs``) are no longer any."""
-        for v, was in befores:
-            self._count(v, gs[was], -1)
-
-    def uncount_all(self, v: View, gs: Runs) -> None:
-        """Rows of groups ``gs`` (a :func:`runs`) were all candidates of ``v``, and are not."""
-        scatter_add(getattr(self.g, v.field), gs, -1)
-        v.nready -= gs[1]
-
-    def after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
-        """Apply the candidacy changes of ``rows`` since :meth:`before` to the views' counts."""
+    def _after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
+        """Apply the candidacy changes of ``rows`` since :meth:`_before` to the views' counts."""
         s = self.s
         for v, was in befores:
             now = self.cand(v, rows)
@@ -325,7 +253,7 @@ class Topic:
                 v.lo = min(v.lo, int(s.ids[rows][gained].min()))
                 v.glo = min(v.glo, int(s.gid[rows][gained].min()))
 
-    def lower_group_hints(self, gid: int, views: Iterable[View] | None = None) -> None:
+    def _lower_group_hints(self, gid: int, views: Iterable[View] | None = None) -> None:
         """A group at or above ``gid`` may have become eligible (members, acks, size)."""
         for v in self.views.values() if views is None else views:
             v.glo = min(v.glo, gid)
@@ -371,30 +299,32 @@ class Topic:
         ids = np.arange(self.next_index, self.next_index + k, dtype=np.int64)
         self.next_index += k
         rows = s.append(ids)
-        s.version[rows] = version
-        s.gid[rows] = g.ids[gslots]
-        s.gs[rows] = gslots
-        s.unit[rows] = g.unit[gslots]
-        s.length[rows] = lengths
-        where = runs(gslots)
-        scatter_add(g.alloc, where, 1)
-        scatter_add(g.nmem, where, 1)
-        scatter_add(g.unacked, where, 1)
-        at, _ = where
-        if isinstance(at, int):  # members of one group (ids ascending)
-            g.first[at] = min(int(g.first[at]), int(ids[0]))
-            g.last[at] = max(int(g.last[at]), int(ids[-1]))
-        elif isinstance(at, slice):  # one member per group
-            np.minimum(g.first[at], ids, out=g.first[at])
-            np.maximum(g.last[at], ids, out=g.last[at])
-        else:
-            np.minimum.at(g.first, gslots, ids)
-            np.maximum.at(g.last, gslots, ids)
-        self.reserved -= k  # the reserved slots become live samples: load unchanged
-        self.allocated_total += k
-        befores = [(v, np.zeros(k, np.bool_)) for v in self.views.values() if v.smask == 0]
-        if befores:
-            self.after(rows, befores)
+        gids = g.ids[gslots]
+        # new rows were candidates of no view; a view over shared columns only may count them
+        # now, and their groups, fuller, may now be eligible for whole-group claims
+        with self._changing(rows, (), fresh=[v for v in self.views.values() if v.smask == 0]):
+            s.version[rows] = version
+            s.gid[rows] = gids
+            s.gs[rows] = gslots
+            s.unit[rows] = g.unit[gslots]
+            s.length[rows] = lengths
+            where = runs(gslots)
+            scatter_add(g.alloc, where, 1)
+            scatter_add(g.nmem, where, 1)
+            scatter_add(g.unacked, where, 1)
+            at, _ = where
+            if isinstance(at, int):  # members of one group (ids ascending)
+                g.first[at] = min(int(g.first[at]), int(ids[0]))
+                g.last[at] = max(int(g.last[at]), int(ids[-1]))
+            elif isinstance(at, slice):  # one member per group
+                np.minimum(g.first[at], ids, out=g.first[at])
+                np.maximum(g.last[at], ids, out=g.last[at])
+            else:
+                np.minimum.at(g.first, gslots, ids)
+                np.maximum.at(g.last, gslots, ids)
+            self.reserved -= k  # the reserved slots become live samples: load unchanged
+            self.allocated_total += k
+        self._lower_group_hints(int(gids.min()))
         return rows
 
     def drop_samples(self, rows: Index, fx: Effects | None, *, consumed: bool = False) -> None:
@@ -432,7 +362,7 @@ class Topic:
         scatter_add(self.load, units, -1)
         s.kill(rows, k)
         if fx is not None:
-            fx.free(self, units, s.ids[rows], nbytes, groups=False)
+            fx.free(self.units, self.name, units, s.ids[rows], nbytes, groups=False)
 
     def drop_groups(self, gslots: Ints, fx: Effects | None) -> None:
         """Remove groups with no live members (their pending slots and shared blobs go too)."""
@@ -452,7 +382,7 @@ class Topic:
             g.doomed[gslots] = False
         g.kill(gslots, len(gslots))
         if fx is not None:
-            fx.free(self, units, g.ids[gslots], nbytes, groups=True)
+            fx.free(self.units, self.name, units, g.ids[gslots], nbytes, groups=True)
 
     def settle(self, gslots: Ints, fx: Effects) -> None:
         """After groups lost members or leases: evict the stale unheld ones, free the done ones."""
@@ -485,26 +415,37 @@ class Topic:
     def write(self, slots: Ints, ascending: bool, sizes: dict[str, Any], mask: int) -> bool:
         """Per-sample columns ``mask`` of live samples ``slots`` are stored now (``sizes``: bytes
         per column, one int or one per sample). Returns whether it committed new samples."""
-        s, g = self.s, self.g
+        s = self.s
         rows = rows_of(slots, ascending=ascending) if ascending else slots
         fresh = not s.cols[rows].any()  # the first write of new samples: the common put
         # a view over per-sample columns counts none of them yet: nothing to compute before
-        befores = self.before(rows, [v for v in self.views.values() if not fresh or not v.smask])
+        views = self.views.values()
+        with self._changing(
+            rows,
+            [v for v in views if not fresh or not v.smask],
+            fresh=[v for v in views if fresh and v.smask],
+        ):
+            committing = self._write(rows, len(slots), fresh, sizes, mask)
+        self.changes += 1
+        return committing
+
+    def _write(self, rows: Index, n: int, fresh: bool, sizes: dict[str, Any], mask: int) -> bool:
+        s, g = self.s, self.g
         if fresh and all(isinstance(new, int) for new in sizes.values()):
             # one size per column (the common put): the same sizes for every row, others still 0
-            self.written += len(slots)
+            self.written += n
             per_row = np.zeros(s.cbytes.shape[1], np.int64)
             for col, new in sizes.items():
                 per_row[self.col_ix[col]] = new
             s.cbytes[rows] = per_row
             total = int(per_row.sum())
             s.nbytes[rows] = total
-            self.live_bytes += total * len(slots)
+            self.live_bytes += total * n
         elif fresh:
-            self.written += len(slots)
+            self.written += n
             for col, new in sizes.items():
                 s.cbytes[rows, self.col_ix[col]] = new
-                total = new.sum() if isinstance(new, np.ndarray) else new * len(slots)
+                total = new.sum() if isinstance(new, np.ndarray) else new * n
                 self.live_bytes += int(total)
             s.nbytes[rows] = s.cbytes[rows].sum(axis=1)
         else:
@@ -521,8 +462,6 @@ class Topic:
         if committing:
             s.committed[rows] = True
             scatter_add(g.committed, s.gs[rows][first], 1)
-        self.after(rows, befores + [(v, _NONE) for v in self.views.values() if fresh and v.smask])
-        self.changes += 1
         return committing
 
     def write_shared(self, gslot: int, sizes: dict[str, int], mask: int) -> None:
@@ -535,10 +474,8 @@ class Topic:
             g.nbytes[gslot] += delta
             self.shared_total += delta
         if int(g.shared[gslot]) | mask != int(g.shared[gslot]):
-            rows = self.members(gslot)
-            befores = self.before(rows)
-            g.shared[gslot] |= mask
-            self.after(rows, befores)
+            with self._changing(self.members(gslot)):
+                g.shared[gslot] |= mask
         self.changes += 1
 
     def shrink(self, gslots: Ints, slots: Ints, fx: Effects) -> None:
@@ -547,7 +484,7 @@ class Topic:
         g.size[gslots] -= slots
         self.reserved -= int(slots.sum())
         scatter_add(self.load, g.unit[gslots], -slots)
-        self.lower_group_hints(int(g.ids[gslots].min()))
+        self._lower_group_hints(int(g.ids[gslots].min()))
         self.settle(gslots, fx)
 
     def discard(self, rows: Ints, fx: Effects, *, keep_slots: bool = False) -> None:
@@ -565,7 +502,7 @@ class Topic:
             self.reserved += len(rows)
             scatter_add(self.load, g.unit[gs], 1)
         self.discarded_total += len(rows)
-        self.lower_group_hints(int(s.gid[rows].min()))
+        self._lower_group_hints(int(s.gid[rows].min()))
         self.settle(gs, fx)
 
     def unallocate(self, rows: Ints, fx: Effects) -> None:
@@ -579,6 +516,61 @@ class Topic:
             self.discard(rows[~back], fx)
         if back.any():
             self.discard(rows[back], fx, keep_slots=True)
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def lease(self, v: View, rows: Ints) -> None:
+        """``rows`` are candidates of ``v``: lease them to its consumer."""
+        s = self.s
+        # Whole groups come group by group, not always ascending: [0, 1, 4, 3] spans 0..3 from
+        # its first to its last row but is not that run (a slice would lease row 2).
+        index = rows_of(rows)
+        # every row is a candidate of ``v`` (no need to compute it); its other views may differ
+        others = [w for w in self.views_of[v.ci] if w is not v]
+        befores = self._before(index, others) if others else []
+        s.leased[index] |= v.bit
+        gs = s.gs[index]
+        where = runs(gs)
+        scatter_add(self.g.held, where, 1)
+        self.leased_count[v.ci] += len(rows)
+        for w, was in befores:  # leased: no view of this consumer counts them any more
+            self._count(w, gs[was], -1)
+        scatter_add(getattr(self.g, v.field), where, -1)  # all were candidates of ``v``
+        v.nready -= where[1]
+
+    def unlease(self, rows: Ints, ci: int, ascending: bool, fx: Effects) -> None:
+        """Return live samples ``rows`` leased to consumer ``ci`` to its pool."""
+        s = self.s
+        index = rows_of(rows, ascending=ascending)
+        with self._changing(index, self.views_of[ci]):
+            s.leased[index] &= ~(1 << ci)
+            gs = s.gs[index]
+            scatter_add(self.g.held, gs, -1)
+            self.leased_count[ci] -= len(rows)
+        self.settle(gs, fx)
+
+    def ack(self, rows: Ints, ci: int, ascending: bool, fx: Effects) -> None:
+        """Consumer ``ci`` consumed live samples ``rows`` it leased; those every consumer has
+        acked are freed."""
+        s, g = self.s, self.g
+        bit = 1 << ci
+        index = rows_of(rows, ascending=ascending)
+        gs = s.gs[index]
+        s.leased[index] &= ~bit  # leased, then acked: a candidate of no view of ``ci`` either way
+        s.acked[index] |= bit
+        where = runs(gs)
+        scatter_add(g.held, where, -1)
+        scatter_add(g.unacked[:, ci], where, -1)
+        self.leased_count[ci] -= len(rows)
+        self.consumed_count[ci] += len(rows)
+        done = rows[s.acked[index] == self.full]
+        self.freed_total += len(done)
+        self.drop_samples(rows_of(done, ascending=ascending), fx, consumed=True)
+        # fewer unacked members: their groups may be eligible for ``ci`` now
+        self._lower_group_hints(int(s.gid[index].min()), self.views_of[ci])
+        self.settle(gs, fx)
+
+    # -- versions --------------------------------------------------------------------------------
 
     def apply_window(self, fx: Effects) -> None:
         """Groups with a member below the window: evicted if unheld, else doomed."""
@@ -596,19 +588,15 @@ class Topic:
 
     def doom(self, gslots: Ints) -> None:
         """Stale but held groups leave every view now; evicted when their last lease ends."""
-        rows = self.members_of(gslots)
-        befores = self.before(rows)
-        self.g.doomed[gslots] = True
-        self.ndoomed += len(gslots)
-        self.after(rows, befores)
+        with self._changing(self.members_of(gslots)):
+            self.g.doomed[gslots] = True
+            self.ndoomed += len(gslots)
 
     def undoom(self, gslot: int) -> None:
-        rows = self.members(gslot)
-        befores = self.before(rows)
-        self.g.doomed[gslot] = False
-        self.ndoomed -= 1
-        self.after(rows, befores)
-        self.lower_group_hints(int(self.g.ids[gslot]))
+        with self._changing(self.members(gslot)):
+            self.g.doomed[gslot] = False
+            self.ndoomed -= 1
+        self._lower_group_hints(int(self.g.ids[gslot]))
 
     def tidy(self) -> None:
         """Compact the tables once dead rows dominate (call between operations only)."""

@@ -25,10 +25,9 @@ from typing import Any
 import attrs
 import trio
 
-from . import _messages as M
-from . import _unit_messages as U
-from ._batch import Batch, assemble, materialize, prepare
-from ._errors import (
+from .. import _messages as M
+from .. import _unit_messages as U
+from .._errors import (
     ControllerUnavailable,
     GroupError,
     InvalidArgument,
@@ -40,10 +39,11 @@ from ._errors import (
     UnknownGroup,
     UnknownSample,
 )
-from ._results import GroupSlot, Lease
-from ._runtime import ActorCrashed, ActorRef
-from ._samplers import FIFO, Sampler
-from ._spec import TopicSpec
+from .._results import GroupSlot, Lease
+from .._runtime import ActorCrashed, ActorRef
+from .._samplers import FIFO, Sampler
+from .._spec import TopicSpec
+from ._batch import Batch, assemble, materialize, prepare
 from ._unit_io import UnitIO
 
 _RETRIES = 6  # tries of a controller request interrupted by restarts (backoff 10 ms doubling)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument
+from .._errors import InvalidArgument
 
 
 def int_at_least(name: str, value: object, low: int) -> int:

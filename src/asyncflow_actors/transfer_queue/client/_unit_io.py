@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from . import _shm
-from ._batch import dtype_name, is_tensor, take, torch_module
-from ._errors import StorageUnavailable, TransferQueueError
-from ._filler import Filler
-from ._located import Located, locate
-from ._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
-from ._unit_messages import (
+from .. import _shm
+from .._errors import StorageUnavailable, TransferQueueError
+from .._located import Located, locate
+from .._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
+from .._tensors import dtype_name, is_tensor, torch_module
+from .._unit_messages import (
     Delete,
     Fetch,
     Fetched,
@@ -38,6 +37,8 @@ from ._unit_messages import (
     StoreGroups,
     UnitError,
 )
+from ._batch import take
+from ._filler import Filler
 
 THREAD_BYTES = 1 << 20  # segments at least this big are written from a worker thread
 

@@ -1,23 +1,21 @@
-"""Requests the controller holds until they can be answered: claims and event watches.
+"""Claims the controller holds until enough samples qualify.
 
 Waiting claims are queued FIFO per *kind* (topic, consumer, columns, sampler, counts, share
 key): when a topic changes, only the head of each of its queues is retried, and the next one
 only if the head was served. So the cost of a change does not grow with the number of waiting
 clients, and a consumer is served in arrival order (no waiter starves while later ones with the
-same request are served). Event watchers wait for the log to move past their cursor; the log is
-read once per new event batch, not once per watcher per message.
+same request are served).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Hashable
 
 import attrs
 
-from . import _messages as M
-from ._runtime import Reply
+from .. import _messages as M
+from .._runtime import Reply
 
 
 @attrs.define(eq=False)
@@ -96,6 +94,25 @@ class ClaimQueues:
             if not queue:
                 self._forget(topic, kind)
 
+    def ids(self) -> set[int]:
+        """The ids of the waiting claims."""
+        return set(self._by_id)
+
+    def problems(self) -> list[str]:
+        """What is inconsistent, in words (empty: nothing): the index by id holds exactly the
+        queued claims, each queued once under its own topic and kind, and no queue is empty."""
+        out = []
+        queued = [w for kinds in self._queues.values() for q in kinds.values() for w in q]
+        if sorted(w.msg.claim_id for w in queued) != sorted(self._by_id):
+            out.append("waiting claims: the index by id and the queues disagree")
+        for topic, kinds in self._queues.items():
+            for kind, queue in kinds.items():
+                if not queue:
+                    out.append(f"waiting claims: an empty queue is kept for topic {topic!r}")
+                if any(w.msg.topic != topic or _kind(w.msg) != kind for w in queue):
+                    out.append("waiting claims: a claim is queued under the wrong topic or kind")
+        return out
+
     def drain(self) -> list[WaitingClaim]:
         """Every waiting claim, removed (the controller is stopping)."""
         out = list(self._by_id.values())
@@ -103,69 +120,3 @@ class ClaimQueues:
         self._seen.clear()
         self._by_id.clear()
         return out
-
-
-class EventLog:
-    """Numbered events (kept across controller restarts, bounded) and the watchers waiting."""
-
-    def __init__(self, max_events: int) -> None:
-        self.max_events = max_events
-        self.events: deque[M.TQEvent] = deque()
-        self.seq = 0
-
-    def add(
-        self, kind: str, topic: str, groups: tuple[int, ...], indexes: tuple[int, ...], detail: str
-    ) -> None:
-        self.seq += 1
-        self.events.append(M.TQEvent(self.seq, kind, topic, tuple(groups), tuple(indexes), detail))
-        while len(self.events) > self.max_events:
-            self.events.popleft()
-
-    def after(self, since: int) -> tuple[M.TQEvent, ...]:
-        """Events with ``seq > since`` still in the log."""
-        if not self.events or since >= self.seq:
-            return ()
-        first = self.events[0].seq
-        return tuple(itertools.islice(self.events, max(0, since + 1 - first), None))
-
-
-class EventWaiters:
-    """Watchers of one controller incarnation, answered when the log passes their cursor."""
-
-    def __init__(self, log: EventLog) -> None:
-        self.log = log
-        self._waiting: dict[int, tuple[int, Reply]] = {}  # wait id -> (since, reply)
-        self._served = log.seq
-
-    def __len__(self) -> int:
-        return len(self._waiting)
-
-    def add(self, wait_id: int, since: int, reply: Reply) -> None:
-        fresh = self.log.after(since)
-        if fresh:
-            reply.send(M.EventBatch(self.log.seq, fresh))
-        else:
-            self._waiting[wait_id or id(reply)] = (since, reply)
-
-    def cancel(self, wait_id: int) -> None:
-        entry = self._waiting.pop(wait_id, None)
-        if entry is not None:
-            entry[1].fail(_Withdrawn(f"event wait {wait_id} withdrawn by its watcher"))
-
-    def serve(self) -> None:
-        """Answer the watchers the log moved past (only when it moved)."""
-        if self.log.seq == self._served:
-            return
-        self._served = self.log.seq
-        batches: dict[int, M.EventBatch] = {}  # watchers mostly share a cursor
-        for wait_id, (since, reply) in list(self._waiting.items()):
-            batch = batches.get(since)
-            if batch is None:
-                batch = batches[since] = M.EventBatch(self.log.seq, self.log.after(since))
-            if batch.events or reply.done:
-                del self._waiting[wait_id]
-                reply.send(batch)
-
-
-class _Withdrawn(Exception):
-    """Answer to a wait whose asker is gone (nobody reads it)."""

@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _table
-from ._check import byte_sizes, finite_time, holder_name, int_at_least
-from ._errors import (
+from .._errors import (
     CapacityError,
     GroupError,
     InvalidArgument,
@@ -28,10 +26,13 @@ from ._errors import (
     UnknownTopic,
     about_group,
 )
+from .._results import Allocation, GroupSlot, Update
+from . import _table
+from ._check import byte_sizes, finite_time, holder_name, int_at_least
+from ._effects import Effects
 from ._placement import least_loaded
-from ._results import Allocation, GroupSlot, Update
 from ._table import Ints, rows_of
-from ._topic import Effects, Topic
+from ._topic import Topic
 from ._writes import Writes
 
 
@@ -196,12 +197,10 @@ class Writing:
             gslots, firsts = self._member_slots(t, group, n)
             for gid, gslot in firsts.items():
                 self._extend_group(t, gslot, gid, deadline)
-            t.lower_group_hints(min(firsts))
         else:
             gslot = self._member_slot(t, group, n)
             gslots = np.full(n, gslot, np.int64)
             self._extend_group(t, gslot, group, deadline)
-            t.lower_group_hints(group)
         rows = t.new_samples(gslots, version, lens)
         ids = t.s.ids[rows]
         self._writes.allocated(topic, ids, holder, deadline)

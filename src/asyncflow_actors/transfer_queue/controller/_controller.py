@@ -3,96 +3,61 @@
 It owns the state machine and does what the state cannot: it parks puts while a topic is full
 and claims until enough samples qualify (deferred replies, so a waiting request never blocks
 others), expires leases and abandoned writes on time, forwards to the storage units what they
-keep for a rebuild (kept until each unit has taken it), watches the units, and rebuilds its own
-state from their inventories when it is restarted. Everything it must report (evictions,
-losses, abandoned writes) becomes a numbered ``TQEvent``.
+keep for a rebuild (``Delivery``: kept until each unit has taken it), watches the units
+(``Recovery``), and rebuilds its own state from their inventories when it is restarted
+(``ControllerShared`` outlives an incarnation). Everything it must report (evictions, losses,
+abandoned writes) becomes a numbered ``TQEvent``. Each message type has one handler, named in
+one table (``Controller.handlers``): adding a message means adding its handler there.
 
-The controller always knows which incarnation of each unit holds what: data messages name the
-incarnation, and that knowledge (with the last state, the event log, the undelivered
-bookkeeping and the replies of non-idempotent requests) lives in :class:`ControllerShared`,
-which outlives a controller incarnation. So a unit that restarted while the controller was down
-is found at the rebuild and its samples are reported lost, never silently dropped; and a client
-retrying a request across a controller restart gets the answer the first try got.
+Invariants of the bookkeeping maps (hold between any two messages; ``check_invariants``):
+
+1. ``grants`` maps claim ids to lease ids and back as one map read both ways: a granted claim
+   names one lease, and that lease names it back (``Grants.problems``).
+2. Every granted lease is outstanding in the state: a lease that ends (ack, nack, expiry,
+   holder released) leaves ``grants`` in the same message (``_apply``).
+3. A claim id is either waiting (``claims``) or granted, never both; the waiting claims'
+   index and their per-kind queues agree (``ClaimQueues.problems``).
+4. Every waiting put (``puts``) waits under its own topic, and a put id is either waiting or
+   granted, never both (``PutQueues.problems``); the granted puts and the remembered replies
+   (``shared.done``) stay bounded.
+5. ``shared.known`` names every unit, and the units the state places nothing on are exactly
+   those whose incarnation is unknown (``known[unit] is None``: down, or not adopted yet).
+6. A unit being adopted (``recovery.adopting``) is one of the units, and the fresh incarnation
+   it waits for is not the one ``known`` holds (5 and 6: ``Recovery.problems``).
+7. The state's own bookkeeping is consistent (``ControllerState.check_invariants``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
-import attrs
 import trio
 
-from . import _messages as M
-from . import _unit_messages as U
-from . import _units
+from .. import _messages as M
+from .. import _unit_messages as U
+from .._errors import TransferQueueError, UnknownSample
+from .._results import GroupSlot, Loss, Update
+from .._runtime import Actor, ActorContext, Request
+from ..state._state import ControllerState
+from ._claims import ClaimQueues, WaitingClaim
 from ._delivery import Delivered, Delivery
-from ._errors import TransferQueueError, UnknownSample
-from ._located import Locations
-from ._recovery import Recovery, UnitSeen
-from ._results import Allocation, GroupSlot, Lease, Update
-from ._runtime import Actor, ActorContext, ActorRef, Reply, Request
-from ._spec import TopicSpec
-from ._state import ControllerState
-from ._waiters import ClaimQueues, EventLog, EventWaiters, WaitingClaim
+from ._events import EventWaiters
+from ._grants import Grants
+from ._locations import Locations
+from ._puts import Allocated, PutQueues, WaitingPut, slots_of
+from ._recovery import Recovery, UnitSeen, unit_tokens
+from ._shared import REMEMBERED, ControllerShared
+from ._timer import Tick, Timer
 
 log = logging.getLogger("asyncflow_actors.transfer_queue")
 
-_RESERVE = 4096  # ids reserved ahead per watermark update (see Controller._records)
-_REMEMBERED = 65536  # replies of non-idempotent requests kept for retries
+Ctx = ActorContext[Any]
+Handler = Callable[[Any, Ctx, ControllerState], Any]
 
 
-@attrs.define(eq=False)
-class ControllerShared:
-    """What outlives a controller incarnation: topics, units, options, and the knowledge a
-    restarted controller needs to stay exact (see the module docstring)."""
-
-    specs: dict[str, TopicSpec]
-    units: dict[str, ActorRef[Any]]
-    unit_check_interval: float = 0.5
-    flush_linger: float = 0.05  # bookkeeping nobody waits for waits this long to travel with more
-    unit_timeout: float = 5.0  # the controller's own requests to units
-    io_timeout: float = 60.0  # clients' data requests to units
-    shm_min_bytes: int | None = 64 << 10
-    max_events: int = 10_000
-    incarnations: int = 0
-    log: EventLog = attrs.Factory(lambda self: EventLog(self.max_events), takes_self=True)
-    outbox: _units.Outbox = attrs.Factory(_units.Outbox)
-    watermarks: dict[str, U.TopicInfo] = attrs.Factory(dict)
-    known: dict[str, str | None] = attrs.Factory(dict)  # unit -> incarnation holding its data
-    state: ControllerState | None = None  # the last incarnation's (its losses at a rebuild)
-    done: OrderedDict[int, Any] = attrs.Factory(OrderedDict)  # request id -> reply
-
-    def remember(self, request_id: int, reply: Any) -> None:
-        if request_id:
-            self.done[request_id] = reply
-            while len(self.done) > _REMEMBERED:
-                self.done.popitem(last=False)
-
-
-@attrs.frozen
-class _Tick:
-    """Self-message from the timer: expire what is due."""
-
-
-@attrs.frozen
-class _Allocated:
-    """An allocation granted to a put (``group``: the open group it joined, if any)."""
-
-    allocation: Allocation
-    group: int | tuple[int, ...] | None
-
-
-@attrs.define(eq=False)
-class _WaitingPut:
-    msg: M.Allocate | M.OpenGroups
-    reply: Reply
-
-
-# (Delivery before Recovery: Recovery only declares the ``_to_unit`` that Delivery defines)
-class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Delivered | UnitSeen]):
+class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -101,24 +66,45 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         self.shared = shared
         self.state: ControllerState | None = None
         self.epoch = 0
-        self.puts: dict[str, deque[_WaitingPut]] = {}
+        self.puts = PutQueues()
         self.claims = ClaimQueues()
-        self.granted: dict[int, int] = {}  # claim id -> lease id, until the lease ends
-        self.granted_by_lease: dict[int, int] = {}
-        self.granted_puts: OrderedDict[int, Any] = OrderedDict()  # put id -> _Allocated | slot
+        self.grants = Grants()  # claim id <-> lease id, until the lease ends
         self.waiters = EventWaiters(shared.log)
         self.evicted_groups = 0
         self.lost_samples = 0
         self.abandoned_samples = 0
-        self.timer_wake = trio.Event()
-        self.timer_at = math.inf  # the deadline the timer sleeps until
-        self.check_now = trio.Event()
-        self.outbox_wake = trio.Event()
-        self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
-        self.flush_now = trio.Event()
-        self.flush_waiters: list[Reply] = []
-        self.store_waits = _units.StoreWaits()  # replies held until units took told stores
-        self.locations = Locations()  # rows put through shared memory (see ``_located``)
+        self.timer = Timer(self._next_deadline)
+        self.locations = Locations()  # rows put through shared memory (see ``_locations``)
+        self.delivery = Delivery(shared, self.puts.waiting, self._check_units)
+        self.recovery = Recovery(shared, self.delivery, self.locations)
+        self.handlers: dict[type, Handler] = {
+            M.Commit: self._commit,
+            M.Claim: self._claim,
+            M.Ack: self._on_ack,
+            M.Allocate: self._on_put,
+            M.OpenGroups: self._on_put,
+            M.CommitSharedGroups: self._on_commit_shared_groups,
+            M.CancelClaim: lambda msg, ctx, state: self._cancel_claim(state, msg.claim_id),
+            M.CancelPut: lambda msg, ctx, state: self._cancel_put(state, msg.put_id),
+            M.Nack: self._on_nack,
+            M.Renew: lambda msg, ctx, state: state.renew(msg.lease_id, trio.current_time()),
+            M.SetVersion: self._on_set_version,
+            M.Discard: self._on_discard,
+            M.ShrinkGroup: self._on_shrink_group,
+            M.ReleaseHolder: self._on_release_holder,
+            M.WaitEvents: self._on_wait_events,
+            M.CancelWait: lambda msg, ctx, state: self.waiters.cancel(msg.wait_id),
+            M.CreateTopic: self._on_create_topic,
+            M.GetTopology: self._on_get_topology,
+            M.GetControllerStatistics: lambda msg, ctx, state: self._statistics(state),
+            M.CheckUnits: lambda msg, ctx, state: self.recovery.check(),
+            M.AwaitStores: self._on_await_stores,
+            M.Flushed: self._on_flushed,
+            M.CheckInvariants: lambda msg, ctx, state: tuple(self.check_invariants()),
+            Delivered: self._on_delivered,
+            Tick: self._on_tick,
+            UnitSeen: lambda msg, ctx, state: self.recovery.unit_seen(state, msg, self._lost),
+        }
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -126,7 +112,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         shared = self.shared
         self.epoch = shared.incarnations
         shared.incarnations += 1
-        tokens = await _units.tokens(shared.units, shared.unit_timeout)
+        tokens = await unit_tokens(shared.units, shared.unit_timeout)
         if shared.state is None:
             self.state = ControllerState(shared.specs.values(), list(shared.units), epoch=0)
             shared.state = self.state
@@ -134,10 +120,17 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             for unit, token in tokens.items():
                 self.state.set_unit_up(unit, token is not None)
         else:
-            await self._rebuild(tokens)
-        ctx.start_soon(self._timer, ctx)
-        ctx.start_soon(self._unit_watcher, ctx)
-        ctx.start_soon(self._flusher, ctx)
+            rebuilt = await self.recovery.rebuild(tokens, self.epoch)
+            self.state = rebuilt.state
+            self._apply(rebuilt.update)
+            for loss in rebuilt.losses:
+                self._report_loss(loss)
+        ctx.start_soon(self.timer.run, ctx)
+        ctx.start_soon(self.recovery.watch, ctx)
+        ctx.start_soon(self.delivery.run, ctx)
+
+    def _check_units(self) -> None:
+        self.recovery.check()
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -145,7 +138,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         state = self.state
         assert state is not None
         try:
-            return self._handle(msg, ctx, state)
+            handler = self.handlers.get(type(msg))
+            return None if handler is None else handler(msg, ctx, state)
         except TransferQueueError as exc:  # bad input: answer it, keep running
             if isinstance(msg, Request):
                 ctx.reply_error(exc)
@@ -155,97 +149,102 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         finally:
             self.waiters.serve()  # one batch per message: events of one change arrive together
 
-    def _handle(self, msg: Any, ctx: ActorContext[Any], state: ControllerState) -> Any:
-        if isinstance(msg, M.Commit):
-            return self._commit(msg, state)
-        if isinstance(msg, M.Claim):
-            return self._claim(msg, ctx, state)
-        if isinstance(msg, M.Ack):
-            if msg.request_id in self.shared.done:
-                return self.shared.done[msg.request_id]
-            missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
-            self.shared.remember(msg.request_id, missing)
-            return missing
-        if isinstance(msg, (M.Allocate, M.OpenGroups)):
-            size = _slots(msg)
-            if size == 0:  # members of an open group use its reserved slots: never wait
-                return self._put(state, msg)
-            waiting = self.puts.setdefault(msg.topic, deque())
-            if self._fits(state, msg.topic, size) and not waiting:  # CapacityError: never
-                return self._put(state, msg)
-            waiting.append(_WaitingPut(msg, ctx.defer_reply()))
-            if msg.topic in self.shared.outbox.deleting:
-                self.flush_now.set()  # the slots it waits for free once units took deletes
-            return None
-        if isinstance(msg, M.CommitSharedGroups):
-            state.commit_shared_groups(msg.topic, msg.columns)
-            self._group_infos(msg.topic, tuple(msg.columns))
-            self._kick(msg.topic)
-        elif isinstance(msg, M.CancelClaim):
-            self._cancel_claim(state, msg.claim_id)
-        elif isinstance(msg, M.CancelPut):
-            self._cancel_put(state, msg.put_id)
-        elif isinstance(msg, M.Nack):
-            self._end_lease(state, msg.lease_id, None, ack=False)
-        elif isinstance(msg, M.Renew):
-            return state.renew(msg.lease_id, trio.current_time())
-        elif isinstance(msg, M.SetVersion):
-            self._apply(state.set_latest_version(msg.topic, msg.version))
-            self._records(msg.topic)
-            self._kick(msg.topic)
-        elif isinstance(msg, M.Discard):
-            self.granted_puts.pop(msg.put_id, None)
-            return self._discard(state, msg)
-        elif isinstance(msg, M.ShrinkGroup):
-            if msg.request_id not in self.shared.done:
-                self._apply(state.shrink_group(msg.topic, msg.group_id, msg.slots))
-                self._group_infos(msg.topic, (msg.group_id,))
-                self.shared.remember(msg.request_id, None)
-                self._kick(msg.topic)
-        elif isinstance(msg, M.ReleaseHolder):
-            self._withdraw(msg.holder)
-            self._apply(state.release_holder(msg.holder))
-            self._kick_all()
-        elif isinstance(msg, Delivered):
-            self._stores_missing(state)
-            self._stores_taken(state)
-            for topic in list(self.puts):
-                self._retry_puts(topic)
-        elif isinstance(msg, _Tick):
-            self._apply(state.expire(trio.current_time()))
-            self._kick_all()
-        elif isinstance(msg, UnitSeen):
-            self._unit_seen(state, msg)
-        elif isinstance(msg, M.WaitEvents):
-            self.waiters.add(msg.wait_id, msg.since, ctx.defer_reply())
-        elif isinstance(msg, M.CancelWait):
-            self.waiters.cancel(msg.wait_id)
-        elif isinstance(msg, M.CreateTopic):
-            state.add_topic(msg.spec)
-            self.shared.specs[msg.spec.name] = msg.spec
-        elif isinstance(msg, M.GetTopology):
-            shared = self.shared
-            return M.Topology(
-                dict(shared.specs), dict(shared.units), shared.shm_min_bytes, shared.io_timeout
-            )
-        elif isinstance(msg, M.GetControllerStatistics):
-            return self._statistics(state)
-        elif isinstance(msg, M.CheckUnits):
-            self.check_now.set()
-        elif isinstance(msg, M.AwaitStores):
-            marks = self.store_waits.marks(self.shared.outbox, msg.units)
-            if marks:
-                self._hold(marks, ctx.defer_reply(), None)
-        elif isinstance(msg, M.Flushed) and len(self.shared.outbox):
-            self.flush_waiters.append(ctx.defer_reply())  # answered once it is empty
-            self.flush_now.set()
-            self.outbox_wake.set()
+    def _on_ack(self, msg: M.Ack, ctx: Ctx, state: ControllerState) -> Any:
+        if msg.request_id in self.shared.done:
+            return self.shared.done[msg.request_id]
+        missing = self._end_lease(state, msg.lease_id, msg.holder, ack=True)
+        self.shared.remember(msg.request_id, missing)
+        return missing
+
+    def _on_nack(self, msg: M.Nack, ctx: Ctx, state: ControllerState) -> None:
+        self._end_lease(state, msg.lease_id, None, ack=False)
+
+    def _on_put(self, msg: M.Allocate | M.OpenGroups, ctx: Ctx, state: ControllerState) -> Any:
+        size = slots_of(msg)
+        if size == 0:  # members of an open group use its reserved slots: never wait
+            return self._put(state, msg)
+        waiting = self.puts.queue(msg.topic)
+        if self._fits(state, msg.topic, size) and not waiting:  # CapacityError: never
+            return self._put(state, msg)
+        waiting.append(WaitingPut(msg, ctx.defer_reply()))
+        if msg.topic in self.shared.outbox.deleting:
+            self.delivery.hurry()  # the slots it waits for free once units took deletes
         return None
+
+    def _on_commit_shared_groups(
+        self, msg: M.CommitSharedGroups, ctx: Ctx, state: ControllerState
+    ) -> None:
+        state.commit_shared_groups(msg.topic, msg.columns)
+        self._group_infos(msg.topic, tuple(msg.columns))
+        self._kick(msg.topic)
+
+    def _on_set_version(self, msg: M.SetVersion, ctx: Ctx, state: ControllerState) -> None:
+        self._apply(state.set_latest_version(msg.topic, msg.version))
+        self._records(msg.topic)
+        self._kick(msg.topic)
+
+    def _on_discard(self, msg: M.Discard, ctx: Ctx, state: ControllerState) -> Any:
+        self.puts.pop_granted(msg.put_id)
+        return self._discard(state, msg)
+
+    def _on_shrink_group(self, msg: M.ShrinkGroup, ctx: Ctx, state: ControllerState) -> None:
+        if msg.request_id not in self.shared.done:
+            self._apply(state.shrink_group(msg.topic, msg.group_id, msg.slots))
+            self._group_infos(msg.topic, (msg.group_id,))
+            self.shared.remember(msg.request_id, None)
+            self._kick(msg.topic)
+
+    def _on_release_holder(self, msg: M.ReleaseHolder, ctx: Ctx, state: ControllerState) -> None:
+        self._withdraw(msg.holder)
+        self._apply(state.release_holder(msg.holder))
+        self._kick_all()
+
+    def _on_delivered(self, msg: Delivered, ctx: Ctx, state: ControllerState) -> None:
+        for miss in self.recovery.missing_stores(state):
+            self.locations.drop(miss.topic, miss.indexes)
+            self._apply(state.lose(miss.topic, miss.indexes))
+            self._group_infos(miss.topic, miss.group_ids)
+            self.lost_samples += len(miss.indexes)
+            detail = f"unit {miss.unit}: its segment was gone"
+            self._event("lost", miss.topic, miss.group_ids, miss.indexes, detail)
+            log.warning(
+                "unit %s lost told stores of %s %s", miss.unit, miss.topic, miss.indexes[:8]
+            )
+            self._kick(miss.topic)
+        self._stores_taken(state)
+        for topic in self.puts.topics():
+            self._retry_puts(topic)
+
+    def _on_tick(self, msg: Tick, ctx: Ctx, state: ControllerState) -> None:
+        self._apply(state.expire(trio.current_time()))
+        self._kick_all()
+
+    def _on_wait_events(self, msg: M.WaitEvents, ctx: Ctx, state: ControllerState) -> None:
+        self.waiters.add(msg.wait_id, msg.since, ctx.defer_reply())
+
+    def _on_create_topic(self, msg: M.CreateTopic, ctx: Ctx, state: ControllerState) -> None:
+        state.add_topic(msg.spec)
+        self.shared.specs[msg.spec.name] = msg.spec
+
+    def _on_get_topology(self, msg: M.GetTopology, ctx: Ctx, state: ControllerState) -> M.Topology:
+        shared = self.shared
+        return M.Topology(
+            dict(shared.specs), dict(shared.units), shared.shm_min_bytes, shared.io_timeout
+        )
+
+    def _on_await_stores(self, msg: M.AwaitStores, ctx: Ctx, state: ControllerState) -> None:
+        marks = self.delivery.marks(msg.units)
+        if marks:
+            self.delivery.hold(marks, ctx.defer_reply(), None)
+
+    def _on_flushed(self, msg: M.Flushed, ctx: Ctx, state: ControllerState) -> None:
+        if len(self.shared.outbox):
+            self.delivery.await_empty(ctx.defer_reply())
 
     def _statistics(self, state: ControllerState) -> M.ControllerStatistics:
         return M.ControllerStatistics(
             state.statistics(),
-            sum(len(w) for w in self.puts.values()),
+            len(self.puts),
             len(self.claims),
             self.evicted_groups,
             self.lost_samples,
@@ -258,6 +257,25 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             incarnations=dict(self.shared.known),
         )
 
+    def check_invariants(self) -> list[str]:
+        """The module docstring's invariants, checked now: what is violated, in words (empty:
+        nothing). For tests (it recounts the whole state)."""
+        out: list[str] = []
+        shared, state = self.shared, self.state
+        if state is None:
+            return ["the controller has no state (not started)"]
+        out.extend(self.grants.problems({lease.id for lease in state.leases()}))
+        both = self.claims.ids() & self.grants.claims()
+        if both:
+            out.append(f"3: claims both waiting and granted: {sorted(both)}")
+        out.extend(f"3: {problem}" for problem in self.claims.problems())
+        out.extend(f"4: {problem}" for problem in self.puts.problems())
+        if len(shared.done) > REMEMBERED:
+            out.append("4: the remembered replies outgrew their bound")
+        out.extend(self.recovery.problems(state))
+        out.extend(f"7: {problem}" for problem in state.check_invariants())
+        return out
+
     # -- puts ------------------------------------------------------------------------------------
 
     def _incarnations(self, units: Any) -> dict[str, str]:
@@ -269,7 +287,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             slots = state.open_groups(msg.topic, msg.sizes, holder=msg.holder, now=now)
             self._group_infos(msg.topic, tuple(s.group_id for s in slots))
             self._records(msg.topic)
-            self._granted(msg.put_id, slots)
+            self.puts.grant(msg.put_id, slots)
             self._write_deadline(msg.topic, now)
             return M.OpenedGroups(slots, self._incarnations({s.unit for s in slots}))
         allocation = state.allocate(
@@ -284,7 +302,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         # every unit keeps the watermarks: a rebuild must never reuse an index, even if the
         # unit that held the newest samples is gone
         self._records(msg.topic)
-        self._granted(msg.put_id, _Allocated(allocation, msg.group))
+        self.puts.grant(msg.put_id, Allocated(allocation, msg.group))
         self._write_deadline(msg.topic, now)
         self._kick(msg.topic, puts=False)
         units = set(allocation.units)
@@ -301,13 +319,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         free = state.free_slots(topic)
         return free is None or free - self.shared.outbox.deleting.get(topic, 0) >= size
 
-    def _granted(self, put_id: int, result: Any) -> None:
-        if put_id:
-            self.granted_puts[put_id] = result
-            while len(self.granted_puts) > _REMEMBERED:
-                self.granted_puts.popitem(last=False)
-
-    def _commit(self, msg: M.Commit, state: ControllerState) -> None:
+    def _commit(self, msg: M.Commit, ctx: Ctx, state: ControllerState) -> None:
         if msg.put_id and msg.put_id in self.shared.done:
             return  # a retry: the first commit went through
         known = self.shared.known
@@ -322,8 +334,8 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         for unit, located in msg.located.items():
             self.locations.add(msg.topic, unit, located)
         if msg.new:
-            granted = self.granted_puts.pop(msg.put_id, None)
-            if isinstance(granted, _Allocated) and granted.allocation.indexes == msg.indexes:
+            granted = self.puts.pop_granted(msg.put_id)
+            if isinstance(granted, Allocated) and granted.allocation.indexes == msg.indexes:
                 # placed as allocated (no lookup); only an explicit group has a record to send
                 pairs: Any = zip(msg.indexes, granted.allocation.units, strict=True)
                 group = granted.group
@@ -342,13 +354,11 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         self._kick(msg.topic)
 
     def _cancel_put(self, state: ControllerState, put_id: int) -> None:
-        for waiting in self.puts.values():
-            for item in waiting:
-                if item.msg.put_id == put_id:
-                    waiting.remove(item)
-                    item.reply.fail(TransferQueueError(f"put {put_id} cancelled by its writer"))
-                    return
-        granted = self.granted_puts.pop(put_id, None)
+        item = self.puts.cancel(put_id)
+        if item is not None:
+            item.reply.fail(TransferQueueError(f"put {put_id} cancelled by its writer"))
+            return
+        granted = self.puts.pop_granted(put_id)
         if granted is None:
             return
         if isinstance(granted, tuple):  # groups opened, but the writer never saw them
@@ -376,20 +386,18 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             waiting.reply.fail(
                 TransferQueueError(f"claim withdrawn: its holder {holder!r} was released")
             )
-        for queue in self.puts.values():
-            for item in [w for w in queue if w.msg.holder == holder]:
-                queue.remove(item)
-                item.reply.fail(
-                    TransferQueueError(f"put withdrawn: its holder {holder!r} was released")
-                )
+        for item in self.puts.withdraw(holder):
+            item.reply.fail(
+                TransferQueueError(f"put withdrawn: its holder {holder!r} was released")
+            )
 
     def _retry_puts(self, topic: str) -> None:
         state = self.state
-        waiting = self.puts.get(topic)
+        waiting = self.puts.waiting.get(topic)
         assert state is not None
         while waiting:
             head = waiting[0]
-            if not self._fits(state, topic, _slots(head.msg)):
+            if not self._fits(state, topic, slots_of(head.msg)):
                 return  # FIFO: later puts wait behind the head
             waiting.popleft()
             try:
@@ -399,13 +407,13 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
 
     # -- claims ----------------------------------------------------------------------------------
 
-    def _claim(self, msg: M.Claim, ctx: ActorContext[Any], state: ControllerState) -> Any:
+    def _claim(self, msg: M.Claim, ctx: Ctx, state: ControllerState) -> Any:
         leased = self._try_claim(state, msg)
         if leased is not None:
             marks = self._store_marks(msg, leased)
             if not marks:
                 return leased
-            self._hold(marks, ctx.defer_reply(), leased)
+            self.delivery.hold(marks, ctx.defer_reply(), leased)
             return None
         if not msg.wait:
             return None
@@ -416,7 +424,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         """The told stores to wait for before the claimant may ask the units of its lease:
         none for units whose rows it maps from shared memory without asking."""
         units = [u for u in leased.lease.placement if u not in leased.located or u not in msg.maps]
-        return self.store_waits.marks(self.shared.outbox, units)
+        return self.delivery.marks(units)
 
     def _try_claim(self, state: ControllerState, msg: M.Claim) -> M.Leased | None:
         lease = state.claim(
@@ -433,24 +441,10 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         )
         if lease is None:
             return None
-        self.granted[msg.claim_id] = lease.id
-        self.granted_by_lease[lease.id] = msg.claim_id
-        self._deadline(lease.deadline)
-        return M.Leased(lease, self._incarnations(lease.placement), self._located(lease))
-
-    def _located(self, lease: Lease) -> dict[str, Any]:
-        """The lease's parts on units whose rows all lie in shared memory (a unit that also
-        holds group-shared columns the lease needs is fetched from, as usual)."""
-        spec = self.shared.specs[lease.topic]
-        per_sample = [c for c in lease.columns if not spec.columns[c].shared]
-        shared = len(per_sample) < len(lease.columns)
-        out = {}
-        for unit, indexes in lease.placement.items():
-            if not (shared and lease.shared.get(unit)):
-                parts = self.locations.parts(lease.topic, indexes, per_sample)
-                if parts is not None:
-                    out[unit] = parts
-        return out
+        self.grants.add(msg.claim_id, lease.id)
+        self.timer.deadline(lease.deadline)
+        located = self.locations.of_lease(lease, self.shared.specs[lease.topic])
+        return M.Leased(lease, self._incarnations(lease.placement), located)
 
     def _retry_claims(self, topic: str) -> None:
         state = self.state
@@ -466,21 +460,30 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
                 return False
             marks = self._store_marks(waiting.msg, leased)
             if marks:
-                self._hold(marks, waiting.reply, leased)
+                self.delivery.hold(marks, waiting.reply, leased)
             elif not waiting.reply.send(leased):  # the claimant is gone: give the samples back
                 self._apply(state.nack(leased.lease.id))
             return True
 
         self.claims.serve(topic, state.changes(topic), attempt)
 
+    def _stores_taken(self, state: ControllerState) -> None:
+        """Send the held replies whose units took their stores (or were declared lost)."""
+        for reply, value in self.delivery.taken():
+            if not reply.send(value) and isinstance(value, M.Leased):
+                try:  # the claimant is gone: give the samples back
+                    self._apply(state.nack(value.lease.id))
+                except TransferQueueError:
+                    pass  # it ended already (its claim was cancelled)
+                self._kick(value.lease.topic)
+
     def _cancel_claim(self, state: ControllerState, claim_id: int) -> None:
         waiting = self.claims.pop(claim_id)
         if waiting is not None:
             waiting.reply.fail(TransferQueueError(f"claim {claim_id} cancelled by its claimant"))
             return
-        lease_id = self.granted.pop(claim_id, None)
+        lease_id = self.grants.cancel(claim_id)
         if lease_id is not None:  # granted, but the claimant never saw it
-            self.granted_by_lease.pop(lease_id, None)
             try:
                 self._apply(state.nack(lease_id))
             except TransferQueueError:
@@ -536,43 +539,37 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
             self.abandoned_samples += len(gone.indexes)
             self._event("abandoned", gone.topic, gone.group_ids, gone.indexes, "writer gone")
             self._group_infos(gone.topic, gone.group_ids)
-        for lease_id in update.ended:
-            claim_id = self.granted_by_lease.pop(lease_id, None)
-            if claim_id is not None:
-                self.granted.pop(claim_id, None)
+        self.grants.ended(update.ended)
+
+    def _lost(self, loss: Loss) -> None:
+        """A unit lost its data (``Recovery``): report it, and wake who waits."""
+        self._report_loss(loss)
+        self._kick_all()
+
+    def _report_loss(self, loss: Loss) -> None:
+        for lost in loss.lost:
+            self.lost_samples += len(lost.indexes)
+            self._event("lost", lost.topic, lost.group_ids, lost.indexes, f"unit {loss.unit}")
+        if loss.lost:
+            log.warning("storage unit %s lost: %s", loss.unit, loss.group_ids)
+
+    def _to_unit(self, unit: str, item: Any) -> None:
+        """Queue bookkeeping for a unit (``Delivery``); deletes go at once while puts wait for
+        their slots, or soon will (see ``_delivery``)."""
+        if not self.delivery.send(unit, item) or self.delivery.flush_waiters:
+            return  # the unit is down, or nothing lingers anyway
+        if isinstance(item, U.Delete) and (
+            self.puts.waits(item.topic) or self.delivery.short(self.state, item.topic)
+        ):
+            self.delivery.hurry()  # counted once queued: the delete occupies its slots till taken
 
     def _group_infos(self, topic: str, gids: Any) -> None:
-        """Send explicit groups' records (absolute values) to their units."""
         assert self.state is not None
-        if not gids:
-            return  # implicit groups only (a plain put): they have no record
-        for rec in self.state.group_records(topic, gids):
-            self._to_unit(rec.unit, U.GroupInfo(topic, rec.group_id, rec.size, rec.allocated))
+        self.delivery.group_infos(self.state, topic, gids)
 
     def _records(self, topic: str) -> None:
-        """Tell units the topic's version and id watermarks. Ids are reserved ahead in blocks,
-        so allocations only reach the units once per block: a rebuild skips the rest of a block
-        but never reuses an id."""
-        state = self.state
-        assert state is not None
-        record = state.topic_record(topic)
-        sent = self.shared.watermarks.get(topic)
-        if (
-            sent is not None
-            and sent.latest_version == record.latest_version
-            and record.next_index <= sent.next_index
-            and record.next_group_id <= sent.next_group_id
-        ):
-            return
-        info = U.TopicInfo(
-            topic,
-            record.latest_version,
-            record.next_index + _RESERVE,
-            record.next_group_id + _RESERVE,
-        )
-        self.shared.watermarks[topic] = info
-        for unit in self.shared.units:
-            self._to_unit(unit, info)
+        assert self.state is not None
+        self.delivery.records(self.state, topic)
 
     # -- waking waiters --------------------------------------------------------------------------
 
@@ -582,7 +579,7 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
         self._retry_claims(topic)
 
     def _kick_all(self) -> None:
-        for topic in set(self.puts) | set(self.claims.topics()):
+        for topic in set(self.puts.topics()) | set(self.claims.topics()):
             self._kick(topic)
 
     def _event(
@@ -590,37 +587,13 @@ class Controller(Delivery, Recovery, Actor[M.ControllerMessage | _Tick | Deliver
     ) -> None:
         self.shared.log.add(kind, topic, groups, indexes, detail)
 
-    # -- helper tasks ----------------------------------------------------------------------------
-
-    def _deadline(self, at: float) -> None:
-        """Something new is due at ``at``: wake the timer if it sleeps past that. (Deadlines
-        that go away need no wake-up: the timer then wakes early, finds nothing due and
-        sleeps again.)"""
-        if at < self.timer_at:
-            self.timer_wake.set()
-
     def _write_deadline(self, topic: str, now: float) -> None:
         ttl = self.shared.specs[topic].write_ttl
         if ttl is not None:
-            self._deadline(now + ttl)
+            self.timer.deadline(now + ttl)
 
-    async def _timer(self, ctx: ActorContext[Any]) -> None:
-        while True:
-            self.timer_wake = trio.Event()
-            state = self.state
-            deadline = state.next_deadline() if state is not None else None
-            self.timer_at = deadline if deadline is not None else math.inf
-            with trio.move_on_at(self.timer_at):
-                await self.timer_wake.wait()
-                continue
-            await ctx.self.send(_Tick())
-
-
-def _slots(msg: M.Allocate | M.OpenGroups) -> int:
-    """Capacity slots a put needs (0: members of open groups use their reserved slots)."""
-    if isinstance(msg, M.OpenGroups):
-        return sum(msg.sizes)
-    return msg.n if msg.group is None else 0
+    def _next_deadline(self) -> float | None:
+        return self.state.next_deadline() if self.state is not None else None
 
 
 def _as_tuple(group: int | tuple[int, ...]) -> tuple[int, ...]:

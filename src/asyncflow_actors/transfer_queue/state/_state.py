@@ -18,21 +18,25 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-from ._check import finite_time, holder_name, int_at_least
-from ._errors import (
+from .._errors import (
     InvalidArgument,
     SchemaError,
     StaleVersionError,
     UnknownUnit,
 )
+from .._results import Lease, Loss, Update
+from .._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
+from .._spec import TopicSpec
+from .._stats import StateStatistics
+from ._audit import topic_problems
+from ._check import finite_time, holder_name, int_at_least
+from ._effects import Effects
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
-from ._results import Lease, Loss, Update
-from ._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
-from ._spec import TopicSpec
-from ._stats import StateStatistics, topic_statistics
+from ._rebuild import Parts, export_inventory, group_records, rebuild, storage_lost
+from ._statistics import topic_statistics
 from ._table import Ints
-from ._topic import Effects, Topic
+from ._topic import Topic
 from ._writes import Writes
 from ._writing import Writing
 
@@ -135,9 +139,7 @@ class ControllerState(Writing):
         """Records of the live *explicit* groups among ``group_ids`` (opened with
         :meth:`open_group`) as storage units keep them: ``allocated`` counts committed members
         only, so a rebuild gives uncommitted members' slots back to their writer."""
-        from ._rebuild import group_records
-
-        return group_records(self, self._topic(topic), group_ids)
+        return group_records(self._units, self._topic(topic), group_ids)
 
     def topic_record(self, topic: str) -> TopicRecord:
         """The topic's latest version and id watermarks (what units keep for a rebuild)."""
@@ -295,6 +297,10 @@ class ControllerState(Writing):
         else:
             self._down.add(u)
 
+    def units_down(self) -> frozenset[str]:
+        """The units new groups and samples avoid (see :meth:`set_unit_up`)."""
+        return frozenset(self._units[u] for u in self._down)
+
     def storage_lost(self, unit: str) -> Loss:
         """Drop everything placed on ``unit`` (its data is gone) and report it, per topic, so the
         driver can re-inject those prompts: the committed samples, and the groups that had one
@@ -306,9 +312,7 @@ class ControllerState(Writing):
         u = self._unit_ix.get(unit) if isinstance(unit, str) else None
         if u is None:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
-        from ._rebuild import storage_lost
-
-        return storage_lost(self, unit, u)
+        return storage_lost(self._parts(), unit, u)
 
     # -- inventory -----------------------------------------------------------------------------
 
@@ -317,9 +321,7 @@ class ControllerState(Writing):
         what :meth:`from_inventory` rebuilds from. Raises :class:`UnknownUnit`."""
         if unit is not None and unit not in self._unit_ix:
             raise UnknownUnit(f"no storage unit {unit!r} (known: {list(self._units)})")
-        from ._rebuild import export_inventory
-
-        return export_inventory(self, unit)
+        return export_inventory(self._parts(), unit)
 
     @classmethod
     def from_inventory(
@@ -342,15 +344,33 @@ class ControllerState(Writing):
         ``now`` they and open groups' unfilled slots expire ``write_ttl`` from ``now``. Raises
         :class:`InventoryError` for inconsistent records.
         """
-        from ._rebuild import rebuild
+        state = cls(specs, units, epoch=epoch)
+        return state, rebuild(state._parts(), inventory, now=now)
 
-        return rebuild(specs, units, inventory, epoch=epoch, now=now)
-
-    def _rebuilt_write(self, topic: str, index: int, now: float | None) -> None:
-        """A rebuilt uncommitted sample: it expires ``write_ttl`` from ``now``."""
-        self._writes.rebuilt(topic, index, self._deadline(self._topics[topic], now))
+    def _parts(self) -> Parts:
+        """This state's parts, for the rebuild functions (``_rebuild``)."""
+        return Parts(
+            self._topics, self._units, self._unit_ix, self._load, self._writes, self._lease_table
+        )
 
     # -- introspection -------------------------------------------------------------------------
+
+    def check_invariants(self) -> list[str]:
+        """What is inconsistent in the incremental bookkeeping, in words (empty: nothing): each
+        view's candidate counts and hints against a recount from the tables, and the occupied
+        slots per unit against the topics'. For tests: O(samples * views)."""
+        out = [p for t in self._topics.values() for p in topic_problems(t)]
+        occupied = np.zeros(len(self._units), np.int64)
+        for t in self._topics.values():
+            s, g = t.s, t.g
+            np.add.at(occupied, s.unit[: s.n][s.live[: s.n]], 1)
+            pending = (g.size[: g.n] - g.alloc[: g.n])[g.live[: g.n]]
+            np.add.at(occupied, g.unit[: g.n][g.live[: g.n]], pending)
+        if not np.array_equal(occupied, self._load):
+            out.append(
+                f"occupied slots per unit {self._load.tolist()}, counted {occupied.tolist()}"
+            )
+        return out
 
     def statistics(self) -> StateStatistics:
         """A frozen snapshot: per-topic counts, occupied slots per unit, outstanding leases."""

@@ -22,27 +22,11 @@ from typing import Any
 
 import attrs
 
-from ._errors import SchemaError
-from ._results import Lease
-from ._runtime import RawTensor
-from ._spec import ColumnSpec, TopicSpec
-
-
-def torch_module() -> Any:
-    import torch
-
-    return torch
-
-
-def is_tensor(value: Any) -> bool:
-    # torch loads lazily: a node hosting storage units imports this package without it
-    # (or half imported by another thread: no ``Tensor`` yet, and no tensor to meet either)
-    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
-    return tensor is not None and isinstance(value, tensor)
-
-
-def dtype_name(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
+from .._errors import SchemaError
+from .._results import Lease
+from .._runtime import RawTensor
+from .._spec import ColumnSpec, TopicSpec
+from .._tensors import dtype_name, is_tensor, torch_module
 
 
 def fixed(col: ColumnSpec) -> bool:

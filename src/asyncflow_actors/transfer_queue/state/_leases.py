@@ -14,9 +14,9 @@ from collections.abc import Hashable
 import attrs
 import numpy as np
 
-from ._errors import ShareMismatch, UnknownLease
-from ._results import Lease
-from ._samplers import (
+from .._errors import ShareMismatch, UnknownLease
+from .._results import Lease
+from .._samplers import (
     MAX_SKIPPED_GROUPS,
     Balanced,
     Sampler,
@@ -24,8 +24,10 @@ from ._samplers import (
     uses_groups,
     waits_expiring,
 )
-from ._table import Ints, ascending, groups_of, rows_of, runs, scatter_add
-from ._topic import Effects, Topic, View
+from ._effects import Effects
+from ._table import Ints, ascending, groups_of
+from ._topic import Topic
+from ._view import View
 
 #: Lease ids of epoch ``e`` are ``e << EPOCH_BITS`` onwards, so ids never repeat across restarts.
 EPOCH_BITS = 40
@@ -110,7 +112,7 @@ class LeaseTable:
             if fifo is None:
                 return None
             rows = fifo
-        self._mark_leased(t, v, rows)
+        t.lease(v, rows)
         ids = t.s.ids[rows]
         if isinstance(sampler, Balanced):
             lengths = t.s.length[rows]
@@ -216,24 +218,6 @@ class LeaseTable:
             self._by_holder.setdefault(holder, set()).add(lease.id)
         return attrs.evolve(lease, holder=holder)
 
-    @staticmethod
-    def _mark_leased(t: Topic, v: View, rows: Ints) -> None:
-        """``rows`` are candidates of ``v``: lease them to its consumer."""
-        s = t.s
-        # Whole groups come group by group, not always ascending: [0, 1, 4, 3] spans 0..3 from
-        # its first to its last row but is not that run (a slice would lease row 2).
-        index = rows_of(rows)
-        # every row is a candidate of ``v`` (no need to compute it); its other views may differ
-        others = [w for w in t.views_of[v.ci] if w is not v]
-        befores = t.before(index, others) if others else []
-        s.leased[index] |= v.bit
-        gs = s.gs[index]
-        where = runs(gs)
-        scatter_add(t.g.held, where, 1)
-        t.leased_count[v.ci] += len(rows)
-        t.uncount(befores, gs)  # leased: no view of this consumer counts them any more
-        t.uncount_all(v, where)
-
     def _new_lease(
         self,
         t: Topic,
@@ -290,25 +274,9 @@ class LeaseTable:
                 rec.acked_by.add(who)
                 if len(rec.acked_by) < lease.share_count:
                     return
-        t, ci = rec.topic, rec.ci
-        s, g = t.s, t.g
         rows = _present(rec, fx)
         if len(rows):
-            bit = 1 << ci
-            index = rows_of(rows, ascending=rec.ascending)
-            gs = s.gs[index]
-            s.leased[index] &= ~bit
-            s.acked[index] |= bit
-            where = runs(gs)
-            scatter_add(g.held, where, -1)
-            scatter_add(g.unacked[:, ci], where, -1)
-            t.leased_count[ci] -= len(rows)
-            t.consumed_count[ci] += len(rows)
-            done = rows[s.acked[index] == t.full]
-            t.freed_total += len(done)
-            t.drop_samples(rows_of(done, ascending=rec.ascending), fx, consumed=True)
-            t.lower_group_hints(int(s.gid[index].min()), t.views_of[ci])
-            t.settle(gs, fx)
+            rec.topic.ack(rows, rec.ci, rec.ascending, fx)
         self._end(rec, fx)
 
     def nack(self, lease_id: int, fx: Effects) -> None:
@@ -349,18 +317,9 @@ class LeaseTable:
         )
 
     def _return(self, rec: _LeaseRec, fx: Effects) -> None:
-        t, ci = rec.topic, rec.ci
-        s = t.s
         rows = _present(rec, fx)
         if len(rows):
-            index = rows_of(rows, ascending=rec.ascending)
-            befores = t.before(index, t.views_of[ci])
-            s.leased[index] &= ~(1 << ci)
-            gs = s.gs[index]
-            scatter_add(t.g.held, gs, -1)
-            t.leased_count[ci] -= len(rows)
-            t.after(index, befores)
-            t.settle(gs, fx)
+            rec.topic.unlease(rows, rec.ci, rec.ascending, fx)
         self._end(rec, fx)
 
     def _end(self, rec: _LeaseRec, fx: Effects) -> None:
