@@ -32,9 +32,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    """ruff, and the architecture contracts (``[tool.importlinter]`` in pyproject.toml)."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", "src", "tests", "examples", "benchmarks", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "examples", "benchmarks", "noxfile.py")
+    # import-linter reads the source only (it imports nothing): the src folder on the path is
+    # enough, no install of the project or of torch.
+    session.run("lint-imports", env={"PYTHONPATH": "src"})
 
 
 @nox.session

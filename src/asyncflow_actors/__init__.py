@@ -51,30 +51,6 @@ from .actors.remote import WireError as WireError
 from .actors.remote import open_actor_system as open_actor_system
 from .actors.remote import register_error as register_error
 
-# ``asyncflow_actors.actors`` exported these names of the remote half before the seam between
-# the halves; the local package may not import them, so the package above both hangs them
-# there, for code written against the old namespace. New code imports them from here or from
-# ``asyncflow_actors.actors.remote``.
-for _name in (
-    "CurveClient",
-    "CurveKeypair",
-    "CurveServer",
-    "MessageRejected",
-    "Node",
-    "NodeLost",
-    "NodeOptions",
-    "NotAuthorized",
-    "RemoteActorRef",
-    "SpawnRefused",
-    "WireError",
-    "curve_keypair",
-    "open_actor_system",
-    "register_error",
-    "register_types",
-):
-    setattr(actors, _name, getattr(actors.remote, _name))
-del _name
-
 __version__ = "0.1.0.dev0"
 
 

@@ -17,7 +17,7 @@ import zmq
 
 import asyncflow_actors as afa
 from asyncflow_actors import testing as aft
-from asyncflow_actors.actors.remote import curve_keypair
+from asyncflow_actors.actors.remote import CurveClient, CurveServer, curve_keypair
 from tests.remote.remote_actors import (
     Add,
     Batch,
@@ -284,12 +284,12 @@ async def test_curve_refuses_unauthenticated_peers(tmp_path: Path) -> None:
     async with aft.open_node_process(allow=ALLOW, name="standalone", args=keys) as proc:
         address = proc.address
         async with afa.open_actor_system() as system:
-            good = afa.actors.CurveClient(server.public, client)
+            good = CurveClient(server.public, client)
             node = await system.connect_node(address, name="ok", curve=good, options=quick)
             ref = await node.spawn(Worker, name="w")
             assert await ref.ask(Echo("secret")) == "secret"
             for name, curve in [
-                ("stranger", afa.actors.CurveClient(server.public, stranger)),
+                ("stranger", CurveClient(server.public, stranger)),
                 ("plain", None),
             ]:
                 with pytest.raises(afa.ActorCrashed) as info:
@@ -328,17 +328,17 @@ async def test_a_system_listening_with_curve_admits_its_key_and_closes_cleanly()
     key, stranger = curve_keypair(), curve_keypair()
     quick = afa.NodeOptions(connect_timeout=1.0)
     async with afa.open_actor_system(name="listener") as listener:
-        server = afa.actors.CurveServer(key)
+        server = CurveServer(key)
         [address] = await listener.listen(
             "tcp://127.0.0.1:*", curve=server, authorized_keys=[key.public]
         )
         async with afa.open_actor_system() as system:
             node = await system.connect_node(
-                address, name="listener", curve=afa.actors.CurveClient(key.public, key)
+                address, name="listener", curve=CurveClient(key.public, key)
             )
             assert node.pid == os.getpid()
             with pytest.raises(afa.ActorCrashed) as info:
-                other = afa.actors.CurveClient(key.public, stranger)
+                other = CurveClient(key.public, stranger)
                 await system.connect_node(address, name="x", curve=other, options=quick)
             assert isinstance(info.value.error, afa.NodeLost)
     # leaving both systems closed the authenticator's task in order (no nursery misnesting)

@@ -8,8 +8,6 @@ compose both (``open_actor_system``, ``Node``, ``RemoteActorRef``...) are export
 :mod:`asyncflow_actors.actors.remote` and by ``asyncflow_actors`` itself.
 """
 
-from typing import Any
-
 from ._actor import Actor as Actor
 from ._actor import ActorContext as ActorContext
 from ._cell import ActorState as ActorState
@@ -45,10 +43,3 @@ from ._system import ActorSystem as ActorSystem
 from ._system import SystemStatistics as SystemStatistics
 from ._system import open_local_actor_system as open_local_actor_system
 from ._transport import Transport as Transport
-
-
-def __getattr__(name: str) -> Any:
-    # Names of the remote half this namespace used to export (``NodeOptions``, ``Node``,
-    # ``open_actor_system``...) are set here by ``asyncflow_actors`` once both halves are
-    # loaded, for code written before the seam; this declares them to type checkers.
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -75,17 +75,6 @@ class ActorSystem:
         return self._transport
 
     @property
-    def mesh(self) -> Transport:
-        """The transport, under the name the remote half gives it (its ``Mesh``).
-
-        Raises ``RuntimeError`` for a system without one. Code that needs the ``Mesh`` itself
-        uses ``asyncflow_actors.actors.remote.NodeSystem.mesh``.
-        """
-        if self._transport is None:
-            raise RuntimeError("this actor system has no transport (a local system)")
-        return self._transport
-
-    @property
     def name(self) -> str:
         """This system's name in the run (how addresses of its actors name it)."""
         return self._transport.name if self._transport is not None else self._name

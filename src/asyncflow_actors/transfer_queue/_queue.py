@@ -33,6 +33,7 @@ from ._runtime import (
     StartChildren,
     SubprocessLauncher,
     Supervisor,
+    mesh_of,
     node_spec,
 )
 from .client import TransferQueueClient
@@ -140,7 +141,7 @@ async def _start_unit_nodes(
     allow = ("asyncflow_actors.transfer_queue",)
     launcher = SubprocessLauncher(allow, transport=cfg.transport)
     specs = tuple(
-        node_spec(node_name(cfg.name, unit), launcher, mesh=system.mesh, options=options)
+        node_spec(node_name(cfg.name, unit), launcher, mesh=mesh_of(system), options=options)
         for unit in names
     )
     refs = await sup.ask(StartChildren(specs))

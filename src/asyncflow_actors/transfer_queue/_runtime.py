@@ -14,7 +14,6 @@ from ..actors import ActorCrashed as ActorCrashed
 from ..actors import ActorRef as ActorRef
 from ..actors import ActorSystem as ActorSystem
 from ..actors import ChildSpec as ChildSpec
-from ..actors import NodeOptions as NodeOptions
 from ..actors import OneForOne as OneForOne
 from ..actors import Reply as Reply
 from ..actors import Request as Request
@@ -22,8 +21,10 @@ from ..actors import StartChild as StartChild
 from ..actors import StartChildren as StartChildren
 from ..actors import Supervisor as Supervisor
 from ..actors.remote import GetNode as GetNode
+from ..actors.remote import NodeOptions as NodeOptions
 from ..actors.remote import RawTensor as RawTensor
 from ..actors.remote import SubprocessLauncher as SubprocessLauncher
+from ..actors.remote import mesh_of as mesh_of
 from ..actors.remote import node_spec as node_spec
 
 
