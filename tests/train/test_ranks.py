@@ -88,3 +88,24 @@ def test_lora_trains_only_the_adapters(ranks: DistributedLearner, hf_folder: Pat
         if name not in adapters:
             assert torch.equal(before[name], value), name  # frozen base weights
     assert any(not torch.equal(before[k], after[k]) for k in adapters if ".lora_B." in k)
+
+
+def test_a_lora_export_merges_the_adapters_or_keeps_them(
+    ranks: DistributedLearner, hf_folder: Path, tmp_path: Path
+) -> None:
+    from asyncflow_actors.roles._lora import merged_state
+    from asyncflow_actors.rollout import load_causal_lm
+
+    lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    ranks.setup(run_spec(hf=str(hf_folder)), TWO, lora)
+    ranks.step(global_batch())
+    state = ranks.full_state_dict()
+    merged = load_causal_lm(ranks.export(str(tmp_path / "merged")))
+    expected = merged_state(state, lora)
+    for name, value in merged.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    base = state["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert not torch.equal(merged.state_dict()[name], base)  # the trained adapter folded in
+    adapter = Path(ranks.export(str(tmp_path / "adapter"), merge=False))
+    assert (adapter / "adapter_model.safetensors").exists()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._compute import PaddedRows, pad_rows, setup_torch
-from ._rank_learner import LoraSettings, ParallelSettings, RankLearner, gather
+from ._rank_learner import LoraSettings, ParallelSettings, RankLearner, blocks, gather
 from ._ranks import receive_command
 from ._settings import RunSpec
 
@@ -144,10 +144,11 @@ def _fault_hook(host: RankHost) -> None:  # pragma: no cover - a test hook
         if header["op"] == "setup" and host.learner is not None:
 
             def arm(module: Any, args: Any, out: Any) -> None:
+                out = out[0] if isinstance(out, tuple) else out
                 if isinstance(out, Tensor) and out.requires_grad:
                     out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))  # type: ignore[no-untyped-call]
 
-            host.learner.policy.register_forward_hook(arm)
+            blocks(host.learner.policy)[-1].register_forward_hook(arm)
         return result
 
     host.run = run  # type: ignore[method-assign]
