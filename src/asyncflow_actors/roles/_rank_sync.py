@@ -1,0 +1,186 @@
+"""Weight sync from a sharded trainer, without a rank-0 funnel of the whole model.
+
+``ShardedSyncEngine`` is a ``CheckpointEngine`` (same targets, transports, pause → … → commit →
+resume protocol; receivers never see a mix of versions) whose bucket source gathers the
+parameters of a ``DistributedLearner`` one at a time, as the buckets are packed: rank 0 packs
+bucket *k+1* (its parameters all-gathered with ``DTensor.full_tensor()``, every rank taking part)
+while bucket *k* is in flight (the engine's double buffering). No process ever holds the whole
+model twice: rank 0 holds its shard plus the parameter being packed. The other ranks are told
+the gather order first (one command); whatever the sync's outcome, rank 0 finishes the order
+(``drain``) so that no rank is left waiting in a collective.
+
+``merged`` (LoRA for engines that cannot load adapters): each adapted weight is sent under the
+base model's name as ``W + alpha / r * B @ A``, gathered and merged one module at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import trio
+
+from ..checkpoint import BucketSource, CheckpointEngine, SyncResult
+from ._distributed import DistributedLearner
+from ._rank_learner import gather
+
+if TYPE_CHECKING:
+    from ..checkpoint import Manifest, SyncSession
+
+
+@attrs.frozen
+class Recipe:
+    """One tensor of a sync: its ``name`` and the parameters it is made of (``sources``, in
+    gather order), combined by ``make`` (``None``: the one source itself)."""
+
+    name: str
+    sources: tuple[str, ...]
+    make: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+
+def recipes(learner: DistributedLearner, *, merged: bool = False) -> list[Recipe]:
+    """What a sync of ``learner`` sends: its parameters by their state-dict names; with
+    ``merged`` and LoRA, the base model's weights with the adapters folded in."""
+    names = [name for name, _ in learner.learner.named_parameters()]
+    lora = learner.learner.lora
+    if not merged or lora is None:
+        return [Recipe(name, (name,)) for name in names]
+    from ._lora import PREFIX, is_adapter
+
+    scale = lora.alpha / lora.r
+    present = set(names)
+    out = []
+    for name in names:
+        if is_adapter(name):
+            continue
+        base = name.removeprefix(PREFIX)
+        if ".base_layer." in base:
+            stem = name.rsplit(".base_layer.", 1)[0]
+            a, b = f"{stem}.lora_A.default.weight", f"{stem}.lora_B.default.weight"
+            if a in present and b in present and base.endswith(".weight"):
+
+                def make(parts: list[torch.Tensor], scale: float = scale) -> torch.Tensor:
+                    w, a_, b_ = parts
+                    return (w.float() + scale * (b_.float() @ a_.float())).to(w.dtype)
+
+                out.append(Recipe(base.replace(".base_layer.", "."), (name, a, b), make))
+                continue
+            base = base.replace(".base_layer.", ".")
+        out.append(Recipe(base, (name,)))
+    return out
+
+
+class GatheringSource(BucketSource):
+    """A ``BucketSource`` whose tensors are gathered when first packed, in order (each
+    recipe's sources all-gathered, then combined), and dropped once packed."""
+
+    def __init__(
+        self,
+        learner: DistributedLearner,
+        plan: Sequence[Recipe],
+        manifest: Manifest,
+        *,
+        with_checksum: bool,
+    ) -> None:
+        super().__init__([], manifest, with_checksum=with_checksum)
+        self.params = dict(learner.learner.named_parameters())
+        self.plan = list(plan)
+        self.next = 0  # the next recipe to gather
+        self.current: tuple[int, torch.Tensor] | None = None
+        self.lock = threading.Lock()
+
+    def _gather(self, index: int) -> torch.Tensor:
+        parts = [gather(self.params[name]).detach() for name in self.plan[index].sources]
+        make = self.plan[index].make
+        tensor = parts[0] if make is None else make(parts)
+        return tensor.contiguous()
+
+    def _bytes_of(self, index: int) -> torch.Tensor:
+        from ..checkpoint._manifest import tensor_bytes
+
+        with self.lock:
+            if self.current is not None and self.current[0] == index:
+                return self.current[1]
+            if index < self.next:
+                raise RuntimeError(f"tensor {index} was packed already (gathered in order)")
+            while self.next <= index:
+                tensor = self._gather(self.next)  # an all-gather every rank takes part in
+                self.next += 1
+            flat = tensor_bytes(tensor)
+            self.current = (index, flat)  # kept for the tensor's other pieces only
+            return flat
+
+    def direct(self, index: int, device: str) -> torch.Tensor | None:
+        return None  # always packed: the tensor exists only while its bucket is packed
+
+    def drain(self) -> None:
+        """Gather whatever the sync did not pack (it failed, or it skipped empty tensors): the
+        other ranks gather the whole order, whatever happens here."""
+        with self.lock:
+            while self.next < len(self.plan):
+                self._gather(self.next)
+                self.next += 1
+            self.current = None
+
+
+class ShardedSyncEngine(CheckpointEngine):
+    """A ``CheckpointEngine`` for a ``DistributedLearner`` (module docstring): ``await
+    engine.sync_learner(version)`` sends its weights."""
+
+    def __init__(
+        self, learner: DistributedLearner, *args: Any, merged: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.learner = learner
+        self.merged = merged
+        self._source: GatheringSource | None = None
+        self._recipes: list[Recipe] = []
+
+    async def sync_learner(self, version: int) -> SyncResult:
+        """Send the learner's weights tagged ``version`` (the learner must not step meanwhile)."""
+        keep = self.config.tensor_filter()
+        plan = [r for r in recipes(self.learner, merged=self.merged) if keep(r.name)]
+        order = [name for recipe in plan for name in recipe.sources]
+        specs = await trio.to_thread.run_sync(self._specs, plan)
+        await trio.to_thread.run_sync(self.learner.start_gather, order)
+        self._recipes = plan
+        try:
+            return await self.sync(version, specs)
+        finally:
+            source, self._source = self._source, None
+            if source is None:  # the plan failed: gather the order all the same
+                source = GatheringSource(self.learner, plan, _EMPTY, with_checksum=False)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(source.drain)
+
+    def _specs(self, plan: Sequence[Recipe]) -> dict[str, torch.Tensor]:
+        """Placeholders (meta tensors) of each sent tensor's dtype and shape: the plan's."""
+        params = dict(self.learner.learner.named_parameters())
+        out = {}
+        for recipe in plan:
+            first = params[recipe.sources[0]]
+            out[recipe.name] = torch.empty(first.shape, dtype=first.dtype, device="meta")
+        return out
+
+    def _plan(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    ) -> SyncSession:
+        session = super()._plan(version, weights)
+        self._source = GatheringSource(
+            self.learner, self._recipes, session.manifest,
+            with_checksum=session.source.with_checksum,
+        )  # fmt: skip
+        session.source = self._source
+        return session
+
+
+class _Empty:
+    buckets: tuple[Any, ...] = ()
+
+
+_EMPTY: Any = _Empty()
