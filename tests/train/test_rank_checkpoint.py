@@ -9,7 +9,7 @@ import torch
 
 from asyncflow_actors.models import load_model
 from asyncflow_actors.roles._distributed import DistributedLearner
-from asyncflow_actors.roles._rank_learner import ParallelSettings
+from asyncflow_actors.roles._rank_settings import ParallelSettings
 
 from .conftest import global_batch, run_spec
 

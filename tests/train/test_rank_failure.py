@@ -8,7 +8,7 @@ import time
 import pytest
 
 from asyncflow_actors.roles._distributed import DistributedLearner
-from asyncflow_actors.roles._rank_learner import ParallelSettings
+from asyncflow_actors.roles._rank_settings import ParallelSettings
 from asyncflow_actors.roles._ranks import RankFailed
 
 from .conftest import global_batch, run_spec

@@ -15,7 +15,7 @@ import torch
 import asyncflow_actors as afa
 from asyncflow_actors.checkpoint import CheckpointConfig, PhaseDeadlines
 from asyncflow_actors.roles._distributed import DistributedLearner
-from asyncflow_actors.roles._rank_learner import LoraSettings, ParallelSettings
+from asyncflow_actors.roles._rank_settings import LoraSettings, ParallelSettings
 from asyncflow_actors.roles._rank_sync import ShardedSyncEngine
 from tests.checkpoint.doubles import DoubleActor, GetWeights, World
 
@@ -49,7 +49,7 @@ async def receive(
         refs = [await system.spawn(lambda i=i: double(i), name=f"engine-{i}") for i in range(2)]
         cfg = CheckpointConfig(deadlines=FAST, bucket_bytes=4096, **config)
         engine = ShardedSyncEngine(learner, refs, cfg, merged=merged)
-        result = await engine.sync_learner(3)
+        result = await engine.sync(3)
         for ref in refs:
             got = await ref.ask(GetWeights())
             assert set(got) == set(expected)

@@ -12,7 +12,7 @@ import torch
 from asyncflow_actors.rl import AGG_MODES
 from asyncflow_actors.roles._compute import Learner
 from asyncflow_actors.roles._distributed import DistributedLearner
-from asyncflow_actors.roles._rank_learner import LoraSettings, ParallelSettings
+from asyncflow_actors.roles._rank_settings import LoraSettings, ParallelSettings
 
 from .conftest import global_batch, run_spec
 

@@ -16,7 +16,8 @@ import attrs
 from torch import Tensor
 
 from ._rank_host import RankHost, encode_batch, spec_to_wire
-from ._rank_learner import LoraSettings, ParallelSettings, RankLearner
+from ._rank_learner import RankLearner
+from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import RankGroup, backend_for
 from ._settings import RunSpec
 

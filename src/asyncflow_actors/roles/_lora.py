@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ._rank_learner import LoraSettings
+from ._rank_settings import LoraSettings
 from ._settings import SettingsError
 
 PREFIX = "base_model.model."

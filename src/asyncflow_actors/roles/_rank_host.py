@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ._compute import PaddedRows, pad_rows, setup_torch
-from ._rank_learner import LoraSettings, ParallelSettings, RankLearner, blocks, gather
+from ._rank_learner import RankLearner, blocks, gather
+from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import receive_command
 from ._settings import RunSpec
 

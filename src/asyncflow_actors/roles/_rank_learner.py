@@ -28,49 +28,8 @@ from torch import Tensor, nn
 
 from ..transfer_queue._samplers import partition_lpt
 from ._compute import MiniBatches, build_policy, loss_config, policy_token_logprobs
+from ._rank_settings import LoraSettings, ParallelSettings
 from ._settings import RunSpec, SettingsError
-
-
-def _one_of(*choices: str) -> Any:
-    def check(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in choices:
-            raise SettingsError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
-
-    return check
-
-
-def _positive_or_none(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise SettingsError(f"{attribute.name} must be an int >= 1 or unset, got {value!r}")
-
-
-@attrs.frozen
-class ParallelSettings:
-    """How the trainer's ranks train: ``ranks`` processes, ``sharding`` ``"fsdp"`` (FSDP2:
-    parameters, gradients and optimizer state sharded) or ``"ddp"`` (replicated; small models),
-    ``dtype`` ``"fp32"`` or ``"bf16"`` (compute in bf16, fp32 master weights and gradient
-    reductions), ``gradient_checkpointing`` (HF policies), ``micro_batch_size`` (rows per
-    forward within a rank: gradient accumulation), ``timeout_s`` for every collective."""
-
-    ranks: int = 1
-    sharding: str = attrs.field(default="fsdp", validator=_one_of("fsdp", "ddp"))
-    dtype: str = attrs.field(default="fp32", validator=_one_of("fp32", "bf16"))
-    gradient_checkpointing: bool = False
-    micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
-    timeout_s: float = 300.0
-
-
-@attrs.frozen
-class LoraSettings:
-    """LoRA adapters (peft) on the HF policy: rank ``r``, ``alpha``, the ``target_modules``
-    (module name suffixes), ``dropout``. Only the adapters train and sync."""
-
-    r: int = 8
-    alpha: float = 16.0
-    target_modules: tuple[str, ...] = attrs.field(
-        default=("q_proj", "k_proj", "v_proj", "o_proj"), converter=tuple
-    )
-    dropout: float = 0.0
 
 
 def rank() -> int:
@@ -165,13 +124,13 @@ class RankLearner:
     ) -> None:
         self.spec = spec
         self.parallel = parallel
-        self.lora = lora
+        self.lora = lora if lora is not None and lora.enabled else None
         task = spec.task.build()
         model, self.tokenizer = build_policy(spec.model, task, path=path)
-        if lora is not None:
+        if self.lora is not None:
             from ._lora import apply_lora
 
-            model = apply_lora(model, lora)
+            model = apply_lora(model, self.lora)
         if parallel.gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
                 model, "gradient_checkpointing_enable", None

@@ -128,7 +128,7 @@ class GatheringSource(BucketSource):
 
 class ShardedSyncEngine(CheckpointEngine):
     """A ``CheckpointEngine`` for a ``DistributedLearner`` (module docstring): ``await
-    engine.sync_learner(version)`` sends its weights."""
+    engine.sync(version)`` sends its weights."""
 
     def __init__(
         self, learner: DistributedLearner, *args: Any, merged: bool = False, **kwargs: Any
@@ -139,8 +139,13 @@ class ShardedSyncEngine(CheckpointEngine):
         self._source: GatheringSource | None = None
         self._recipes: list[Recipe] = []
 
-    async def sync_learner(self, version: int) -> SyncResult:
-        """Send the learner's weights tagged ``version`` (the learner must not step meanwhile)."""
+    async def sync(
+        self,
+        version: int,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = (),
+    ) -> SyncResult:
+        """Send the learner's weights tagged ``version`` (``weights`` is ignored: they are
+        gathered from the ranks); the learner must not step meanwhile."""
         keep = self.config.tensor_filter()
         plan = [r for r in recipes(self.learner, merged=self.merged) if keep(r.name)]
         order = [name for recipe in plan for name in recipe.sources]
@@ -148,7 +153,7 @@ class ShardedSyncEngine(CheckpointEngine):
         await trio.to_thread.run_sync(self.learner.start_gather, order)
         self._recipes = plan
         try:
-            return await self.sync(version, specs)
+            return await super().sync(version, specs)
         finally:
             source, self._source = self._source, None
             if source is None:  # the plan failed: gather the order all the same
