@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import torch.distributed as dist
 from torch import Tensor
 
 from ._rank_host import RankHost, encode_batch, spec_to_wire
@@ -57,6 +58,35 @@ class DistributedLearner:
             group._kill()
             group.close()
             raise
+        return learner
+
+    @classmethod
+    def from_env(
+        cls,
+        spec: RunSpec,
+        parallel: ParallelSettings,
+        lora: LoraSettings | None = None,
+        *,
+        path: str | None = None,
+    ) -> DistributedLearner | None:
+        """For ranks started by torchrun / SLURM (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+        ``MASTER_PORT``): on rank 0, join and return the learner; on the others, join, serve
+        rank 0's commands until it closes the group, and return None."""
+        from ._rank_host import serve
+        from ._ranks import Rendezvous
+
+        rdv, rank = Rendezvous.from_env(
+            backend=backend_for(spec.model.device), timeout_s=parallel.timeout_s
+        )
+        if rank != 0:
+            rdv.join_env(rank)
+            try:
+                serve()
+            finally:
+                dist.destroy_process_group()
+            return None
+        learner = cls(RankGroup.attach(rdv))
+        learner.setup(spec, parallel, lora, path=path)
         return learner
 
     def _command(self, header: dict[str, Any], tensors: list[Tensor] | None = None) -> Any:

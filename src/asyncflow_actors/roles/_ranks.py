@@ -72,6 +72,12 @@ class Rendezvous:
                   timeout_s)  # fmt: skip
         return rdv, int(env["RANK"])
 
+    def join_env(self, rank: int) -> None:
+        """Join as ``rank`` through ``env://`` (rank 0, or torchrun's agent, hosts the store)."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        dist.init_process_group(self.backend, init_method="env://", rank=rank,
+                                world_size=self.world_size, timeout=timeout)  # fmt: skip
+
     def join(self, rank: int, store: Any = None) -> None:
         """Join the default process group as ``rank`` (through ``store`` when given)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -174,8 +180,9 @@ class RankGroup:
 
     @classmethod
     def attach(cls, rendezvous: Rendezvous) -> RankGroup:
-        """Join a group whose other ranks were started elsewhere (they call ``serve``)."""
-        rendezvous.join(0)
+        """Join, through the environment, a group whose other ranks were started elsewhere
+        (torchrun, SLURM; they call ``serve``)."""
+        rendezvous.join_env(0)
         return cls(rendezvous)
 
     def command(
