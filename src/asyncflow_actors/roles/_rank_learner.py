@@ -132,12 +132,13 @@ class RankLearner:
 
             model = apply_lora(model, self.lora)
         if parallel.gradient_checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-                model, "gradient_checkpointing_enable", None
-            )
-            if enable is None:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            elif hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            else:
                 raise SettingsError("train.gradient_checkpointing needs an HF policy (model.hf)")
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.model = shard(model, parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

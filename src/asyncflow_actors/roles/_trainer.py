@@ -199,6 +199,13 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         async with trio.open_nursery() as nursery:
             await self._train(nursery)
 
+    async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
+        await super().on_stop(ctx, error)
+        close = getattr(getattr(self, "learner", None), "close", None)
+        if close is not None:  # a rank group: stop the other ranks, leave the process group
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(close)
+
     async def _train(self, nursery: trio.Nursery) -> None:
         """The step loop. A step's sync (started at once) and its ``StepDone`` (the Driver
         publishes, collects the sync, answers) run in the background while the next step
