@@ -29,7 +29,14 @@ from torch import Tensor, nn
 from ..transfer_queue._samplers import partition_lpt
 from ._compute import MiniBatches, build_policy, loss_config, policy_token_logprobs
 from ._rank_settings import LoraSettings, ParallelSettings
+from ._ranks import control_group
 from ._settings import RunSpec, SettingsError
+
+
+def _device_index(kind: str) -> int:
+    """This rank's device (set when the rank joined its group)."""
+    module = getattr(torch, kind)
+    return int(module.current_device())
 
 
 def rank() -> int:
@@ -140,6 +147,10 @@ class RankLearner:
             else:
                 raise SettingsError("train.gradient_checkpointing needs an HF policy (model.hf)")
         model.train()
+        self.device = torch.device(spec.model.device)
+        if self.device.type != "cpu":
+            self.device = torch.device(self.device.type, _device_index(self.device.type))
+        model.to(self.device)
         self.model = shard(model, parallel)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -218,7 +229,7 @@ class RankLearner:
                     sums[key] = sums.get(key, 0.0) + float(value) * weight
         total = local.clone()
         if size > 1:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=control_group())
             if self.parallel.sharding == "ddp":
                 all_reduce_grads(self.params)
         norm = float(total)
@@ -249,6 +260,12 @@ class RankLearner:
 
         batch = rows.batch(index)
         width = batch.response_length
+        mask = batch.response_mask
+        if self.device.type != "cpu":  # the forward on the rank's device, the loss on the host
+            batch = attrs.evolve(batch, **{
+                name: getattr(batch, name).to(self.device)
+                for name in ("input_ids", "attention_mask", "response_mask")
+            })  # fmt: skip
 
         def column(name: str) -> Tensor:
             return rows.column(name, index, width)
@@ -257,16 +274,16 @@ class RankLearner:
         forward = policy_token_logprobs(
             self.model, batch, self.spec.rollout.temperature, with_entropy=with_entropy
         )
-        logprobs = forward.logprobs.float()
+        logprobs = forward.logprobs.float().cpu()
         return policy_loss(
             logprobs,
             logprobs.detach() if reuse else column("old_logprobs"),
             column("advantages"),
-            batch.response_mask,
+            mask,
             cfg,
             behaviour_logprobs=column("behaviour_logprobs"),
             ref_logprobs=column("ref_logprobs") if self.spec.use_ref else None,
-            entropy=None if forward.entropy is None else forward.entropy.float(),
+            entropy=None if forward.entropy is None else forward.entropy.float().cpu(),
         )
 
     # -- state -----------------------------------------------------------------------------

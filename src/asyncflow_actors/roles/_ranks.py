@@ -77,6 +77,7 @@ class Rendezvous:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         dist.init_process_group(self.backend, init_method="env://", rank=rank,
                                 world_size=self.world_size, timeout=timeout)  # fmt: skip
+        _joined(self.backend, timeout)
 
     def join(self, rank: int, store: Any = None) -> None:
         """Join the default process group as ``rank`` (through ``store`` when given)."""
@@ -86,6 +87,26 @@ class Rendezvous:
                                   timeout=timeout)  # fmt: skip
         dist.init_process_group(self.backend, store=store, rank=rank,
                                 world_size=self.world_size, timeout=timeout)  # fmt: skip
+        _joined(self.backend, timeout)
+
+
+_CONTROL: list[Any] = []  # the host-memory (gloo) group of this process's rank group
+
+
+def _joined(backend: str, timeout: datetime.timedelta) -> None:
+    """After joining: a gloo group for the commands and host-memory figures (the default
+    group is the device's: nccl and hccl move device tensors only); the rank's device."""
+    _CONTROL.clear()
+    _CONTROL.append(None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout))
+    if backend == "nccl":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    elif backend == "hccl":  # pragma: no cover - Ascend
+        torch.npu.set_device(dist.get_rank() % torch.npu.device_count())  # type: ignore[attr-defined]
+
+
+def control_group() -> Any:
+    """The group for host-memory collectives (None: the default group, gloo itself)."""
+    return _CONTROL[0] if _CONTROL else None
 
 
 def open_store(host: str, world_size: int, timeout_s: float) -> Any:
@@ -108,23 +129,25 @@ def broadcast_command(header: Mapping[str, Any], tensors: Sequence[torch.Tensor]
     specs = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
     raw = msgspec.msgpack.encode({"header": dict(header), "tensors": specs})
     size = torch.tensor([len(raw)], dtype=torch.int64)
-    dist.broadcast(size, 0)
-    dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0)
+    group = control_group()
+    dist.broadcast(size, 0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, group=group)
     for tensor in tensors:
-        dist.broadcast(tensor.contiguous(), 0)
+        dist.broadcast(tensor.contiguous().cpu(), 0, group=group)
 
 
 def receive_command() -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Ranks > 0: the next ``broadcast_command``'s header and tensors."""
     size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, 0)
+    group = control_group()
+    dist.broadcast(size, 0, group=group)
     raw = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(raw, 0)
+    dist.broadcast(raw, 0, group=group)
     message = msgspec.msgpack.decode(raw.numpy().tobytes())
     tensors = []
     for dtype, shape in message["tensors"]:
         tensor = torch.empty(shape, dtype=_DTYPES[dtype])
-        dist.broadcast(tensor, 0)
+        dist.broadcast(tensor, 0, group=group)
         tensors.append(tensor)
     return dict(message["header"]), tensors
 
@@ -240,6 +263,7 @@ class RankGroup:
                 child.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        _CONTROL.clear()
 
     def _kill(self) -> None:
         for child in self.children:
