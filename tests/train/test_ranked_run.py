@@ -19,3 +19,24 @@ async def test_a_run_with_two_trainer_ranks_trains_its_steps(tmp_path: Path) -> 
     assert all(r.sync["sync_bytes"] > 0 for r in result.records[:-1])  # gathered and sent
     saved = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
     assert any(f.endswith("rng-1.safetensors") for f in saved), saved
+
+
+async def test_a_lora_run_syncs_merged_weights_to_the_hf_engine(
+    tmp_path: Path, hf_folder: Path
+) -> None:
+    """LoRA on 2 ranks: the HF engine and the forward station load the merged weights (base
+    names), and the engine's log-probs agree with the forward station's."""
+    config = tiny(
+        "sync",
+        run_dir=str(tmp_path / "run"),
+        model={"hf": str(hf_folder), "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj"]}},
+        rollout={"engine": "hf"},
+        train={"steps": 2, "ranks": 2, "checkpoint_every": 2},
+    )
+    result = await run_pipeline(config)
+    assert [r.version for r in result.records] == [1, 2]
+    assert result.records[-1].sync["sync_bytes"] > 0
+    assert abs(result.records[-1].metrics["mismatch_kl_k1"]) < 1e-3
+    saved = Path(result.checkpoints[-1])
+    assert (saved / "policy" / "model.safetensors").exists()  # merged, for the other roles
+    assert (saved / "ranks" / "dcp").is_dir()
