@@ -1,5 +1,6 @@
 """A rank killed in the middle of its backward fails the step with ``RankFailed`` naming it,
-well within the collective timeout: the leader never hangs in a collective."""
+well within the collective timeout: the leader never hangs in a collective; the other ranks
+are stopped with it and the process can start a new group (from the last checkpoint)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,5 @@ def test_a_rank_killed_mid_backward_fails_the_step_naming_it() -> None:
         assert time.monotonic() - started < timeout
         with pytest.raises(RankFailed, match="closed"):
             learner.step(global_batch())  # the group is unusable after a failure
+    with DistributedLearner.open(run_spec(), ParallelSettings(ranks=1)) as again:
+        assert again.step(global_batch())["normaliser"] > 0

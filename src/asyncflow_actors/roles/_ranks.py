@@ -224,9 +224,18 @@ class RankGroup:
             return local()
         except Exception as exc:
             failure = self._failure(exc)
+            self._abandon()  # no rank trains alone: this process may join a new group
             if failure is None:
                 raise
             raise failure from exc
+
+    def _abandon(self) -> None:
+        """After a failure: kill the other ranks and leave the process group."""
+        self.closed = True
+        self._kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _CONTROL.clear()
 
     def _failure(self, exc: BaseException) -> RankFailed | None:
         """Which rank failed: a child that exited (waited for briefly: its death is what broke
