@@ -173,3 +173,34 @@ async def test_lora_syncs_the_adapters_or_the_merged_weights(
     adapters = await receive(ranks, adapter_state(full), lora_only=True)
     merged = await receive(ranks, merged_state(full, lora), merged=True)
     assert adapters.payload_bytes < merged.payload_bytes / 10
+
+
+async def test_a_failed_sync_leaves_the_receivers_and_the_group_as_they_were(
+    ranks: DistributedLearner,
+) -> None:
+    """A corrupted bucket fails the commit: no receiver switches (they keep their old
+    weights), and every rank finished the gather order (the group steps on)."""
+    from asyncflow_actors.checkpoint import SyncFailed
+    from tests.checkpoint.doubles import weights_of
+
+    ranks.setup(run_spec(), ParallelSettings(ranks=2))
+    full = ranks.full_state_dict()
+    specs = specs_of(full)
+    world = World(corrupt_bucket=1, corrupt_engine=0)
+    async with afa.open_actor_system() as system:
+        refs = [
+            await system.spawn(
+                lambda i=i: DoubleActor(index=i, world=world, specs=specs, tick=0, load="eager",
+                                        offload=True),  # type: ignore[misc]
+                name=f"engine-{i}",
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        cfg = CheckpointConfig(deadlines=FAST, bucket_bytes=4096)
+        with pytest.raises(SyncFailed):
+            await ShardedSyncEngine(ranks, refs, cfg).sync(1)
+        old = weights_of(-1, specs)
+        for ref in refs:
+            got = await ref.ask(GetWeights())
+            assert all(torch.equal(got[k], old[k]) for k in old)
+    assert ranks.step(global_batch())["normaliser"] > 0
