@@ -162,10 +162,3 @@ class DistributedLearner:
 
     def __exit__(self, *exc: object) -> None:
         self.group.__exit__(*exc)
-
-
-def to_cpu(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
-__all__ = ["DistributedLearner", "to_cpu"]

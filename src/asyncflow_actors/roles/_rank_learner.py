@@ -309,8 +309,3 @@ def gather(tensor: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def names_in_order(learner: RankLearner, keep: Sequence[str] | None = None) -> list[str]:
-    names = [n for n, _ in learner.named_parameters()]
-    return names if keep is None else [n for n in names if n in set(keep)]
