@@ -40,3 +40,18 @@ async def test_a_lora_run_syncs_merged_weights_to_the_hf_engine(
     saved = Path(result.checkpoints[-1])
     assert (saved / "policy" / "model.safetensors").exists()  # merged, for the other roles
     assert (saved / "ranks" / "dcp").is_dir()
+
+
+async def test_a_run_of_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """A checkpoint of 2 trainer ranks resumes with the default one (DCP reshards); the other
+    roles load the exported policy."""
+    first = tiny(
+        "sync", run_dir=str(tmp_path), train={"steps": 2, "ranks": 2, "checkpoint_every": 2}
+    )
+    result = await run_pipeline(first)
+    resumed = await run_pipeline(
+        tiny("sync", run_dir=str(tmp_path), train={"steps": 3, "checkpoint_every": 1}),
+        resume=result.checkpoints[-1],
+    )
+    assert [r.version for r in resumed.records] == [3]
+    assert os.path.isdir(os.path.join(resumed.checkpoints[-1], "ranks", "dcp"))

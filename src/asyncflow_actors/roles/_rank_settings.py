@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
 
 from ._settings import LoraSettings as LoraSettings
 from ._settings import SettingsError
+
+
+RANKS_DIR = "ranks"  # a rank group's DCP checkpoint inside a run checkpoint
 
 
 def _one_of(*choices: str) -> Any:
@@ -52,11 +56,14 @@ def parallel_of(train: Any) -> ParallelSettings:
 
 
 def uses_ranks(spec: Any) -> bool:
-    """Whether a run's trainer is a rank group (``_ranked``): more than one rank, or a
-    setting only the rank group implements (bf16, micro-batches, checkpointing, LoRA)."""
+    """Whether a run's trainer is a rank group (``_ranked``): more than one rank, a setting
+    only the rank group implements (bf16, micro-batches, checkpointing, LoRA), or a resume
+    from a rank group's checkpoint (on any number of ranks: DCP reshards)."""
     train = spec.train
+    resume = spec.resume_from
     return bool(
-        train.ranks > 1
+        (resume is not None and os.path.isdir(os.path.join(resume, RANKS_DIR)))
+        or train.ranks > 1
         or train.dtype != "fp32"
         or train.micro_batch_size is not None
         or train.gradient_checkpointing

@@ -20,10 +20,9 @@ import torch
 
 from ._compute import PaddedRows
 from ._distributed import DistributedLearner
-from ._rank_settings import parallel_of
+from ._rank_settings import RANKS_DIR, parallel_of
 from ._settings import RunSpec, SettingsError
 
-RANKS_DIR = "ranks"  # the DCP checkpoint inside a run checkpoint
 _COLUMNS = (
     "prompt_ids", "response_ids", "advantages", "old_logprobs", "behaviour_logprobs",
     "ref_logprobs",
