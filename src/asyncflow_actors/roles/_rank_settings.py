@@ -10,7 +10,6 @@ import attrs
 from ._settings import LoraSettings as LoraSettings
 from ._settings import SettingsError
 
-
 RANKS_DIR = "ranks"  # a rank group's DCP checkpoint inside a run checkpoint
 
 
