@@ -91,5 +91,6 @@ class RankedLearner:
         self.dist.export(directory)
 
     def close(self) -> None:
-        if not self.dist.group.closed:
-            self.dist.close()
+        """Stop the other ranks at once (the Trainer stops: a step may still be in flight in
+        its compute thread) and leave the process group."""
+        self.dist.group.terminate()

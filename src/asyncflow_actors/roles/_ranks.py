@@ -166,6 +166,7 @@ class RankGroup:
         self.rendezvous = rendezvous
         self.children = list(children)
         self.closed = False
+        self.left = False
 
     @property
     def world_size(self) -> int:
@@ -224,15 +225,23 @@ class RankGroup:
             return local()
         except Exception as exc:
             failure = self._failure(exc)
-            self._abandon()  # no rank trains alone: this process may join a new group
+            self.terminate()  # no rank trains alone: this process may join a new group
             if failure is None:
                 raise
             raise failure from exc
 
-    def _abandon(self) -> None:
-        """After a failure: kill the other ranks and leave the process group."""
+    def terminate(self) -> None:
+        """Kill the other ranks and leave the process group, at once (after a failure, or a
+        stop that must not wait for a command in flight: its collectives fail with them)."""
         self.closed = True
         self._kill()
+        self._leave()
+
+    def _leave(self) -> None:
+        """Leave the process group, once (another group may use the process after)."""
+        if self.left:
+            return
+        self.left = True
         if dist.is_initialized():
             dist.destroy_process_group()
         _CONTROL.clear()
@@ -270,9 +279,7 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        _CONTROL.clear()
+        self._leave()
 
     def _kill(self) -> None:
         for child in self.children:
