@@ -1,13 +1,22 @@
-"""A pipeline run whose trainer is 2 ranks (FSDP2 on gloo): it trains every step, syncs the
-gathered weights to the rollout and checkpoints every rank through DCP."""
+"""Pipeline runs whose trainer is 2 ranks (FSDP2 on gloo): they train every step, sync the
+gathered weights to the rollout, checkpoint every rank through DCP, resume on another number of
+ranks, and fail naming a rank that died."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
+import pytest
+import trio
+
 from asyncflow_actors.pipeline import run_pipeline
+from asyncflow_actors.roles import RankFailed
 from tests.pipeline.kit import tiny
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 
 async def test_a_run_with_two_trainer_ranks_trains_its_steps(tmp_path: Path) -> None:
@@ -55,3 +64,25 @@ async def test_a_run_of_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     )
     assert [r.version for r in resumed.records] == [3]
     assert os.path.isdir(os.path.join(resumed.checkpoints[-1], "ranks", "dcp"))
+
+
+def failures(exc: BaseException) -> list[BaseException]:
+    """Every exception in a tree of groups and causes."""
+    out = [exc]
+    for inner in getattr(exc, "exceptions", ()):
+        out += failures(inner)
+    if exc.__cause__ is not None:
+        out += failures(exc.__cause__)
+    return out
+
+
+async def test_a_trainer_rank_killed_mid_backward_fails_the_run_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Trainer (a temporary role) fails with ``RankFailed`` naming rank 1: the run ends
+    with it (to resume from its last checkpoint), within the collective timeout."""
+    monkeypatch.setenv("AFA_RANK_KILL_IN_BACKWARD", "1")  # rank 1 dies in its first backward
+    with trio.fail_after(60), pytest.raises(BaseExceptionGroup) as failure:
+        await run_pipeline(tiny("async", train={"ranks": 2, "collective_timeout": 60}))
+    ranks = [e for e in failures(failure.value) if isinstance(e, RankFailed)]
+    assert ranks and all(e.rank == 1 for e in ranks), failure.value
