@@ -8,6 +8,8 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
 
 - ``trainer_step_2ranks`` (s per global batch, FSDP2 over 2 ranks); baseline: 1 rank; the
   ratio is the scaling (2 cores: ideal 0.5).
+- ``trainer_step_cpu_2ranks`` (s): rank 0's CPU time per step with 2 ranks; baseline: 1 rank
+  (its share of the work, whatever the host's load; ideal 0.5 plus the collectives).
 - ``trainer_sync_s_2ranks`` (s): a whole weight sync (``ShardedSyncEngine``: parameters
   all-gathered bucket by bucket as they are packed, the actor transport, 64 MiB buckets) to one
   receiver actor in rank 0's process; baseline: the same from 1 rank.
@@ -79,15 +81,17 @@ def spec(folder: Path) -> RunSpec:
     )  # fmt: skip
 
 
-def step_time(learner: DistributedLearner) -> float:
+def step_time(learner: DistributedLearner) -> tuple[float, float]:
+    """Median wall seconds of a step, and rank 0's CPU seconds (every thread of it)."""
     data = batch()
     learner.step(data)  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(STEPS):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         learner.step(data)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def sync(learner: DistributedLearner, **config: Any) -> tuple[float, int]:
@@ -121,19 +125,20 @@ def main() -> None:
         build_model(folder)
         run = spec(folder)
         with DistributedLearner.open(run, ParallelSettings(ranks=1)) as one:
-            step_1 = step_time(one)
+            step_1, cpu_1 = step_time(one)
             sync_1, _ = sync(one)
         with DistributedLearner.open(run, ParallelSettings(ranks=2)) as two:
-            step_2 = step_time(two)
+            step_2, cpu_2 = step_time(two)
             sync_2, full_bytes = sync(two)
             two.setup(run, ParallelSettings(ranks=2, dtype="bf16"))
-            step_bf16 = step_time(two)
+            step_bf16, _ = step_time(two)
             lora = LoraSettings(
                 r=8, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
             )
             two.setup(run, ParallelSettings(ranks=2), lora)
             _, lora_bytes = sync(two, lora_only=True)
         emit("trainer_step_2ranks", step_2, "s", step_1)
+        emit("trainer_step_cpu_2ranks", cpu_2, "s", cpu_1)
         emit("trainer_sync_s_2ranks", sync_2, "s", sync_1)
         emit("trainer_lora_sync_bytes", lora_bytes, "bytes", full_bytes)
         emit("trainer_bf16_step", step_bf16, "s", step_2)
