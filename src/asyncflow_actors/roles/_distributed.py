@@ -148,10 +148,11 @@ class DistributedLearner:
         path: str = self._command({"op": "export", "directory": directory, "merge": merge})
         return path
 
-    def start_gather(self, names: list[str]) -> None:
-        """Tell every other rank to all-gather ``names`` in this order (rank 0 gathers them
-        itself, as a weight sync packs them: ``_rank_sync``)."""
-        header = {"op": "gather", "names": names}
+    def start_gather(self, groups: list[list[str]]) -> None:
+        """Tell every other rank to all-gather these groups of parameters, one all-gather a
+        group, in this order (rank 0 gathers them itself as a weight sync packs them:
+        ``_rank_sync``)."""
+        header = {"op": "gather", "groups": groups}
         self.group.command(header, [], lambda: None)
 
     def close(self) -> None:

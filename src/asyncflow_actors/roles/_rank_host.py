@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._compute import PaddedRows, pad_rows, setup_torch
-from ._rank_learner import RankLearner, blocks, gather
+from ._rank_learner import RankLearner, blocks, gather, gather_many
 from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import receive_command
 from ._settings import RunSpec
@@ -107,8 +107,8 @@ class RankHost:
         if op == "gather":
             # the leader gathers the same tensors in the same order as it packs them
             params = dict(learner.named_parameters())
-            for name in header["names"]:
-                gather(params[name])
+            for group in header["groups"]:
+                gather_many([params[name] for name in group])
             return None
         if op in ("save", "load", "export"):
             from . import _rank_checkpoint as ckpt

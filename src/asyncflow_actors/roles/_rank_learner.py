@@ -304,6 +304,49 @@ class RankLearner:
         return [(n, p.detach()) for n, p in self.policy.named_parameters()]
 
 
+def gather_many(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The full tensors of several parameters with ONE all-gather (a collective every rank
+    joins with the same list): the FSDP2 shards (``Shard(0)`` DTensors) travel as bytes, each
+    padded to its largest chunk; anything else is gathered alone (or is whole already)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    size = world()
+    sharded = [
+        k for k, t in enumerate(tensors)
+        if isinstance(t, DTensor) and t.dim() > 0 and tuple(t.placements) == (Shard(0),)
+    ]  # fmt: skip
+    out = [gather(t) if k not in sharded else t for k, t in enumerate(tensors)]
+    if not sharded:
+        return out
+    layout = []  # (index, rows, chunk rows, bytes a row, offset in a rank's segment)
+    segment = 0
+    for k in sharded:
+        t = tensors[k]
+        rows = t.shape[0]
+        chunk = -(-rows // size)
+        row_bytes = t[0].numel() * t.element_size() if rows else 0
+        layout.append((k, rows, chunk, row_bytes, segment))
+        segment += chunk * row_bytes
+    local = torch.zeros(segment, dtype=torch.uint8, device=tensors[sharded[0]].device)
+    for k, _, _, _, offset in layout:
+        mine = tensors[k].to_local().detach().contiguous()  # type: ignore[attr-defined]
+        n = mine.numel() * mine.element_size()
+        if n:
+            local[offset : offset + n] = mine.reshape(-1).view(torch.uint8)
+    every = torch.empty(size * segment, dtype=torch.uint8, device=local.device)
+    dist.all_gather_into_tensor(every, local)
+    for k, rows, chunk, row_bytes, offset in layout:
+        t = tensors[k]
+        parts = []
+        for r in range(size):
+            have = max(0, min(chunk, rows - r * chunk))
+            start = r * segment + offset
+            parts.append(every[start : start + have * row_bytes])
+        flat = torch.cat(parts)
+        out[k] = flat.view(t.dtype).reshape(t.shape)
+    return out
+
+
 def gather(tensor: Tensor) -> Tensor:
     """The full tensor of a parameter: an all-gather of a DTensor (a collective), else itself."""
     from torch.distributed.tensor import DTensor

@@ -3,9 +3,10 @@
 ``ShardedSyncEngine`` is a ``CheckpointEngine`` (same targets, transports, pause → … → commit →
 resume protocol; receivers never see a mix of versions) whose bucket source gathers the
 parameters of a ``DistributedLearner`` one at a time, as the buckets are packed: rank 0 packs
-bucket *k+1* (its parameters all-gathered with ``DTensor.full_tensor()``, every rank taking part)
-while bucket *k* is in flight (the engine's double buffering). No process ever holds the whole
-model twice: rank 0 holds its shard plus the parameter being packed. The other ranks are told
+bucket *k+1* (its parameters all-gathered, a bucket's worth with one all-gather of their
+shards' bytes, every rank taking part) while bucket *k* is in flight (the engine's double
+buffering). No process ever holds the whole model twice: rank 0 holds its shard plus about a
+bucket of gathered parameters. The other ranks are told
 the gather order first (one command); whatever the sync's outcome, rank 0 finishes the order
 (``drain``) so that no rank is left waiting in a collective.
 
@@ -25,7 +26,7 @@ import trio
 
 from ..checkpoint import BucketSource, CheckpointEngine, SyncResult
 from ._distributed import DistributedLearner
-from ._rank_learner import gather
+from ._rank_learner import gather_many
 
 if TYPE_CHECKING:
     from ..checkpoint import Manifest, SyncSession
@@ -73,14 +74,30 @@ def recipes(learner: DistributedLearner, *, merged: bool = False) -> list[Recipe
     return out
 
 
+def groups_of(plan: Sequence[Recipe], sizes: Sequence[int], most: int) -> list[list[int]]:
+    """Consecutive recipes in groups of at most ``most`` bytes (one recipe at least): each
+    group's parameters are gathered with one all-gather."""
+    groups: list[list[int]] = []
+    used = most
+    for index, size in enumerate(sizes):
+        if used + size > most or not groups:
+            groups.append([])
+            used = 0
+        groups[-1].append(index)
+        used += size
+    return groups
+
+
 class GatheringSource(BucketSource):
-    """A ``BucketSource`` whose tensors are gathered when first packed, in order (each
-    recipe's sources all-gathered, then combined), and dropped once packed."""
+    """A ``BucketSource`` whose tensors are gathered when first packed, a group of
+    consecutive ones (about a bucket's bytes) with one all-gather; each recipe's sources are
+    combined; a group is dropped once a later one is packed."""
 
     def __init__(
         self,
         learner: DistributedLearner,
         plan: Sequence[Recipe],
+        groups: Sequence[Sequence[int]],
         manifest: Manifest,
         *,
         with_checksum: bool,
@@ -88,42 +105,51 @@ class GatheringSource(BucketSource):
         super().__init__([], manifest, with_checksum=with_checksum)
         self.params = dict(learner.learner.named_parameters())
         self.plan = list(plan)
-        self.next = 0  # the next recipe to gather
-        self.current: tuple[int, torch.Tensor] | None = None
+        self.groups = [list(g) for g in groups]
+        self.group_of = {index: g for g, group in enumerate(self.groups) for index in group}
+        self.next = 0  # the next group to gather
+        self.held: dict[int, torch.Tensor] = {}  # the bytes of the last group's tensors
         self.lock = threading.Lock()
 
-    def _gather(self, index: int) -> torch.Tensor:
-        parts = [gather(self.params[name]).detach() for name in self.plan[index].sources]
-        make = self.plan[index].make
-        tensor = parts[0] if make is None else make(parts)
-        return tensor.contiguous()
-
-    def _bytes_of(self, index: int) -> torch.Tensor:
+    def _gather(self, g: int) -> dict[int, torch.Tensor]:
         from ..checkpoint._manifest import tensor_bytes
 
+        group = self.groups[g]
+        names = [name for index in group for name in self.plan[index].sources]
+        full = iter(gather_many([self.params[name] for name in names]))
+        out = {}
+        for index in group:
+            recipe = self.plan[index]
+            parts = [next(full).detach() for _ in recipe.sources]
+            tensor = parts[0] if recipe.make is None else recipe.make(parts)
+            out[index] = tensor_bytes(tensor.contiguous())
+        return out
+
+    def _bytes_of(self, index: int) -> torch.Tensor:
         with self.lock:
-            if self.current is not None and self.current[0] == index:
-                return self.current[1]
-            if index < self.next:
+            if index in self.held:
+                return self.held[index]
+            g = self.group_of[index]
+            if g < self.next:
                 raise RuntimeError(f"tensor {index} was packed already (gathered in order)")
-            while self.next <= index:
-                tensor = self._gather(self.next)  # an all-gather every rank takes part in
+            while self.next <= g:
+                self.held = {}  # the last group is packed: drop it before gathering
+                held = self._gather(self.next)  # an all-gather every rank takes part in
                 self.next += 1
-            flat = tensor_bytes(tensor)
-            self.current = (index, flat)  # kept for the tensor's other pieces only
-            return flat
+            self.held = held
+            return self.held[index]
 
     def direct(self, index: int, device: str) -> torch.Tensor | None:
-        return None  # always packed: the tensor exists only while its bucket is packed
+        return None  # always packed: the tensor exists only while its group is packed
 
     def drain(self) -> None:
         """Gather whatever the sync did not pack (it failed, or it skipped empty tensors): the
-        other ranks gather the whole order, whatever happens here."""
+        other ranks gather every group, whatever happens here."""
         with self.lock:
-            while self.next < len(self.plan):
+            while self.next < len(self.groups):
                 self._gather(self.next)
                 self.next += 1
-            self.current = None
+            self.held = {}
 
 
 class ShardedSyncEngine(CheckpointEngine):
@@ -138,6 +164,7 @@ class ShardedSyncEngine(CheckpointEngine):
         self.merged = merged
         self._source: GatheringSource | None = None
         self._recipes: list[Recipe] = []
+        self._groups: list[list[int]] = []
 
     async def sync(
         self,
@@ -148,16 +175,18 @@ class ShardedSyncEngine(CheckpointEngine):
         gathered from the ranks); the learner must not step meanwhile."""
         keep = self.config.tensor_filter()
         plan = [r for r in recipes(self.learner, merged=self.merged) if keep(r.name)]
-        order = [name for recipe in plan for name in recipe.sources]
         specs = await trio.to_thread.run_sync(self._specs, plan)
+        sizes = [specs[r.name].numel() * specs[r.name].element_size() for r in plan]
+        groups = groups_of(plan, sizes, self.config.bucket_bytes)
+        order = [[name for index in group for name in plan[index].sources] for group in groups]
         await trio.to_thread.run_sync(self.learner.start_gather, order)
-        self._recipes = plan
+        self._recipes, self._groups = plan, groups
         try:
             return await super().sync(version, specs)
         finally:
             source, self._source = self._source, None
-            if source is None:  # the plan failed: gather the order all the same
-                source = GatheringSource(self.learner, plan, _EMPTY, with_checksum=False)
+            if source is None:  # the plan failed: gather the groups all the same
+                source = GatheringSource(self.learner, plan, groups, _EMPTY, with_checksum=False)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(source.drain)
 
@@ -177,7 +206,7 @@ class ShardedSyncEngine(CheckpointEngine):
     ) -> SyncSession:
         session = super()._plan(version, weights)
         self._source = GatheringSource(
-            self.learner, self._recipes, session.manifest,
+            self.learner, self._recipes, self._groups, session.manifest,
             with_checksum=session.source.with_checksum,
         )  # fmt: skip
         session.source = self._source
