@@ -335,6 +335,9 @@ def _matches(tp: Any, value: Any) -> bool:
         return isinstance(value, str)
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         return isinstance(value, Mapping)
+    if origin in (tuple, list):  # a TOML array: ``tuple[str, ...]`` and the like
+        item = typing.get_args(tp)[0]
+        return isinstance(value, (list, tuple)) and all(_matches(item, v) for v in value)
     return isinstance(tp, type) and isinstance(value, tp)
 
 
@@ -348,4 +351,6 @@ def _describe(tp: Any) -> str:
         return "nothing"
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         return "a table"
+    if origin in (tuple, list):
+        return f"an array of {_describe(typing.get_args(tp)[0])}"
     return f"a {getattr(tp, '__name__', tp)}"

@@ -8,7 +8,8 @@ crash) and talks to the others only through the TransferQueue:
 - ``Rollout`` (+ ``Reward``): whole scored groups from one or more generation engines;
 - ``ActorForward`` / ``RefForward``: old (recomputed) and reference log-probs;
 - ``Advantage``: group-relative advantages with ``rl``;
-- ``Trainer``: PPO updates on complete, fresh samples; a version per global batch.
+- ``Trainer``: PPO updates on complete, fresh samples; a version per global batch; one
+  process or a group of ranks on torch.distributed (``DistributedLearner``, docs/training.md).
 
 The role classes import torch (the weight-sync messages hold tensors) and load lazily; a node
 imports them in a worker thread first (``asyncflow_actors.roles.preload``), and stations build
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._advantage import Advantage as Advantage
+    from ._distributed import DistributedLearner as DistributedLearner
     from ._driver import Driver as Driver
     from ._driver import DriverHooks as DriverHooks
     from ._driver import DriverState as DriverState
@@ -38,6 +40,10 @@ if TYPE_CHECKING:
     from ._messages import SyncReport as SyncReport
     from ._messages import SyncWeights as SyncWeights
     from ._multi_engine import MultiEngine as MultiEngine
+    from ._rank_settings import ParallelSettings as ParallelSettings
+    from ._rank_sync import ShardedSyncEngine as ShardedSyncEngine
+    from ._ranks import RankFailed as RankFailed
+    from ._ranks import Rendezvous as Rendezvous
     from ._reward import Reward as Reward
     from ._rollout import Rollout as Rollout
     from ._schema import PROMPTS as PROMPTS
@@ -45,6 +51,7 @@ if TYPE_CHECKING:
     from ._schema import station_columns as station_columns
     from ._schema import topic_specs as topic_specs
     from ._settings import AlgorithmSettings as AlgorithmSettings
+    from ._settings import LoraSettings as LoraSettings
     from ._settings import ModelSettings as ModelSettings
     from ._settings import RolloutSettings as RolloutSettings
     from ._settings import RunSpec as RunSpec
@@ -93,6 +100,13 @@ _LAZY = {
     "Trainer": "._trainer",
     "DataParallel": "._worker",
     "Station": "._worker",
+    # the trainer's ranks (docs/training.md)
+    "DistributedLearner": "._distributed",
+    "ParallelSettings": "._rank_settings",
+    "ShardedSyncEngine": "._rank_sync",
+    "RankFailed": "._ranks",
+    "Rendezvous": "._ranks",
+    "LoraSettings": "._settings",
 }
 
 

@@ -44,11 +44,34 @@ def _one_of(*choices: str) -> Any:
 
 
 @attrs.frozen
+class LoraSettings:
+    """LoRA adapters (``peft``) on an HF policy (``model.lora``): rank ``r`` (0: off),
+    ``alpha``, the ``target_modules`` (module name suffixes), ``dropout``. Only the adapters
+    train and sync (docs/training.md)."""
+
+    r: int = attrs.field(default=0, validator=_non_negative)
+    alpha: float = attrs.field(default=16.0, validator=_positive)
+    target_modules: tuple[str, ...] = attrs.field(
+        default=("q_proj", "k_proj", "v_proj", "o_proj"), converter=tuple
+    )
+    dropout: float = attrs.field(default=0.0, validator=_non_negative)
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+def _lora(value: Any) -> LoraSettings:
+    return LoraSettings(**value) if isinstance(value, Mapping) else value
+
+
+@attrs.frozen
 class ModelSettings:
     """The policy: a ``TinyDecoder`` built from ``seed`` (same weights in every process), or
     loaded from ``init``, a file written by ``models.save_model`` (with its tokenizer); or,
     with ``hf``, a local Hugging Face folder (``AutoModelForCausalLM`` and its tokenizer; the
-    ``hf`` extra), on ``device`` in the trainer and forward stations."""
+    ``hf`` extra), on ``device`` in the trainer and forward stations. ``lora``: LoRA
+    adapters on an HF policy (``r > 0``)."""
 
     d_model: int = attrs.field(default=64, validator=_positive)
     n_layers: int = attrs.field(default=2, validator=_positive)
@@ -58,6 +81,7 @@ class ModelSettings:
     init: str | None = None
     hf: str | None = None
     device: str = "cpu"
+    lora: LoraSettings = attrs.field(factory=LoraSettings, converter=_lora)
 
 
 @attrs.frozen
@@ -156,6 +180,9 @@ class TrainSettings:
     and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
     while the others are still generating, accumulating the gradient, and takes the one
     optimizer step once the last group arrived (``RunSpec.streams_updates``).
+    ``ranks`` > 1 (or ``dtype``, ``micro_batch_size``, ``gradient_checkpointing``, LoRA): the
+    trainer is a group of ranks on torch.distributed (``sharding`` ``"fsdp"`` or ``"ddp"``,
+    every collective bounded by ``collective_timeout`` seconds; docs/training.md).
     """
 
     steps: int = attrs.field(default=20, validator=_positive)
@@ -174,6 +201,15 @@ class TrainSettings:
     stream: bool = True
     seed: int = 0
     shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch (piece)
+    # the trainer's ranks (docs/training.md): processes, sharding, precision, memory, timeout
+    ranks: int = attrs.field(default=1, validator=_positive)
+    sharding: str = attrs.field(default="fsdp", validator=_one_of("fsdp", "ddp"))
+    dtype: str = attrs.field(default="fp32", validator=_one_of("fp32", "bf16"))
+    gradient_checkpointing: bool = False
+    micro_batch_size: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
+    collective_timeout: float = attrs.field(default=300.0, validator=_positive)
 
 
 @attrs.frozen

@@ -45,6 +45,7 @@ from ._messages import (
     SyncReport,
     SyncWeights,
 )
+from ._rank_settings import uses_ranks
 from ._settings import RunSpec
 from ._shared import shared_policy
 from ._worker import Station, column, columns, in_thread
@@ -79,6 +80,15 @@ def _cat(parts: list[Any]) -> Any:
     import torch
 
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def learner_of(compute: Any, ranked: bool) -> Any:
+    """The learner class: ``compute.Learner``, or a rank group's (``_ranked``: imports torch)."""
+    if not ranked:
+        return compute.Learner
+    from ._ranked import RankedLearner
+
+    return RankedLearner
 
 
 class StalenessViolation(RuntimeError):
@@ -163,12 +173,24 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         spec = self.spec
         task = await in_thread(spec.task.build)
         shared = await shared_policy(spec, self.compute, task) if spec.colocated else None
+        ranked = uses_ranks(spec)
         self.learner = await in_thread(
-            lambda: self.compute.Learner(spec, task, resume=spec.resume_from, shared=shared)
+            lambda: learner_of(self.compute, ranked)(
+                spec, task, resume=spec.resume_from, shared=shared
+            )
         )
         # pause_mode "none": the receivers acknowledge without pausing (the mode is unused)
         mode = PauseMode(spec.rollout.pause_mode) if spec.rollout.pauses else PauseMode.KEEP
-        self.sync_engine = CheckpointEngine(self.targets, CheckpointConfig(pause_mode=mode))
+        self.sync_engine: CheckpointEngine
+        if ranked:  # weights gathered from the ranks as they are sent (LoRA: merged)
+            from ._rank_sync import ShardedSyncEngine
+
+            self.sync_engine = ShardedSyncEngine(
+                self.learner.dist, self.targets, CheckpointConfig(pause_mode=mode),
+                merged=spec.model.lora.enabled,
+            )  # fmt: skip
+        else:
+            self.sync_engine = CheckpointEngine(self.targets, CheckpointConfig(pause_mode=mode))
         self.columns = S.station_columns(spec)["trainer"]
         self.advantages = Advantages(spec, self.compute) if spec.trainer_advantage else None
         self.meter.set_version(self.version)
@@ -176,6 +198,13 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             await self._train(nursery)
+
+    async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
+        await super().on_stop(ctx, error)
+        close = getattr(getattr(self, "learner", None), "close", None)
+        if close is not None:  # a rank group: stop the other ranks, leave the process group
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(close)
 
     async def _train(self, nursery: trio.Nursery) -> None:
         """The step loop. A step's sync (started at once) and its ``StepDone`` (the Driver

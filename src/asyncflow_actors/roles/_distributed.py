@@ -1,0 +1,165 @@
+"""``DistributedLearner``: the trainer's N ranks as one learner, driven from rank 0.
+
+Rank 0 is this process (the Trainer actor's compute thread); ranks 1..N-1 are the group's other
+processes (``RankGroup``). Each call broadcasts a command and runs rank 0's part of it: the
+same ``RankHost`` code runs on every rank. Every call is synchronous and long (run it in a
+worker thread); it raises ``RankFailed`` naming a rank that died, within the collective
+timeout, never hangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+from torch import Tensor
+
+from ._rank_host import RankHost, encode_batch, spec_to_wire
+from ._rank_learner import RankLearner
+from ._rank_settings import LoraSettings, ParallelSettings
+from ._ranks import RankGroup, backend_for
+from ._settings import RunSpec
+
+
+class DistributedLearner:
+    """A data-parallel learner over a ``RankGroup`` (module docstring). ``open`` starts the
+    other ranks as child processes; ``attach`` takes a group already joined (torchrun)."""
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.host = RankHost()
+
+    @classmethod
+    def open(
+        cls,
+        spec: RunSpec,
+        parallel: ParallelSettings,
+        lora: LoraSettings | None = None,
+        *,
+        path: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> DistributedLearner:
+        """Start ``parallel.ranks`` ranks (this process is rank 0) and build the policy on
+        each (from ``path``, a checkpoint's policy, when given)."""
+        group = RankGroup.open(
+            parallel.ranks,
+            backend=backend_for(spec.model.device),
+            timeout_s=parallel.timeout_s,
+            env=env,
+            threads=spec.train.torch_threads,
+        )
+        learner = cls(group)
+        try:
+            learner.setup(spec, parallel, lora, path=path)
+        except BaseException:
+            group.closed = True
+            group._kill()
+            group.close()
+            raise
+        return learner
+
+    @classmethod
+    def from_env(
+        cls,
+        spec: RunSpec,
+        parallel: ParallelSettings,
+        lora: LoraSettings | None = None,
+        *,
+        path: str | None = None,
+    ) -> DistributedLearner | None:
+        """For ranks started by torchrun / SLURM (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+        ``MASTER_PORT``): on rank 0, join and return the learner; on the others, join, serve
+        rank 0's commands until it closes the group, and return None."""
+        from ._rank_host import serve
+        from ._ranks import Rendezvous
+
+        rdv, rank = Rendezvous.from_env(
+            backend=backend_for(spec.model.device), timeout_s=parallel.timeout_s
+        )
+        if rank != 0:
+            rdv.join_env(rank)
+            try:
+                serve()
+            finally:
+                dist.destroy_process_group()
+            return None
+        learner = cls(RankGroup.attach(rdv))
+        learner.setup(spec, parallel, lora, path=path)
+        return learner
+
+    def _command(self, header: dict[str, Any], tensors: list[Tensor] | None = None) -> Any:
+        return self.group.command(
+            header, tensors or [], lambda: self.host.run(header, tensors or [])
+        )
+
+    def setup(
+        self,
+        spec: RunSpec,
+        parallel: ParallelSettings,
+        lora: LoraSettings | None = None,
+        *,
+        path: str | None = None,
+    ) -> None:
+        """(Re)build the learner on every rank."""
+        header = {
+            "op": "setup",
+            "spec": spec_to_wire(spec),
+            "parallel": attrs.asdict(parallel),
+            "lora": None if lora is None else attrs.asdict(lora),
+            "path": path,
+        }
+        self._command(header)
+
+    @property
+    def learner(self) -> RankLearner:
+        assert self.host.learner is not None
+        return self.host.learner
+
+    def step(self, data: Mapping[str, Any]) -> dict[str, float]:
+        """Train on one global batch (the ``Learner.step`` data); rank 0's metrics."""
+        layout, tensors = encode_batch(data)
+        metrics: dict[str, float] = self._command({"op": "step", "layout": layout}, tensors)
+        return metrics
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's state dict (CPU tensors), gathered on rank 0."""
+        state: dict[str, Tensor] = self._command({"op": "state"})
+        return state
+
+    def gradients(self) -> dict[str, Tensor]:
+        """The last update's gradients (after division and clipping), whole, on rank 0."""
+        grads: dict[str, Tensor] = self._command({"op": "grads"})
+        return grads
+
+    def save(self, directory: str, meta: Mapping[str, Any]) -> None:
+        """A distributed checkpoint (DCP; every rank writes its shards) under ``directory``."""
+        self._command({"op": "save", "directory": directory, "meta": dict(meta)})
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Restore a checkpoint ``save`` wrote, on any number of ranks; its ``meta``."""
+        meta: dict[str, Any] = self._command({"op": "load", "directory": directory})
+        return meta
+
+    def export(self, directory: str, *, merge: bool = True) -> str:
+        """The final model under ``directory`` (HF ``save_pretrained``, or safetensors for the
+        TinyDecoder; LoRA merged into the base unless ``merge`` is false). Its path."""
+        path: str = self._command({"op": "export", "directory": directory, "merge": merge})
+        return path
+
+    def start_gather(self, groups: list[list[str]]) -> None:
+        """Tell every other rank to all-gather these groups of parameters, one all-gather a
+        group, in this order (rank 0 gathers them itself as a weight sync packs them:
+        ``_rank_sync``)."""
+        header = {"op": "gather", "groups": groups}
+        self.group.command(header, [], lambda: None)
+
+    def close(self) -> None:
+        self.group.close()
+
+    def __enter__(self) -> DistributedLearner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.group.__exit__(*exc)

@@ -1,0 +1,96 @@
+"""The Trainer's learner when it is a rank group (``train.ranks`` and friends): the
+``Learner`` interface the Trainer uses, over a ``DistributedLearner`` of which this process is
+rank 0 (the other ranks are its child processes).
+
+The Trainer overlaps a step's first forward and backward, and a streamed batch's pieces, with
+the previous version's weight sync. A rank group cannot: its sync is a sequence of collectives
+on the same group as the step's. So ``updates`` yields before computing anything and
+``accumulate`` only keeps its piece; the whole global batch then trains in one ``step`` once the
+sync finished (the same update: the loss is normalised over the global batch either way).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._compute import PaddedRows
+from ._distributed import DistributedLearner
+from ._rank_settings import RANKS_DIR, parallel_of
+from ._settings import RunSpec, SettingsError
+
+_COLUMNS = (
+    "prompt_ids", "response_ids", "advantages", "old_logprobs", "behaviour_logprobs",
+    "ref_logprobs",
+)  # fmt: skip
+
+
+class _Piece:
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = data
+
+
+def _rows(column: Any) -> list[Any]:
+    return column.rows() if isinstance(column, PaddedRows) else list(column)
+
+
+class RankedLearner:
+    """A ``Learner`` whose model and optimizer live on a rank group (module docstring)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        task: Any = None,
+        *,
+        resume: str | None = None,
+        shared: Any = None,
+    ) -> None:
+        if shared is not None or spec.colocated:
+            raise SettingsError("train.ranks: a colocated run shares one model; use another mode")
+        self.spec = spec
+        lora = spec.model.lora if spec.model.lora.enabled else None
+        self.dist = DistributedLearner.open(spec, parallel_of(spec.train), lora)
+        atexit.register(self.close)
+        if resume:
+            self.dist.load(os.path.join(resume, RANKS_DIR))
+        self.tokenizer = self.dist.learner.tokenizer
+        self.model = self.dist.learner.policy
+        self.rng_state = (torch.get_rng_state(), self.dist.learner.generator.get_state())
+
+    def _data(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: data[name] for name in _COLUMNS if name in data}
+
+    def step(self, data: Mapping[str, Any]) -> dict[str, float]:
+        return self.dist.step(self._data(data))
+
+    def updates(self, data: Mapping[str, Any]) -> Generator[None, None, dict[str, float]]:
+        yield  # nothing runs before the sync of the last version is over (module docstring)
+        return self.step(data)
+
+    def accumulate(self, data: Mapping[str, Any], *, first: bool) -> Any:
+        return _Piece(self._data(data))
+
+    def apply(self, pieces: Sequence[Any]) -> dict[str, float]:
+        names = pieces[0].data.keys()
+        data = {name: [row for p in pieces for row in _rows(p.data[name])] for name in names}
+        metrics = self.step(data)
+        metrics["pieces"] = float(len(pieces))
+        return metrics
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # the ShardedSyncEngine gathers the weights itself
+
+    def save(self, directory: str, meta: Mapping[str, Any]) -> None:
+        """A DCP checkpoint of every rank (``ranks/``) and the whole policy where the other
+        roles load it on resume."""
+        self.dist.save(os.path.join(directory, RANKS_DIR), meta)
+        self.dist.export(directory)
+
+    def close(self) -> None:
+        """Stop the other ranks at once (the Trainer stops: a step may still be in flight in
+        its compute thread) and leave the process group."""
+        self.dist.group.terminate()
