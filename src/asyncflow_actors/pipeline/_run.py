@@ -50,6 +50,7 @@ from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_tran
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
 from ._report import Progress, StepRecord, idle_ratios, plot_run
+from ._rundir import resolve_resume
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -107,7 +108,7 @@ async def run_pipeline(
     on_step: OnStep | None = None,
 ) -> PipelineResult:
     """Run ``config`` to the end (see the module docstring); ``resume``: a checkpoint directory
-    (``run_dir/checkpoints/step-N``) to continue from. ``on_step`` sees every ``StepRecord``."""
+    (``run_dir/final``, ``run_dir/checkpoints/step-N``) or a run directory to continue from. ``on_step`` sees every ``StepRecord``."""
     if system is None:
         async with open_actor_system() as own:
             return await run_pipeline(config, system=own, resume=resume, on_step=on_step)
@@ -172,7 +173,9 @@ async def open_pipeline(
     resume: str | None = None,
     on_step: OnStep | None = None,
 ) -> AsyncIterator[Pipeline]:
-    """Start a run under ``system``; stop everything when the block exits."""
+    """Start a run under ``system``; stop everything when the block exits. ``resume``: a
+    checkpoint directory, or a run directory (its newest checkpoint)."""
+    resume = resolve_resume(resume) if resume else None
     # torch and the roles load in a worker thread: this event loop serves the TQ and the run
     await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
     state = DriverState.read(resume) if resume else None

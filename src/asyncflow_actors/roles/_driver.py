@@ -18,8 +18,10 @@
   worker found gone when it came to write them (``GroupGone``: e.g. a group shrunk or
   discarded to nothing, which no event names) and prompts lost before generation are injected
   again, once each, keeping their slots.
-- **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
-  prompt cursor and the prompts still in flight (re-injected first on resume).
+- **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save under
+  ``run_dir/checkpoints/step-N`` (the newest ``keep_last`` kept), and writes the prompt cursor
+  and the prompts still in flight (re-injected first on resume). At the last step it saves
+  ``run_dir/final`` instead: a run with a ``run_dir`` always ends with its model saved.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -54,6 +57,8 @@ from ._worker import Meter, in_thread, load_compute
 log = logging.getLogger("asyncflow_actors.roles")
 
 DRIVER_FILE = "driver.json"
+FINAL = "final"  # the run's last model, under run_dir
+CHECKPOINTS = "checkpoints"  # the intermediate ones, under run_dir
 PROMPT_CHUNK = 256
 RESEND_TIMEOUT_S = 300.0  # a sync with its retries (``Trainer.SYNC_ATTEMPTS``)
 
@@ -274,11 +279,13 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         spec = self.spec
         steps_done = msg.version - spec.start_version
         every = spec.train.checkpoint_every
-        if every and spec.run_dir and steps_done % every == 0:
+        stop = msg.version >= spec.train.steps
+        if spec.run_dir and stop:
+            await self.save_checkpoint(trainer, final=True)
+        elif every and spec.run_dir and steps_done % every == 0:
             await self.save_checkpoint(trainer)
         if self.hooks.on_step is not None:
             await self.hooks.on_step(msg, report, seconds)
-        stop = msg.version >= spec.train.steps
         if stop:
             self.hooks.done.set()
         return StepAck(stop)
@@ -295,13 +302,50 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         except Exception as exc:  # the worker asks again when its next incarnation starts
             log.warning("resending the weights for %s failed: %r", worker, exc)
 
-    async def save_checkpoint(self, trainer: ActorRef[Any]) -> str:
-        """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>``."""
-        assert self.spec.run_dir is not None
-        directory = os.path.join(self.spec.run_dir, "checkpoints", f"step-{self.version:06d}")
-        await trainer.ask(SaveCheckpoint(directory))
+    async def save_checkpoint(self, trainer: ActorRef[Any], *, final: bool = False) -> str:
+        """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>`` (the
+        oldest beyond ``keep_last`` removed), or ``run_dir/final`` (``final``: written beside
+        and swapped in, so a crash mid-write never leaves a half model there)."""
+        run_dir = self.spec.run_dir
+        assert run_dir is not None
+        if final:
+            directory = os.path.join(run_dir, FINAL)
+            target = directory + ".partial"
+            await in_thread(shutil.rmtree, target, True)
+        else:
+            directory = os.path.join(run_dir, CHECKPOINTS, f"step-{self.version:06d}")
+            target = directory
+        await trainer.ask(SaveCheckpoint(target))
         pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog)))
         state = DriverState(self.version, self.cursor, pending)
-        await in_thread(state.write, directory)
+        await in_thread(state.write, target)
+        if final:
+            await in_thread(_swap, target, directory)
+        elif self.spec.train.keep_last:
+            await in_thread(self._prune)
         self.hooks.checkpoints.append(directory)
         return directory
+
+    def _prune(self) -> None:
+        """Remove the intermediate checkpoints beyond the newest ``keep_last`` (never the one
+        this run resumed from: a restarted station may read it)."""
+        assert self.spec.run_dir is not None
+        root = os.path.join(self.spec.run_dir, CHECKPOINTS)
+        names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+        keep = os.path.abspath(self.spec.resume_from) if self.spec.resume_from else None
+        for name in names[: -self.spec.train.keep_last]:
+            path = os.path.join(root, name)
+            if os.path.abspath(path) != keep:
+                shutil.rmtree(path, ignore_errors=True)
+                if path in self.hooks.checkpoints:
+                    self.hooks.checkpoints.remove(path)
+
+
+def _swap(new: str, directory: str) -> None:
+    """Put the complete directory ``new`` in place of ``directory``."""
+    old = directory + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(directory):
+        os.replace(directory, old)
+    os.replace(new, directory)
+    shutil.rmtree(old, ignore_errors=True)

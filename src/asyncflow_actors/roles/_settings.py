@@ -150,8 +150,10 @@ class TrainSettings:
     ``forward_batch``: the most samples a forward or advantage station takes at a time when
     stages stream (async): it takes every whole group ready, up to that (default: a global
     batch), so a station that falls behind catches up in fewer, larger steps instead of paying
-    a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many steps
-    (0: never). ``torch_threads``: intra-op threads in every process of the run.
+    a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many
+    steps (0: never; the run's last step is always saved, in ``run_dir/final``), the newest
+    ``keep_last`` of them kept (0: all). ``torch_threads``: intra-op threads in every process
+    of the run.
     ``stream``: when stages stream (async) and a global batch is one update (``mini_batches``
     and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
     while the others are still generating, accumulating the gradient, and takes the one
@@ -170,6 +172,7 @@ class TrainSettings:
     )
     forward_workers: int = attrs.field(default=1, validator=_positive)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
+    keep_last: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
     stream: bool = True
     seed: int = 0
