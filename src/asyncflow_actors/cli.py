@@ -1,14 +1,16 @@
 """The ``asyncflow`` command.
 
 - ``asyncflow train CONFIG.toml``: run the pipeline a TOML file describes
-  (``docs/pipeline.md``); ``--resume DIR`` continues from a checkpoint of a run.
+  (``docs/pipeline.md``); ``--resume DIR`` continues from a checkpoint of a run (or a run
+  directory: its newest checkpoint). The first Ctrl-C / SIGTERM stops the run cleanly (the last
+  step saved, one line naming the command that resumes it, exit 130 / 143); a second aborts.
 - ``asyncflow dashboard RUN_DIR_OR_JSONL``: serve the live dashboard of a run from its
   ``metrics.jsonl`` (written by an observer with a ``run_dir``), following the file as it grows.
 - ``asyncflow demo``: run the scripted pipeline of ``asyncflow_actors.observe.demo`` with an
   observer and the dashboard, to see what observing a run looks like.
 
-``dashboard`` and ``demo`` print one JSON line with the dashboard's address (``url``, ``ws_url``, ``token``) once it
-listens, then serve until interrupted.
+``dashboard`` and ``demo`` print one JSON line with the dashboard's address (``url``,
+``ws_url``, ``token``) once it listens, then serve until interrupted (exit 130 / 143).
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ import argparse
 import json
 import math
 import os
+import shlex
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import trio
 
@@ -157,23 +163,101 @@ async def _demo(args: argparse.Namespace) -> None:
             nursery.cancel_scope.cancel()
 
 
-def _train(args: argparse.Namespace) -> None:
+class _Stops:
+    """The CLI's signals: the first SIGINT / SIGTERM stops the run cleanly (or, before it has
+    started, cancels its start); a second aborts the process at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.scope = trio.CancelScope()
+        self.run: Any = None  # the Pipeline, once started
+
+    async def watch(self, signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            if self.signum is not None:
+                print("asyncflow: aborted", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(128 + signum)
+            self.signum = signum
+            if self.run is not None:
+                self.run.stop()
+            else:
+                self.scope.cancel()
+
+    @contextmanager
+    def receiving(self) -> Iterator[AsyncIterator[int]]:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            yield signals
+
+
+async def _until_signal(fn: Callable[[argparse.Namespace], Awaitable[None]], args: Any) -> int:
+    """Run ``fn(args)`` until it returns (0) or a first signal cancels it (128 + signal)."""
+    stops = _Stops()
+    with stops.receiving() as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stops.watch, signals)
+            with stops.scope:
+                await fn(args)
+            nursery.cancel_scope.cancel()
+    return 0 if stops.signum is None else 128 + stops.signum
+
+
+async def _train_run(config: Any, resume: str | None, stops: _Stops) -> Any:
+    """The run, stopped cleanly by a first signal; its result (``None``: stopped before it
+    started)."""
+    from .actors import open_actor_system
+    from .pipeline import open_pipeline
+
+    result = None
+    with stops.receiving() as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stops.watch, signals)
+            with stops.scope:
+                async with (
+                    open_actor_system() as system,
+                    open_pipeline(system, config, resume=resume) as run,
+                ):
+                    stops.run = run
+                    if stops.signum is not None:
+                        run.stop()
+                    result = await run.wait()
+            nursery.cancel_scope.cancel()
+    return result
+
+
+def _stop_line(args: argparse.Namespace, result: Any) -> str:
+    """The one line a stopped run prints: where it stopped and the command that resumes it."""
+    step = result.version if result is not None else 0
+    checkpoint = result.latest_checkpoint if result is not None else args.resume
+    where = f"stopped at step {step}"
+    if not checkpoint:
+        why = "no run_dir" if result is not None and not result.run_dir else "no step finished"
+        return f"{where}; nothing saved ({why})"
+    command = ["asyncflow", "train", args.config, "--resume", checkpoint]
+    if args.steps is not None:
+        command += ["--steps", str(args.steps)]
+    if args.run_dir is not None:
+        command += ["--run-dir", args.run_dir]
+    return f"{where}; resume with: {shlex.join(command)}"
+
+
+def _train(args: argparse.Namespace) -> int:
     import attrs
 
-    from .pipeline import PipelineConfig, PipelineConfigError, run_pipeline
+    from .pipeline import PipelineConfig
 
-    try:
-        config = PipelineConfig.from_toml(args.config)
-        if args.run_dir is not None:
-            config = attrs.evolve(config, run_dir=args.run_dir)
-        if args.progress is not None:
-            config = attrs.evolve(config, progress=args.progress)
-        if args.steps is not None:
-            config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
-    except (OSError, PipelineConfigError) as exc:
-        print(f"asyncflow train: {exc}", file=sys.stderr)
-        sys.exit(2)
-    result = trio.run(lambda: run_pipeline(config, resume=args.resume))
+    config = PipelineConfig.from_toml(args.config)
+    if args.run_dir is not None:
+        config = attrs.evolve(config, run_dir=args.run_dir)
+    if args.progress is not None:
+        config = attrs.evolve(config, progress=args.progress)
+    if args.steps is not None:
+        config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
+    stops = _Stops()
+    result = trio.run(_train_run, config, args.resume, stops)
+    if stops.signum is not None:
+        print(_stop_line(args, result), file=sys.stderr, flush=True)
+        return 128 + stops.signum
     summary = {
         "mode": result.mode,
         "staleness": result.staleness,
@@ -188,17 +272,21 @@ def _train(args: argparse.Namespace) -> None:
         "checkpoints": list(result.checkpoints),
     }
     print(json.dumps(summary), flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
-            _train(args)
-            return
-        trio.run(_dashboard if args.command == "dashboard" else _demo, args)
-    except KeyboardInterrupt:
-        sys.exit(130)
+            code = _train(args)
+        else:
+            code = trio.run(
+                _until_signal, _dashboard if args.command == "dashboard" else _demo, args
+            )
+    except KeyboardInterrupt:  # outside the event loop (loading the configuration)
+        code = 130
+    sys.exit(code)
 
 
 if __name__ == "__main__":

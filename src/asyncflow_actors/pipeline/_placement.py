@@ -112,7 +112,16 @@ class Placement:
         return await self.nodes[where].spawn(target, name=name, kwargs=kwargs, restart=restart)
 
     async def stop(self, refs: list[ActorRef[Any]]) -> None:
-        """Stop the roles (in reverse start order), then the nodes; shielded, bounded."""
+        """Stop the roles (in reverse start order), then the nodes (together: each takes a
+        second or more to exit); shielded, bounded."""
+
+        async def stop_node(node: Node) -> None:
+            with trio.move_on_after(15):
+                try:
+                    await node.stop()
+                except ActorCrashed:
+                    pass
+
         with trio.CancelScope(shield=True):
             for ref in reversed(refs):
                 with trio.move_on_after(10):
@@ -120,9 +129,6 @@ class Placement:
                         await ref.stop()
                     except ActorCrashed:
                         pass  # gone already
-            for node in self.nodes.values():
-                with trio.move_on_after(15):
-                    try:
-                        await node.stop()
-                    except ActorCrashed:
-                        pass
+            async with trio.open_nursery() as nursery:
+                for node in self.nodes.values():
+                    nursery.start_soon(stop_node, node)

@@ -40,6 +40,8 @@ from ..roles import (
     RoleStatistics,
     Rollout,
     StepDone,
+    Stopped,
+    StopRun,
     SyncReport,
     Trainer,
     topic_specs,
@@ -74,7 +76,9 @@ def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
 @attrs.frozen
 class PipelineResult:
     """What a run did: ``records`` per step, trained ``samples`` over ``seconds`` (from the start
-    of training to the last step), the final ``version``, checkpoints written."""
+    of training to the last step), the final ``version``, checkpoints written. ``stopped``: the
+    run was stopped (``Pipeline.stop``) before its last step; ``latest_checkpoint``: the newest
+    checkpoint of the run (``final``, or the one it resumed from), ``None`` if none."""
 
     mode: str
     staleness: int
@@ -86,6 +90,8 @@ class PipelineResult:
     reinjected: int
     checkpoints: tuple[str, ...]
     run_dir: str | None
+    stopped: bool = False
+    latest_checkpoint: str | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -117,7 +123,8 @@ async def run_pipeline(
 
 
 class Pipeline:
-    """A started run (from ``open_pipeline``): ``await wait()`` for its result."""
+    """A started run (from ``open_pipeline``): ``await wait()`` for its result; ``stop()`` asks
+    it to stop cleanly (``wait`` then returns a result with ``stopped``)."""
 
     def __init__(self, config: PipelineConfig, progress: Progress) -> None:
         self.config = config
@@ -130,7 +137,31 @@ class Pipeline:
         self.nodes: dict[str, Node] = {}  # node name (as configured) -> its handle
         self.started = 0.0
         self.version = 0
+        self.resumed_from: str | None = None
         self._recorded = trio.Event()
+        self._stop = trio.Event()
+        self._stopped: Stopped | None = None
+        self._record_added = trio.Event()
+
+    def stop(self) -> None:
+        """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
+        newest checkpoint holds it, the roles are stopped, and ``wait`` returns."""
+        self._stop.set()
+
+    async def _stop_when_asked(self) -> None:
+        await self._stop.wait()
+        driver = self.refs.get("driver")
+        if driver is None:  # not started yet: nothing trained, nothing to save
+            self._stopped = Stopped(self.version, self.resumed_from or "")
+            return
+        answer = await driver.ask(StopRun())
+        if answer.pending:  # the Driver saves at the step the Trainer is reporting
+            await self.hooks.done.wait()
+            assert self.hooks.stopped is not None
+            answer = self.hooks.stopped
+        self._stopped = answer
+        while self.version < answer.version:  # its record reaches steps.jsonl
+            await self._record_added.wait()
 
     async def wait(self) -> PipelineResult:
         """Until the last step is recorded; raises ``RunFailed`` if a role terminated."""
@@ -140,7 +171,12 @@ class Pipeline:
                 await self.failed.wait()
                 nursery.cancel_scope.cancel()
 
+            async def watch_stop() -> None:
+                await self._stop_when_asked()
+                nursery.cancel_scope.cancel()
+
             nursery.start_soon(watch_failure)
+            nursery.start_soon(watch_stop)
             await self._recorded.wait()
             nursery.cancel_scope.cancel()
         if self.errors:
@@ -162,6 +198,10 @@ class Pipeline:
             reinjected=self.hooks.reinjected,
             checkpoints=tuple(self.hooks.checkpoints),
             run_dir=self.config.run_dir,
+            stopped=self._stopped is not None,
+            latest_checkpoint=(
+                self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
+            ),
         )
 
 
@@ -188,6 +228,7 @@ async def open_pipeline(
         await trio.to_thread.run_sync(_write_config, config)
     run = Pipeline(config, Progress(config.progress, max(total, 0)))
     run.version = spec.start_version
+    run.resumed_from = resume
     suffix = spec.run_id[:8]
     tq_config = TransferQueueConfig(
         topics=topic_specs(spec),
@@ -373,6 +414,8 @@ async def _report_steps(
         previous, last = stats, now
         run.records.append(record)
         run.version = msg.version
+        run._record_added.set()
+        run._record_added = trio.Event()
         if path is not None:
             line = json.dumps(record.to_json()) + "\n"
             async with await trio.open_file(path, "a", encoding="utf-8") as f:

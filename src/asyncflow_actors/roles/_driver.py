@@ -22,6 +22,9 @@
   ``run_dir/checkpoints/step-N`` (the newest ``keep_last`` kept), and writes the prompt cursor
   and the prompts still in flight (re-injected first on resume). At the last step it saves
   ``run_dir/final`` instead: a run with a ``run_dir`` always ends with its model saved.
+- **Stops.** On ``StopRun`` it saves ``run_dir/final`` at the last step unless the newest
+  checkpoint holds it already; if the Trainer has moved on to the next version meanwhile, it
+  saves at that step instead (whose ``StepDone`` is on its way) and ends the run there.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from ._messages import (
     SaveCheckpoint,
     StepAck,
     StepDone,
+    Stopped,
+    StopRun,
     SyncReport,
     SyncWeights,
 )
@@ -89,16 +94,21 @@ class DriverState:
 @attrs.define
 class DriverHooks:
     """How the pipeline and the Driver (same process) talk: the trainer's ref once it exists,
-    a callback per step, the end of the run and checkpoints written."""
+    a callback per step, the end of the run (``done``; ``stopped``: by a ``StopRun``) and
+    checkpoints written."""
 
     on_step: Callable[[StepDone, SyncReport, float], Awaitable[None]] | None = None
     trainer: ActorRef[Any] | None = None
     done: trio.Event = attrs.Factory(trio.Event)
+    stopped: Stopped | None = None
     checkpoints: list[str] = attrs.Factory(list)
     reinjected: int = 0
 
 
-class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
+_Msg = StepDone | GetRoleStats | NeedWeights | GroupGone | StopRun
+
+
+class Driver(Actor[_Msg]):
     """The Driver of one run (see the module docstring); it lives in the driver process."""
 
     def __init__(
@@ -120,6 +130,9 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
+        self.stopping = False
+        # the version of the newest checkpoint (the one resumed from, or the initial model)
+        self.saved = (spec.start_version, spec.resume_from or "")
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
         self.compute = await load_compute(self.spec.train.torch_threads)
@@ -237,9 +250,9 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         await self._put_prompt(index)
         return True
 
-    async def receive(
-        self, msg: StepDone | GetRoleStats | NeedWeights | GroupGone, ctx: ActorContext[Any]
-    ) -> Any:
+    async def receive(self, msg: _Msg, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, StopRun):
+            return await self._stop()
         if isinstance(msg, GroupGone):
             if await self._reinject(msg.group_id):
                 log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
@@ -279,16 +292,32 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         spec = self.spec
         steps_done = msg.version - spec.start_version
         every = spec.train.checkpoint_every
-        stop = msg.version >= spec.train.steps
+        stop = msg.version >= spec.train.steps or self.stopping
         if spec.run_dir and stop:
-            await self.save_checkpoint(trainer, final=True)
+            if self.saved[0] < self.version:  # (a stop may have saved this step already)
+                await self.save_checkpoint(trainer, final=True)
         elif every and spec.run_dir and steps_done % every == 0:
             await self.save_checkpoint(trainer)
         if self.hooks.on_step is not None:
             await self.hooks.on_step(msg, report, seconds)
         if stop:
+            if self.stopping and self.hooks.stopped is None:
+                self.hooks.stopped = Stopped(*self.saved)
             self.hooks.done.set()
         return StepAck(stop)
+
+    async def _stop(self) -> Stopped:
+        """Save the last step unless the newest checkpoint holds it (``Stopped``), or, if the
+        Trainer has moved on, mark the run to end at the step it is reporting."""
+        self.stopping = True
+        trainer = self.hooks.trainer
+        if trainer is None or not self.spec.run_dir or self.saved[0] >= self.version:
+            self.hooks.stopped = Stopped(*self.saved)
+            return self.hooks.stopped
+        if await self.save_checkpoint(trainer, final=True, expect=self.version) is None:
+            return Stopped(self.version, "", pending=True)
+        self.hooks.stopped = Stopped(*self.saved)
+        return self.hooks.stopped
 
     async def _resend(self, worker: str) -> None:
         """Have the Trainer send the weights it holds to a restarted worker (and the others)."""
@@ -302,28 +331,34 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         except Exception as exc:  # the worker asks again when its next incarnation starts
             log.warning("resending the weights for %s failed: %r", worker, exc)
 
-    async def save_checkpoint(self, trainer: ActorRef[Any], *, final: bool = False) -> str:
+    async def save_checkpoint(
+        self, trainer: ActorRef[Any], *, final: bool = False, expect: int | None = None
+    ) -> str | None:
         """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>`` (the
         oldest beyond ``keep_last`` removed), or ``run_dir/final`` (``final``: written beside
-        and swapped in, so a crash mid-write never leaves a half model there)."""
+        and swapped in, so a crash mid-write never leaves a half model there). With
+        ``expect``: only if the Trainer still holds that version (``None`` if not)."""
         run_dir = self.spec.run_dir
         assert run_dir is not None
+        version = self.version
         if final:
             directory = os.path.join(run_dir, FINAL)
             target = directory + ".partial"
             await in_thread(shutil.rmtree, target, True)
         else:
-            directory = os.path.join(run_dir, CHECKPOINTS, f"step-{self.version:06d}")
+            directory = os.path.join(run_dir, CHECKPOINTS, f"step-{version:06d}")
             target = directory
-        await trainer.ask(SaveCheckpoint(target))
+        if not await trainer.ask(SaveCheckpoint(target, expect)):
+            return None
         pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog)))
-        state = DriverState(self.version, self.cursor, pending)
+        state = DriverState(version, self.cursor, pending)
         await in_thread(state.write, target)
         if final:
             await in_thread(_swap, target, directory)
         elif self.spec.train.keep_last:
             await in_thread(self._prune)
         self.hooks.checkpoints.append(directory)
+        self.saved = (version, directory)
         return directory
 
     def _prune(self) -> None:
