@@ -24,22 +24,21 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .observe import (
-    DashboardAddress,
-    GraphEdge,
-    MetricsSnapshot,
-    ObserveConfig,
-    SnapshotFeed,
-    serve,
-)
+if TYPE_CHECKING:  # the observer loads with the commands that use it: errors come fast
+    from .observe import DashboardAddress, GraphEdge, SnapshotFeed
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncflow", description=__doc__.split("\n\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true",
+        help="show the full trace of an error (or set ASYNCFLOW_DEBUG=1)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
 
     def dashboard_options(q: argparse.ArgumentParser) -> None:
@@ -48,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--ws-port", type=int, default=0, help="websocket port (0: any free port)")
         q.add_argument("--token", default=None, help="access token (generated off loopback)")
 
-    t = sub.add_parser("train", help="run the pipeline a TOML config describes")
+    t = sub.add_parser("train", help="run the pipeline a TOML config describes", parents=[common])
     t.add_argument("config", help="a TOML file (see docs/pipeline.md)")
     t.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
     t.add_argument("--run-dir", default=None, help="override the config's run_dir")
@@ -58,12 +57,16 @@ def _parser() -> argparse.ArgumentParser:
         help="override the config's progress display",
     )  # fmt: skip
 
-    d = sub.add_parser("dashboard", help="serve the dashboard of a run's metrics.jsonl")
+    d = sub.add_parser(
+        "dashboard", help="serve the dashboard of a run's metrics.jsonl", parents=[common]
+    )
     d.add_argument("path", help="a run directory or its metrics.jsonl")
     d.add_argument("--poll", type=float, default=0.5, help="seconds between reads of the file")
     dashboard_options(d)
 
-    m = sub.add_parser("demo", help="run the scripted pipeline with an observer and dashboard")
+    m = sub.add_parser(
+        "demo", help="run the scripted pipeline with an observer and dashboard", parents=[common]
+    )
     m.add_argument("--seconds", type=float, default=math.inf, help="stop after this long")
     m.add_argument("--run-dir", default=None, help="write metrics.jsonl and trace.json here")
     m.add_argument("--node", action="store_true", help="run the forward engine on a node process")
@@ -79,6 +82,8 @@ def _announce(address: DashboardAddress) -> None:
 
 def _graph_beside(jsonl: str) -> tuple[GraphEdge, ...]:
     """The role graph an observer recorded next to its metrics (``observe.json``), if any."""
+    from .observe import ObserveConfig
+
     meta = os.path.join(os.path.dirname(jsonl), "observe.json")
     try:
         with open(meta, encoding="utf-8") as f:
@@ -89,6 +94,8 @@ def _graph_beside(jsonl: str) -> tuple[GraphEdge, ...]:
 
 async def _follow(path: str, feed: SnapshotFeed, poll: float) -> None:
     """Publish every snapshot of the JSONL file at ``path``, then those appended to it."""
+    from .observe import MetricsSnapshot
+
     while not await trio.Path(path).exists():  # noqa: ASYNC110 (a file has no event to wait on)
         await trio.sleep(poll)
     async with await trio.open_file(path, encoding="utf-8") as f:
@@ -106,6 +113,8 @@ async def _follow(path: str, feed: SnapshotFeed, poll: float) -> None:
 
 
 async def _dashboard(args: argparse.Namespace) -> None:
+    from .observe import SnapshotFeed, serve
+
     path = args.path
     if await trio.Path(path).is_dir():
         path = os.path.join(path, "metrics.jsonl")
@@ -128,7 +137,7 @@ async def _dashboard(args: argparse.Namespace) -> None:
 async def _demo(args: argparse.Namespace) -> None:
     import asyncflow_actors as afa
 
-    from .observe import demo, open_observer
+    from .observe import ObserveConfig, demo, open_observer, serve
 
     config = ObserveConfig(interval=0.5, run_dir=args.run_dir, graph=demo.GRAPH)
     async with afa.open_actor_system() as system:
@@ -244,17 +253,21 @@ def _stop_line(args: argparse.Namespace, result: Any) -> str:
 def _train(args: argparse.Namespace) -> int:
     import attrs
 
-    from .pipeline import PipelineConfig
+    from .pipeline import PipelineConfig, PipelineConfigError, preflight
 
     config = PipelineConfig.from_toml(args.config)
-    if args.run_dir is not None:
-        config = attrs.evolve(config, run_dir=args.run_dir)
-    if args.progress is not None:
-        config = attrs.evolve(config, progress=args.progress)
-    if args.steps is not None:
-        config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
+    try:
+        if args.run_dir is not None:
+            config = attrs.evolve(config, run_dir=args.run_dir)
+        if args.progress is not None:
+            config = attrs.evolve(config, progress=args.progress)
+        if args.steps is not None:
+            config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
+    except ValueError as exc:  # a settings validator: the override's own key
+        raise PipelineConfigError(f"--{str(exc).replace('_', '-')}") from exc
+    resume = preflight(config, resume=args.resume)  # before anything starts
     stops = _Stops()
-    result = trio.run(_train_run, config, args.resume, stops)
+    result = trio.run(_train_run, config, resume, stops)
     if stops.signum is not None:
         print(_stop_line(args, result), file=sys.stderr, flush=True)
         return 128 + stops.signum
@@ -275,18 +288,67 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _root(error: BaseException) -> BaseException:
+    """The error a user should read behind ``error`` (``actors.root_error``), a failed run's
+    (``RunFailed``) included."""
+    from .actors import root_error
+    from .pipeline import RunFailed
+
+    error = root_error(error)
+    if isinstance(error, RunFailed) and error.error is not None:
+        return root_error(error.error)
+    return error
+
+
+def _is_config_error(error: BaseException) -> bool:
+    from .pipeline import PipelineConfigError
+    from .roles._settings import SettingsError
+
+    return isinstance(error, (PipelineConfigError, SettingsError, FileNotFoundError))
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if _is_config_error(error):
+        return first or type(error).__name__
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    """The ``asyncflow`` command: one line per failure (exit 2: the configuration, 1: the run;
+    ``--debug`` or ``ASYNCFLOW_DEBUG=1``: the full trace)."""
     args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get("ASYNCFLOW_DEBUG", "") not in ("", "0")
     try:
         if args.command == "train":
             code = _train(args)
         else:
-            code = trio.run(
-                _until_signal, _dashboard if args.command == "dashboard" else _demo, args
-            )
+            command = _dashboard if args.command == "dashboard" else _demo
+            code = trio.run(_until_signal, command, args)
     except KeyboardInterrupt:  # outside the event loop (loading the configuration)
         code = 130
+    except Exception as exc:
+        if debug:
+            raise
+        root = _root(exc)
+        config = _is_config_error(root)
+        where = f"asyncflow {args.command}: "
+        if not config:
+            where += _failed_role(exc)
+        hint = "" if config else " (--debug: the full trace)"
+        print(f"{where}{_one_line(root)}{hint}", file=sys.stderr, flush=True)
+        code = 2 if config else 1
     sys.exit(code)
+
+
+def _failed_role(error: BaseException) -> str:
+    """``role 'trainer-0' failed: `` if ``error`` is a failed run (``RunFailed``)."""
+    from .actors import root_error
+    from .pipeline import RunFailed
+
+    error = root_error(error)
+    return f"role {error.role!r} failed: " if isinstance(error, RunFailed) else ""
 
 
 if __name__ == "__main__":

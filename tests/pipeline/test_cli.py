@@ -8,13 +8,16 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from asyncflow_actors.pipeline import PipelineConfig, run_pipeline
+from asyncflow_actors.testing import find_exception
 
 RUN_TOML = """
 mode = "async"
@@ -117,3 +120,122 @@ def test_ctrl_c_stops_the_dashboard_quietly(tmp_path: Path) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert (process.returncode, out, err) == (130, "", "")
+
+
+BAD = """
+mode = "sync"
+run_dir = "run"
+progress = "none"
+plot = false
+
+[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+max_seq_len = 16
+
+[task.options]
+max_digits = 2
+
+[rollout]
+group_size = 4
+max_new_tokens = 4
+
+[train]
+steps = 2
+prompts_per_step = 2
+
+[placement]
+default = "local"
+"""
+
+
+def _train(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, toml: str, *args: str
+) -> tuple[int, list[str]]:
+    """``asyncflow train`` in this process: its exit status and stderr's lines."""
+    from asyncflow_actors import cli
+
+    (tmp_path / "run.toml").write_text(toml)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["train", "run.toml", *args])
+    finally:
+        os.chdir(cwd)
+    return int(exit_info.value.code or 0), capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "args", "line"),
+    [
+        ("", "", ("--steps", "0"), "--steps: expected a number > 0, got 0"),
+        ("", "", ("--resume", "nowhere"), "--resume: no such directory: nowhere"),
+        ("", "", ("--resume", "."), "--resume: . holds no checkpoint"),
+        ("max_digits = 2", "max_digit = 2", (), "task.options.max_digit: not an option"),
+        ("max_digits = 2", "max_digits = 7", (), "rollout.max_new_tokens: prompts of up to 17"),
+        ("max_digits = 2", "max_digits = 2\nmin_digits = 3", (), "task.options: max_digits (2)"),
+        ("n_heads = 2", "n_heads = 3", (), "model.n_heads: d_model = 32 does not split"),
+        ("group_size = 4", "top_p = 1.5", (), "rollout.top_p: expected a number in (0, 1]"),
+        ("[train]", "[algorithm]\nagg = 'token_mean'\n[train]", (), "algorithm.agg: expected"),
+        ("n_heads = 2", "n_heads = 2\ninit = 'nope.safetensors'", (), "model.init: no such file"),
+    ],
+)
+def test_a_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    old: str,
+    new: str,
+    args: tuple[str, ...],
+    line: str,
+) -> None:
+    code, lines = _train(capsys, tmp_path, BAD.replace(old, new), *args)
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith(f"asyncflow train: {line}"), lines[0]
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_a_wrong_model_path_fails_in_one_line_within_2_s(tmp_path: Path) -> None:
+    """A fresh process, as a user starts it: no torch, no node, no traceback."""
+    toml = BAD.replace("n_heads = 2", 'n_heads = 2\nhf = "/models/x"')
+    (tmp_path / "run.toml").write_text(toml.replace("group_size = 4", 'engine = "hf"'))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncflow_actors.cli", "train", "run.toml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    seconds = time.monotonic() - started
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "asyncflow train: model.hf: no such directory: /models/x\n"
+    assert seconds < 2.0
+
+
+def test_a_failed_run_names_its_root_cause_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role that raises fails the run: one line naming the role and the author's exception
+    (not trio's group, not the supervisor's wrapper), exit 1; ``--debug`` raises it whole."""
+    from asyncflow_actors.roles import _compute
+
+    def broken(self: Any, data: Any) -> Any:
+        raise ValueError("the loss is not a number")
+
+    monkeypatch.setattr(_compute.Learner, "updates", broken)
+    code, lines = _train(capsys, tmp_path, BAD)
+    assert (code, lines) == (
+        1,
+        [
+            "asyncflow train: role 'trainer-0' failed: ValueError: the loss is not a number "
+            "(--debug: the full trace)"
+        ],
+    )
+    from asyncflow_actors.pipeline import RunFailed
+
+    with pytest.raises(BaseException) as info:
+        _train(capsys, tmp_path, BAD, "--debug")
+    found = find_exception(info.value, RunFailed)
+    assert found is not None and isinstance(found.error, ValueError)

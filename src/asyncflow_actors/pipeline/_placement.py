@@ -23,6 +23,7 @@ from ..actors import (
     Node,
     Restart,
     Terminated,
+    root_error,
 )
 from ..roles.preload import Preload
 from ._config import DRIVER, PipelineConfig
@@ -31,7 +32,19 @@ ALLOW = ("asyncflow_actors",)
 
 
 class RunFailed(RuntimeError):
-    """A role of the run terminated for good; ``__cause__`` is its error."""
+    """A role of the run terminated for good: ``role`` (its worker name), ``error`` (also
+    ``__cause__``): the exception behind it as its author raised it (``root_error``: not
+    trio's group of one, not the supervisor's wrapper); ``None`` if it stopped."""
+
+    def __init__(self, role: str, error: BaseException | None) -> None:
+        self.role = role
+        self.error = None if error is None else root_error(error)
+        what = "stopped" if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        super().__init__(f"role {role!r} terminated: {what}")
+        self.__cause__ = self.error
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.role, self.error))
 
 
 class Watcher(Actor[Terminated]):
@@ -50,8 +63,8 @@ class Watcher(Actor[Terminated]):
 
     async def receive(self, msg: Terminated, ctx: ActorContext[Terminated]) -> None:
         await trio.lowlevel.checkpoint()
-        error = RunFailed(f"role {msg.ref.name!r} terminated: {msg.error!r}")
-        error.__cause__ = msg.error
+        # "rollout-0.<run>/rollout-0.<run>" (a node's actor): the worker's name
+        error = RunFailed(msg.ref.name.rpartition("/")[2].partition(".")[0], msg.error)
         self.errors.append(error)
         self.failed.set()
 

@@ -51,8 +51,8 @@ from ..roles._worker import wait_for_threads
 from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
+from ._preflight import preflight
 from ._report import Progress, StepRecord, idle_ratios, plot_run
-from ._rundir import resolve_resume
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -214,8 +214,9 @@ async def open_pipeline(
     on_step: OnStep | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start a run under ``system``; stop everything when the block exits. ``resume``: a
-    checkpoint directory, or a run directory (its newest checkpoint)."""
-    resume = resolve_resume(resume) if resume else None
+    checkpoint directory, or a run directory (its newest checkpoint). Everything checkable is
+    checked first (``preflight``: ``PipelineConfigError`` before any process starts)."""
+    resume = await trio.to_thread.run_sync(lambda: preflight(config, resume=resume))
     # torch and the roles load in a worker thread: this event loop serves the TQ and the run
     await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
     state = DriverState.read(resume) if resume else None

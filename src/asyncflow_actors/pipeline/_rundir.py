@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..roles._driver import CHECKPOINTS, DRIVER_FILE, FINAL
+from ..roles._settings import CHECKPOINTS, DRIVER_FILE, FINAL
 from ._config import PipelineConfigError
 
 

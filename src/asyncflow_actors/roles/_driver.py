@@ -56,14 +56,11 @@ from ._messages import (
     SyncReport,
     SyncWeights,
 )
-from ._settings import RunSpec
+from ._settings import CHECKPOINTS, DRIVER_FILE, FINAL, RunSpec
 from ._worker import Meter, in_thread, load_compute
 
 log = logging.getLogger("asyncflow_actors.roles")
 
-DRIVER_FILE = "driver.json"
-FINAL = "final"  # the run's last model, under run_dir
-CHECKPOINTS = "checkpoints"  # the intermediate ones, under run_dir
 PROMPT_CHUNK = 256
 RESEND_TIMEOUT_S = 300.0  # a sync with its retries (``Trainer.SYNC_ATTEMPTS``)
 
