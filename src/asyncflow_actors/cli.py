@@ -49,7 +49,14 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="run the pipeline a TOML config describes", parents=[common])
     t.add_argument("config", help="a TOML file (see docs/pipeline.md)")
-    t.add_argument("--resume", default=None, help="a checkpoint directory to continue from")
+    t.add_argument(
+        "--resume", default=None,
+        help="a checkpoint directory (or a run directory: its newest one) to continue from",
+    )  # fmt: skip
+    t.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the run already in run_dir (a new run refuses one otherwise)",
+    )  # fmt: skip
     t.add_argument("--run-dir", default=None, help="override the config's run_dir")
     t.add_argument("--steps", type=int, default=None, help="override train.steps")
     t.add_argument(
@@ -211,7 +218,7 @@ async def _until_signal(fn: Callable[[argparse.Namespace], Awaitable[None]], arg
     return 0 if stops.signum is None else 128 + stops.signum
 
 
-async def _train_run(config: Any, resume: str | None, stops: _Stops) -> Any:
+async def _train_run(config: Any, resume: str | None, overwrite: bool, stops: _Stops) -> Any:
     """The run, stopped cleanly by a first signal; its result (``None``: stopped before it
     started)."""
     from .actors import open_actor_system
@@ -224,7 +231,7 @@ async def _train_run(config: Any, resume: str | None, stops: _Stops) -> Any:
             with stops.scope:
                 async with (
                     open_actor_system() as system,
-                    open_pipeline(system, config, resume=resume) as run,
+                    open_pipeline(system, config, resume=resume, overwrite=overwrite) as run,
                 ):
                     stops.run = run
                     if stops.signum is not None:
@@ -265,9 +272,9 @@ def _train(args: argparse.Namespace) -> int:
             config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
     except ValueError as exc:  # a settings validator: the override's own key
         raise PipelineConfigError(f"--{str(exc).replace('_', '-')}") from exc
-    resume = preflight(config, resume=args.resume)  # before anything starts
+    resume = preflight(config, resume=args.resume, overwrite=args.overwrite)  # before anything
     stops = _Stops()
-    result = trio.run(_train_run, config, resume, stops)
+    result = trio.run(_train_run, config, resume, args.overwrite, stops)
     if stops.signum is not None:
         print(_stop_line(args, result), file=sys.stderr, flush=True)
         return 128 + stops.signum

@@ -173,6 +173,7 @@ def _train(
         ("", "", ("--steps", "0"), "--steps: expected a number > 0, got 0"),
         ("", "", ("--resume", "nowhere"), "--resume: no such directory: nowhere"),
         ("", "", ("--resume", "."), "--resume: . holds no checkpoint"),
+        ("", "", ("--resume", "run"), "--resume: no such directory: run"),
         ("max_digits = 2", "max_digit = 2", (), "task.options.max_digit: not an option"),
         ("max_digits = 2", "max_digits = 7", (), "rollout.max_new_tokens: prompts of up to 17"),
         ("max_digits = 2", "max_digits = 2\nmin_digits = 3", (), "task.options: max_digits (2)"),
@@ -236,6 +237,6 @@ def test_a_failed_run_names_its_root_cause_in_one_line(
     from asyncflow_actors.pipeline import RunFailed
 
     with pytest.raises(BaseException) as info:
-        _train(capsys, tmp_path, BAD, "--debug")
+        _train(capsys, tmp_path, BAD, "--debug", "--overwrite")
     found = find_exception(info.value, RunFailed)
     assert found is not None and isinstance(found.error, ValueError)

@@ -121,6 +121,7 @@ async def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert json.loads((final / "driver.json").read_text())["version"] == 4
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["version"] for line in lines] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
 def fail_syncs(monkeypatch: Any, version: int, times: int) -> list[int]:

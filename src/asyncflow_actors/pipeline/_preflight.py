@@ -3,7 +3,8 @@
 ``PipelineConfig`` checks its own values (types, ranges, choices, consistency); ``preflight``
 adds what needs the filesystem or the task: the model's files exist and load their config, the
 task's options match its signature and build it, prompts plus ``max_new_tokens`` fit the
-model's ``max_seq_len``, the checkpoint to resume exists and lies before ``train.steps``.
+model's ``max_seq_len``, the checkpoint to resume exists, lies before ``train.steps`` and
+holds the same ``[model]``, a new run's ``run_dir`` holds no run.
 Each problem raises ``PipelineConfigError`` naming the key, within a second or two: the
 cheapest checks (paths) come first, those that import torch (the task) last.
 """
@@ -18,17 +19,22 @@ from typing import Any
 
 from ..roles._settings import SettingsError
 from ._config import PipelineConfig, PipelineConfigError
-from ._rundir import checkpoint_version, resolve_resume
+from ._rundir import check_model, check_run_dir, checkpoint_version, resolve_resume
 
 _SAMPLED_PROMPTS = 1024  # prompts drawn to bound a task's prompt length
 
 
-def preflight(config: PipelineConfig, *, resume: str | None = None) -> str | None:
+def preflight(
+    config: PipelineConfig, *, resume: str | None = None, overwrite: bool = False
+) -> str | None:
     """Check ``config`` (and ``resume``) as far as possible without starting anything; returns
-    the checkpoint directory ``resume`` means (``None`` without one)."""
+    the checkpoint directory ``resume`` means (``None`` without one). A new run's ``run_dir``
+    must not hold a run unless ``overwrite``."""
     checkpoint = resolve_resume(resume) if resume else None
+    check_run_dir(config, resume=checkpoint, overwrite=overwrite)
     max_seq_len = _check_model(config)
     if checkpoint is not None:
+        check_model(config, checkpoint)
         version = checkpoint_version(checkpoint)
         assert version is not None
         if config.train.steps <= version:

@@ -89,7 +89,10 @@ class Progress:
     """Shows each step: a rich progress bar on a terminal (``mode="rich"``, or ``"auto"`` on a
     TTY with ``rich`` installed), else one plain line per step (``"plain"``), or nothing."""
 
-    def __init__(self, mode: str, total: int, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, mode: str, total: int, stream: TextIO | None = None, *, start: int = 0
+    ) -> None:
+        """``total``: the run's last step; ``start``: the step it starts after (a resume)."""
         self.stream = stream or sys.stdout
         self.total = total
         self._rich: Any = None
@@ -107,7 +110,7 @@ class Progress:
                 TextColumn("{task.description}"),
                 console=Console(file=self.stream),
             )
-            self._task = self._rich.add_task("", total=total)
+            self._task = self._rich.add_task("", total=total, completed=start)
             self._rich.start()
 
     def update(self, record: StepRecord) -> None:

@@ -52,7 +52,8 @@ from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_tran
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
 from ._preflight import preflight
-from ._report import Progress, StepRecord, idle_ratios, plot_run
+from ._report import Progress, StepRecord, idle_ratios, plot_run, read_steps
+from ._rundir import clear_run_dir, trim_steps
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -111,14 +112,24 @@ async def run_pipeline(
     *,
     system: ActorSystem | None = None,
     resume: str | None = None,
+    overwrite: bool = False,
     on_step: OnStep | None = None,
 ) -> PipelineResult:
     """Run ``config`` to the end (see the module docstring); ``resume``: a checkpoint directory
-    (``run_dir/final``, ``run_dir/checkpoints/step-N``) or a run directory to continue from. ``on_step`` sees every ``StepRecord``."""
+    (``run_dir/final``, ``run_dir/checkpoints/step-N``) or a run directory to continue from;
+    ``overwrite``: replace the run in ``run_dir`` (a new run refuses one otherwise). ``on_step`` sees every ``StepRecord``."""
     if system is None:
+        # checked before the system's nursery: a bad config raises PipelineConfigError itself
+        resume = await trio.to_thread.run_sync(
+            lambda: preflight(config, resume=resume, overwrite=overwrite)
+        )
         async with open_actor_system() as own:
-            return await run_pipeline(config, system=own, resume=resume, on_step=on_step)
-    async with open_pipeline(system, config, resume=resume, on_step=on_step) as run:
+            return await run_pipeline(
+                config, system=own, resume=resume, overwrite=overwrite, on_step=on_step
+            )
+    async with open_pipeline(
+        system, config, resume=resume, overwrite=overwrite, on_step=on_step
+    ) as run:
         return await run.wait()
 
 
@@ -138,6 +149,7 @@ class Pipeline:
         self.started = 0.0
         self.version = 0
         self.resumed_from: str | None = None
+        self.seconds_before = 0.0  # a resumed run: the seconds of the steps before it
         self._recorded = trio.Event()
         self._stop = trio.Event()
         self._stopped: Stopped | None = None
@@ -186,7 +198,7 @@ class Pipeline:
     def result(self) -> PipelineResult:
         records = tuple(self.records)
         samples = sum(r.samples for r in records)
-        seconds = records[-1].seconds if records else 0.0
+        seconds = records[-1].seconds - self.seconds_before if records else 0.0
         return PipelineResult(
             mode=self.config.mode,
             staleness=self.config.effective_staleness,
@@ -211,12 +223,15 @@ async def open_pipeline(
     config: PipelineConfig,
     *,
     resume: str | None = None,
+    overwrite: bool = False,
     on_step: OnStep | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start a run under ``system``; stop everything when the block exits. ``resume``: a
     checkpoint directory, or a run directory (its newest checkpoint). Everything checkable is
     checked first (``preflight``: ``PipelineConfigError`` before any process starts)."""
-    resume = await trio.to_thread.run_sync(lambda: preflight(config, resume=resume))
+    resume = await trio.to_thread.run_sync(
+        lambda: preflight(config, resume=resume, overwrite=overwrite)
+    )
     # torch and the roles load in a worker thread: this event loop serves the TQ and the run
     await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
     state = DriverState.read(resume) if resume else None
@@ -225,10 +240,17 @@ async def open_pipeline(
         resume_from=_absolute(resume),
     )
     total = config.train.steps - spec.start_version
+    earlier: list[dict[str, Any]] = []  # the step records before the checkpoint resumed
     if config.run_dir:
+        if overwrite and resume is None:
+            await trio.to_thread.run_sync(clear_run_dir, config.run_dir)
+        if state is not None:
+            earlier = await trio.to_thread.run_sync(trim_steps, config.run_dir, state.version)
         await trio.to_thread.run_sync(_write_config, config)
-    run = Pipeline(config, Progress(config.progress, max(total, 0)))
+    progress = Progress(config.progress, config.train.steps, start=spec.start_version)
+    run = Pipeline(config, progress)
     run.version = spec.start_version
+    run.seconds_before = float(earlier[-1].get("seconds", 0.0)) if earlier else 0.0
     run.resumed_from = resume
     suffix = spec.run_id[:8]
     tq_config = TransferQueueConfig(
@@ -288,7 +310,7 @@ async def open_pipeline(
             if config.run_dir and config.plot and run.records:
                 title = f"{config.mode} (staleness {config.effective_staleness})"
                 path = os.path.join(config.run_dir, "curves.png")
-                await trio.to_thread.run_sync(plot_run, run.records, path, title)
+                await trio.to_thread.run_sync(_plot, run.records, steps_jsonl, path, title)
 
 
 @asynccontextmanager
@@ -382,6 +404,7 @@ async def _report_steps(
     previous = await role_statistics(run.refs)
     last = run.started
     count = 0
+    total_before = run.config.train.steps - total
     async for msg, report, _ in receive:
         now = trio.current_time()
         stats = await role_statistics(run.refs)
@@ -395,9 +418,9 @@ async def _report_steps(
         count += 1
         wall = now - last
         record = StepRecord(
-            step=count,
+            step=total_before + count,  # continuous over a resume
             version=msg.version,
-            seconds=now - run.started,
+            seconds=run.seconds_before + now - run.started,
             step_seconds=wall,
             samples=msg.samples,
             samples_per_s=msg.samples / wall if wall > 0 else 0.0,
@@ -428,6 +451,14 @@ async def _report_steps(
                 await maybe
         if count >= total:
             run._recorded.set()
+
+
+def _plot(records: list[StepRecord], steps: str | None, path: str, title: str) -> None:
+    """The whole run's curves: every record of ``steps.jsonl`` (a resumed run's earlier steps
+    too), else this run's."""
+    if steps is not None and os.path.exists(steps):
+        records = read_steps(steps)
+    plot_run(records, path, title)
 
 
 def _absolute(path: str | None) -> str | None:

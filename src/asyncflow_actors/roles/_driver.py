@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -67,18 +67,20 @@ RESEND_TIMEOUT_S = 300.0  # a sync with its retries (``Trainer.SYNC_ATTEMPTS``)
 
 @attrs.frozen
 class DriverState:
-    """What a checkpoint keeps of the Driver: the version, the next prompt index and the prompts
-    injected but not yet trained."""
+    """What a checkpoint keeps of the Driver: the version, the next prompt index, the prompts
+    injected but not yet trained, and the run's ``[model]`` settings (a resume checks them)."""
 
     version: int
     cursor: int
     pending: tuple[int, ...]
+    model: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
     @classmethod
     def read(cls, directory: str) -> DriverState:
         with open(os.path.join(directory, DRIVER_FILE), encoding="utf-8") as f:
             raw = json.load(f)
-        return cls(int(raw["version"]), int(raw["cursor"]), tuple(int(i) for i in raw["pending"]))
+        pending = tuple(int(i) for i in raw["pending"])
+        return cls(int(raw["version"]), int(raw["cursor"]), pending, raw.get("model", {}))
 
     def write(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -348,7 +350,7 @@ class Driver(Actor[_Msg]):
         if not await trainer.ask(SaveCheckpoint(target, expect)):
             return None
         pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog)))
-        state = DriverState(version, self.cursor, pending)
+        state = DriverState(version, self.cursor, pending, attrs.asdict(self.spec.model))
         await in_thread(state.write, target)
         if final:
             await in_thread(_swap, target, directory)
