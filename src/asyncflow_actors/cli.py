@@ -33,7 +33,17 @@ if TYPE_CHECKING:  # the observer loads with the commands that use it: errors co
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="asyncflow", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="asyncflow",
+        description="Asynchronous RL post-training of LLMs: train the pipeline a TOML file\n"
+        "describes, watch a run's dashboard, or try the demo.",
+        epilog="Examples:\n"
+        "  asyncflow train run.toml\n"
+        "  asyncflow train run.toml --steps 60 --resume runs/first/final\n"
+        "  asyncflow dashboard runs/first\n"
+        "Docs: docs/quickstart.md, docs/runs.md, docs/pipeline.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug", action="store_true",
@@ -47,7 +57,13 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--ws-port", type=int, default=0, help="websocket port (0: any free port)")
         q.add_argument("--token", default=None, help="access token (generated off loopback)")
 
-    t = sub.add_parser("train", help="run the pipeline a TOML config describes", parents=[common])
+    t = sub.add_parser(
+        "train", help="run the pipeline a TOML config describes", parents=[common],
+        description="Run the pipeline a TOML file describes (docs/pipeline.md). The model is "
+        "saved in run_dir/final at the end; the first Ctrl-C stops the run cleanly and prints "
+        "the command that resumes it. Exit status: 0 done, 1 the run failed, 2 a configuration "
+        "error, 130/143 stopped by SIGINT/SIGTERM.",
+    )  # fmt: skip
     t.add_argument("config", help="a TOML file (see docs/pipeline.md)")
     t.add_argument(
         "--resume", default=None,

@@ -142,6 +142,7 @@ def test_the_cli_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "train" in out and "dashboard" in out
+    assert "``" not in out  # no RST markup
 
 
 TINY = """
