@@ -139,6 +139,7 @@ class Driver(Actor[_Msg]):
         self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
         self.client = await TransferQueueClient.connect(self.controller, holder="driver")
         await self.client.set_version(S.ROLLOUT, self.version)
+        self.meter.set_version(self.version)
         self._step_started = trio.current_time()
         ctx.start_soon(self._inject)
         ctx.start_soon(self._watch_events)

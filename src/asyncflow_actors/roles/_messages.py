@@ -17,12 +17,13 @@ def _floats(value: Mapping[str, float]) -> dict[str, float]:
 class RoleStatistics:
     """What a station did so far: ``busy_s`` computing, ``wait_s`` blocked on the TQ or slots.
 
-    ``extra`` holds role-specific counters (e.g. ``partial_samples`` for rollout).
+    ``version``: the policy version it holds (``None``: a role without a policy, such as the
+    advantage). ``extra`` holds role-specific counters (e.g. ``partial_samples`` for rollout).
     """
 
     role: str
     worker: str
-    version: int
+    version: int | None
     samples: int
     tokens: int
     steps: int
