@@ -20,7 +20,7 @@ import json
 import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -52,7 +52,14 @@ from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_tran
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
 from ._preflight import preflight
-from ._report import Progress, StepRecord, idle_ratios, plot_run, read_steps
+from ._report import (
+    Progress,
+    StepRecord,
+    idle_ratios,
+    plot_run,
+    read_steps,
+    third_party_bars_off,
+)
 from ._rundir import clear_run_dir, trim_steps
 
 
@@ -252,6 +259,9 @@ async def open_pipeline(
     run.version = spec.start_version
     run.seconds_before = float(earlier[-1].get("seconds", 0.0)) if earlier else 0.0
     run.resumed_from = resume
+    bars = ExitStack()  # third parties' progress bars off while the display is live
+    if config.progress != "none":
+        bars.enter_context(third_party_bars_off())
     suffix = spec.run_id[:8]
     tq_config = TransferQueueConfig(
         topics=topic_specs(spec),
@@ -306,6 +316,7 @@ async def open_pipeline(
     finally:
         with trio.CancelScope(shield=True):
             run.progress.close()
+            bars.close()
             forget_shared_policy(spec)
             if config.run_dir and config.plot and run.records:
                 title = f"{config.mode} (staleness {config.effective_staleness})"
