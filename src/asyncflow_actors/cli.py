@@ -291,7 +291,7 @@ def _train(args: argparse.Namespace) -> int:
     resume = preflight(config, resume=args.resume, overwrite=args.overwrite)  # before anything
     stops = _Stops()
     result = trio.run(_train_run, config, resume, args.overwrite, stops)
-    if stops.signum is not None:
+    if stops.signum is not None and (result is None or result.stopped):
         print(_stop_line(args, result), file=sys.stderr, flush=True)
         return 128 + stops.signum
     summary = {
@@ -349,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             command = _dashboard if args.command == "dashboard" else _demo
             code = trio.run(_until_signal, command, args)
-    except KeyboardInterrupt:  # outside the event loop (loading the configuration)
+    except KeyboardInterrupt:  # before the event loop listens (loading, checking)
+        if args.command == "train":
+            print(_stop_line(args, None), file=sys.stderr, flush=True)
         code = 130
     except Exception as exc:
         if debug:

@@ -103,7 +103,8 @@ async def test_ctrl_c_stops_the_run_cleanly_and_names_the_resume_command(tmp_pat
     assert [r.version for r in resumed.records] == [step + 1]
 
 
-def test_ctrl_c_stops_the_dashboard_quietly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_dashboard_quietly(tmp_path: Path, signum: int, code: int) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "asyncflow_actors.cli", "dashboard", str(tmp_path), "--port", "0"],
         stdout=subprocess.PIPE,
@@ -114,12 +115,12 @@ def test_ctrl_c_stops_the_dashboard_quietly(tmp_path: Path) -> None:
     try:
         assert process.stdout is not None
         assert process.stdout.readline().startswith('{"url"')  # listening
-        os.killpg(process.pid, signal.SIGINT)
+        os.killpg(process.pid, signum)
         out, err = process.communicate(timeout=20)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert (process.returncode, out, err) == (130, "", "")
+    assert (process.returncode, out, err) == (code, "", "")
 
 
 BAD = """
