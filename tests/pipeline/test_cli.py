@@ -19,6 +19,9 @@ import trio
 from asyncflow_actors.pipeline import PipelineConfig, run_pipeline
 from asyncflow_actors.testing import find_exception
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
+
 RUN_TOML = """
 mode = "async"
 run_dir = "run"
@@ -241,3 +244,16 @@ def test_a_failed_run_names_its_root_cause_in_one_line(
         _train(capsys, tmp_path, BAD, "--debug", "--overwrite")
     found = find_exception(info.value, RunFailed)
     assert found is not None and isinstance(found.error, ValueError)
+
+
+def test_runtime_errors_show_the_exception_inside_a_group_of_one() -> None:
+    """trio wraps an actor's error in a group of one: the runtime's summaries show the error
+    itself, and ``root_error`` digs it out of every wrapper."""
+    from asyncflow_actors.actors import ActorCrashed, SupervisorFailed, root_error
+
+    boom = ValueError("boom")
+    group = ExceptionGroup("Exceptions from Trio nursery (1 sub-exception)", [boom])
+    failed = SupervisorFailed("sup", "too many restarts", [group, group])
+    assert str(failed).splitlines()[1:] == ["  - ValueError: boom"] * 2
+    assert "ValueError: boom" in str(ActorCrashed("a", group))
+    assert root_error(ActorCrashed("outer", failed)) is boom
