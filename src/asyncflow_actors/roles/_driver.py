@@ -130,7 +130,7 @@ class Driver(Actor[_Msg]):
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
         self.stopping = False
-        # the version of the newest checkpoint (the one resumed from, or the initial model)
+        # (version, directory) of the newest checkpoint: the one resumed from, else none yet
         self.saved = (spec.start_version, spec.resume_from or "")
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
@@ -357,6 +357,8 @@ class Driver(Actor[_Msg]):
             await in_thread(_swap, target, directory)
         elif self.spec.train.keep_last:
             await in_thread(self._prune)
+        if directory in self.hooks.checkpoints:  # final, saved again at a later step
+            self.hooks.checkpoints.remove(directory)
         self.hooks.checkpoints.append(directory)
         self.saved = (version, directory)
         return directory
