@@ -124,6 +124,31 @@ async def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
+async def test_a_stopped_run_saves_the_step_it_reports(tmp_path: Path) -> None:
+    """``Pipeline.stop()`` mid-run: the result says stopped, its last record is the step
+    saved in ``final`` (the model and the Driver's state of one version), and a stop of a run
+    whose newest checkpoint holds its last step saves nothing again."""
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": 1000})
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        while not run.records:
+            await trio.sleep(0.01)
+        run.stop()
+        with trio.fail_after(30):
+            result = await run.wait()
+    assert result.stopped and result.latest_checkpoint == str(tmp_path / "final")
+    assert result.checkpoints == (str(tmp_path / "final"),)
+    state = json.loads((tmp_path / "final" / "driver.json").read_text())
+    assert state["version"] == result.version == result.records[-1].version
+    saved = (tmp_path / "final" / "policy.safetensors").stat().st_mtime_ns
+    async with afa.open_actor_system() as system:
+        resumed = tiny("async", run_dir=str(tmp_path), train={"steps": 1000})
+        async with open_pipeline(system, resumed, resume=str(tmp_path)) as run:
+            run.stop()  # before its first step: the checkpoint it resumed holds its state
+            result = await run.wait()
+    assert result.stopped and result.latest_checkpoint == str(tmp_path / "final")
+    assert (tmp_path / "final" / "policy.safetensors").stat().st_mtime_ns == saved
+
+
 def fail_syncs(monkeypatch: Any, version: int, times: int) -> list[int]:
     """The first ``times`` syncs of ``version`` fail before any receiver commits (once the
     rollout has had time to lease the prompts admitted for ``version`` and wait for them)."""
