@@ -163,7 +163,7 @@ async def _demo(args: argparse.Namespace) -> None:
     from .observe import ObserveConfig, demo, open_observer, serve
 
     config = ObserveConfig(interval=0.5, run_dir=args.run_dir, graph=demo.GRAPH)
-    async with afa.open_actor_system() as system:
+    async with afa.open_actor_system(handle_signals=False) as system:  # ours: _until_signal
         node = None
         if args.node:
             node = await system.start_node("engine-node", allow=["asyncflow_actors.observe"])
@@ -246,7 +246,7 @@ async def _train_run(config: Any, resume: str | None, overwrite: bool, stops: _S
             nursery.start_soon(stops.watch, signals)
             with stops.scope:
                 async with (
-                    open_actor_system() as system,
+                    open_actor_system(handle_signals=False) as system,  # ours: a clean stop
                     open_pipeline(system, config, resume=resume, overwrite=overwrite) as run,
                 ):
                     stops.run = run
