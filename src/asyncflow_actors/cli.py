@@ -327,7 +327,7 @@ def _is_config_error(error: BaseException) -> bool:
     from .pipeline import PipelineConfigError
     from .roles._settings import SettingsError
 
-    return isinstance(error, (PipelineConfigError, SettingsError, FileNotFoundError))
+    return isinstance(error, (PipelineConfigError, SettingsError))
 
 
 def _one_line(error: BaseException) -> str:
