@@ -100,15 +100,13 @@ def main() -> None:
         model=ModelSettings(init=init),
         task=TaskSettings("addition", {"min_digits": 2, "max_digits": 2}, seed=SEED),
         rollout=RolloutSettings(group_size=8, max_new_tokens=5),
-        train=TrainSettings(
-            steps=args.steps, prompts_per_step=16, lr=5e-4, checkpoint_every=args.steps
-        ),
+        train=TrainSettings(steps=args.steps, prompts_per_step=16, lr=5e-4),
         placement=PlacementConfig(default=args.placement),
     )
     started = time.perf_counter()
     result = trio.run(run_pipeline, config)
     seconds = time.perf_counter() - started
-    trained = load_model(os.path.join(result.checkpoints[-1], "policy.safetensors"))
+    trained = load_model(os.path.join(run_dir, "final", "policy.safetensors"))  # always saved
     after = held_out(trained)
 
     rewards = [r.reward_mean for r in result.records]
@@ -126,7 +124,7 @@ def main() -> None:
         f"held-out, 512 problems: sampled reward {before[0]:.3f} -> {after[0]:.3f}, sampled "
         f"exact {before[1]:.1%} -> {after[1]:.1%}, greedy exact {before[2]:.1%} -> {after[2]:.1%}"
     )
-    print(f"run directory: {run_dir} (steps.jsonl, curves.png, checkpoints/)")
+    print(f"run directory: {run_dir} (steps.jsonl, curves.png, final/)")
 
 
 if __name__ == "__main__":

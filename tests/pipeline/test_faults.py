@@ -99,19 +99,54 @@ async def test_a_cancelled_run_stops_every_process(tmp_path: Path) -> None:
 
 
 async def test_a_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Every run with a run_dir ends with its model in ``final`` (the last step saves no
+    intermediate checkpoint besides it); a resume from there continues the run, and
+    ``keep_last`` removes the older intermediate checkpoints."""
     first = tiny("sync", run_dir=str(tmp_path), train={"steps": 2, "checkpoint_every": 1})
     result = await run_pipeline(first)
-    assert [Path(c).name for c in result.checkpoints] == ["step-000001", "step-000002"]
+    assert [Path(c).name for c in result.checkpoints] == ["step-000001", "final"]
     state = json.loads((Path(result.checkpoints[0]) / "driver.json").read_text())
     assert state["version"] == 1 and state["cursor"] >= 4
+    final = tmp_path / "final"
+    assert json.loads((final / "driver.json").read_text())["version"] == 2
+    assert (final / "policy.safetensors").is_file() and (final / "optimizer.safetensors").is_file()
     resumed = await run_pipeline(
-        tiny("sync", run_dir=str(tmp_path), train={"steps": 4, "checkpoint_every": 1}),
-        resume=result.checkpoints[-1],
-    )
+        tiny("sync", run_dir=str(tmp_path), train={"steps": 4, "checkpoint_every": 1,
+                                                     "keep_last": 1}),
+        resume=str(final),
+    )  # fmt: skip
     assert [r.version for r in resumed.records] == [3, 4]
-    assert [Path(c).name for c in resumed.checkpoints] == ["step-000003", "step-000004"]
+    assert [Path(c).name for c in resumed.checkpoints] == ["step-000003", "final"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003"]
+    assert json.loads((final / "driver.json").read_text())["version"] == 4
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["version"] for line in lines] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+
+
+async def test_a_stopped_run_saves_the_step_it_reports(tmp_path: Path) -> None:
+    """``Pipeline.stop()`` mid-run: the result says stopped, its last record is the step
+    saved in ``final`` (the model and the Driver's state of one version), and a stop of a run
+    whose newest checkpoint holds its last step saves nothing again."""
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": 1000})
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        while not run.records:
+            await trio.sleep(0.01)
+        run.stop()
+        with trio.fail_after(30):
+            result = await run.wait()
+    assert result.stopped and result.latest_checkpoint == str(tmp_path / "final")
+    assert result.checkpoints == (str(tmp_path / "final"),)
+    state = json.loads((tmp_path / "final" / "driver.json").read_text())
+    assert state["version"] == result.version == result.records[-1].version
+    saved = (tmp_path / "final" / "policy.safetensors").stat().st_mtime_ns
+    async with afa.open_actor_system() as system:
+        resumed = tiny("async", run_dir=str(tmp_path), train={"steps": 1000})
+        async with open_pipeline(system, resumed, resume=str(tmp_path)) as run:
+            run.stop()  # before its first step: the checkpoint it resumed holds its state
+            result = await run.wait()
+    assert result.stopped and result.latest_checkpoint == str(tmp_path / "final")
+    assert (tmp_path / "final" / "policy.safetensors").stat().st_mtime_ns == saved
 
 
 def fail_syncs(monkeypatch: Any, version: int, times: int) -> list[int]:

@@ -22,6 +22,7 @@ from ._errors import MessageTypeError as MessageTypeError
 from ._errors import NameTakenError as NameTakenError
 from ._errors import RemoteError as RemoteError
 from ._errors import SupervisorFailed as SupervisorFailed
+from ._errors import root_error as root_error
 from ._message import Request as Request
 from ._message import Terminated as Terminated
 from ._ref import ActorRef as ActorRef

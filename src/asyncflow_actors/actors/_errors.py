@@ -27,7 +27,8 @@ class ActorCrashed(ActorError):
         if error is None:
             what = f"actor {name!r} stopped"
         else:
-            what = f"actor {name!r} crashed: {type(error).__name__}: {error}"
+            inner = ungroup(error)
+            what = f"actor {name!r} crashed: {type(inner).__name__}: {inner}"
         super().__init__(f"{what}{' (' + detail + ')' if detail else ''}")
         self.__cause__ = error
 
@@ -71,7 +72,8 @@ class SupervisorFailed(ActorError):
         self.reason = reason
         self.failures = tuple(failures)
         lines = [f"supervisor {name!r} failed: {reason}"]
-        lines += [f"  - {type(f).__name__}: {f}" for f in self.failures[-8:]]
+        inner = [ungroup(f) for f in self.failures[-8:]]
+        lines += [f"  - {type(f).__name__}: {f}" for f in inner]
         super().__init__("\n".join(lines))
         if self.failures:
             self.__cause__ = self.failures[-1]
@@ -95,3 +97,26 @@ class RemoteError(ActorError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.type_name, self.message, self.remote_traceback))
+
+
+def ungroup(error: BaseException) -> BaseException:
+    """``error`` without trio's groups of one around it."""
+    while True:
+        group = getattr(error, "exceptions", None)  # a BaseExceptionGroup (3.10: a backport)
+        if not (isinstance(group, tuple) and len(group) == 1):
+            return error
+        if not isinstance(group[0], BaseException):
+            return error
+        error = group[0]
+
+
+def root_error(error: BaseException) -> BaseException:
+    """The exception behind ``error``, as its author raised it: trio's groups of one unwrapped,
+    an ``ActorCrashed`` or ``SupervisorFailed`` followed to its cause."""
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        error = ungroup(error)
+        if isinstance(error, (ActorCrashed, SupervisorFailed)) and error.__cause__ is not None:
+            error = error.__cause__
+    return error

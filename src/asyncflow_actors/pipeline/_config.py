@@ -40,6 +40,8 @@ from ..roles._settings import (
     SettingsError,
     TaskSettings,
     TrainSettings,
+    _one_of,
+    _positive,
 )
 
 if sys.version_info >= (3, 11):
@@ -78,12 +80,16 @@ class PlacementConfig:
     than the station's compute (``docs/pipeline.md`` §4).
     """
 
-    default: Literal["local", "process"] = "process"
+    default: Literal["local", "process"] = attrs.field(
+        default="process", validator=_one_of("local", "process")
+    )
     roles: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
     nodes: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
-    transport: Literal["ipc", "tcp"] = "ipc"
-    tq_units: int = 1
-    tq_placement: Literal["local", "process"] = "local"
+    transport: Literal["ipc", "tcp"] = attrs.field(default="ipc", validator=_one_of("ipc", "tcp"))
+    tq_units: int = attrs.field(default=1, validator=_positive)
+    tq_placement: Literal["local", "process"] = attrs.field(
+        default="local", validator=_one_of("local", "process")
+    )
 
 
 @attrs.frozen
@@ -98,7 +104,9 @@ class PipelineConfig:
     mode: Literal["sync", "colocated", "one_step_off", "async"] = "async"
     staleness: int | None = None
     run_dir: str | None = None
-    progress: Literal["auto", "rich", "plain", "none"] = "auto"
+    progress: Literal["auto", "rich", "plain", "none"] = attrs.field(
+        default="auto", validator=_one_of("auto", "rich", "plain", "none")
+    )
     observe: bool = False
     plot: bool = True
     model: ModelSettings = attrs.field(factory=ModelSettings)
@@ -197,6 +205,10 @@ class PipelineConfig:
                 data = tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
             raise PipelineConfigError(f"{os.fspath(path)}: not valid TOML: {exc}") from exc
+        except FileNotFoundError as exc:
+            raise PipelineConfigError(f"no such file: {os.fspath(path)}") from exc
+        except OSError as exc:
+            raise PipelineConfigError(f"{os.fspath(path)}: {exc.strerror or exc}") from exc
         return cls.from_dict(data)
 
 

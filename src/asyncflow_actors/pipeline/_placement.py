@@ -21,6 +21,7 @@ from ..actors import (
     ActorRef,
     Restart,
     Terminated,
+    root_error,
 )
 from ..actors.remote import Node, NodeSystem
 from ..roles.preload import Preload
@@ -30,7 +31,19 @@ ALLOW = ("asyncflow_actors",)
 
 
 class RunFailed(RuntimeError):
-    """A role of the run terminated for good; ``__cause__`` is its error."""
+    """A role of the run terminated for good: ``role`` (its worker name), ``error`` (also
+    ``__cause__``): the exception behind it as its author raised it (``root_error``: not
+    trio's group of one, not the supervisor's wrapper); ``None`` if it stopped."""
+
+    def __init__(self, role: str, error: BaseException | None) -> None:
+        self.role = role
+        self.error = None if error is None else root_error(error)
+        what = "stopped" if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        super().__init__(f"role {role!r} terminated: {what}")
+        self.__cause__ = self.error
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.role, self.error))
 
 
 class Watcher(Actor[Terminated]):
@@ -49,8 +62,8 @@ class Watcher(Actor[Terminated]):
 
     async def receive(self, msg: Terminated, ctx: ActorContext[Terminated]) -> None:
         await trio.lowlevel.checkpoint()
-        error = RunFailed(f"role {msg.ref.name!r} terminated: {msg.error!r}")
-        error.__cause__ = msg.error
+        # "rollout-0.<run>/rollout-0.<run>" (a node's actor): the worker's name
+        error = RunFailed(msg.ref.name.rpartition("/")[2].partition(".")[0], msg.error)
         self.errors.append(error)
         self.failed.set()
 
@@ -111,7 +124,16 @@ class Placement:
         return await self.nodes[where].spawn(target, name=name, kwargs=kwargs, restart=restart)
 
     async def stop(self, refs: list[ActorRef[Any]]) -> None:
-        """Stop the roles (in reverse start order), then the nodes; shielded, bounded."""
+        """Stop the roles (in reverse start order), then the nodes (together: each takes a
+        second or more to exit); shielded, bounded."""
+
+        async def stop_node(node: Node) -> None:
+            with trio.move_on_after(15):
+                try:
+                    await node.stop()
+                except ActorCrashed:
+                    pass
+
         with trio.CancelScope(shield=True):
             for ref in reversed(refs):
                 with trio.move_on_after(10):
@@ -119,9 +141,6 @@ class Placement:
                         await ref.stop()
                     except ActorCrashed:
                         pass  # gone already
-            for node in self.nodes.values():
-                with trio.move_on_after(15):
-                    try:
-                        await node.stop()
-                    except ActorCrashed:
-                        pass
+            async with trio.open_nursery() as nursery:
+                for node in self.nodes.values():
+                    nursery.start_soon(stop_node, node)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, TextIO
 
 import attrs
@@ -90,7 +91,10 @@ class Progress:
     """Shows each step: a rich progress bar on a terminal (``mode="rich"``, or ``"auto"`` on a
     TTY with ``rich`` installed), else one plain line per step (``"plain"``), or nothing."""
 
-    def __init__(self, mode: str, total: int, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, mode: str, total: int, stream: TextIO | None = None, *, start: int = 0
+    ) -> None:
+        """``total``: the run's last step; ``start``: the step it starts after (a resume)."""
         self.stream = stream or sys.stdout
         self.total = total
         self._rich: Any = None
@@ -108,7 +112,7 @@ class Progress:
                 TextColumn("{task.description}"),
                 console=Console(file=self.stream),
             )
-            self._task = self._rich.add_task("", total=total)
+            self._task = self._rich.add_task("", total=total, completed=start)
             self._rich.start()
 
     def update(self, record: StepRecord) -> None:
@@ -122,6 +126,38 @@ class Progress:
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
+
+
+HF_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+
+
+@contextmanager
+def third_party_bars_off() -> Iterator[None]:
+    """Hugging Face's download and loading bars off while a run's display is live (they would
+    interleave with its lines): in this process, and in the node processes started meanwhile
+    (they inherit ``HF_HUB_DISABLE_PROGRESS_BARS``). Restored afterwards."""
+    saved = os.environ.get(HF_BARS)
+    os.environ[HF_BARS] = "1"
+    # already imported (a preflight loads a model's config): switch theirs off too
+    hub: Any = sys.modules.get("huggingface_hub.utils")
+    hub_on = hub is not None and not hub.are_progress_bars_disabled()
+    if hub_on:
+        hub.disable_progress_bars()
+    hf: Any = sys.modules.get("transformers.utils.logging")
+    hf_on = hf is not None and hf.is_progress_bar_enabled()
+    if hf_on:
+        hf.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(HF_BARS, None)
+        else:
+            os.environ[HF_BARS] = saved
+        if hub_on:
+            hub.enable_progress_bars()
+        if hf_on:
+            hf.enable_progress_bar()
 
 
 def _has_rich() -> bool:

@@ -20,7 +20,7 @@ import json
 import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -41,6 +41,8 @@ from ..roles import (
     RoleStatistics,
     Rollout,
     StepDone,
+    Stopped,
+    StopRun,
     SyncReport,
     Trainer,
     topic_specs,
@@ -51,7 +53,15 @@ from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_tran
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
 from ._plot import plot_run
-from ._report import Progress, StepRecord, idle_ratios
+from ._preflight import preflight
+from ._report import (
+    Progress,
+    StepRecord,
+    idle_ratios,
+    read_steps,
+    third_party_bars_off,
+)
+from ._rundir import clear_run_dir, trim_steps
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -75,7 +85,9 @@ def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
 @attrs.frozen
 class PipelineResult:
     """What a run did: ``records`` per step, trained ``samples`` over ``seconds`` (from the start
-    of training to the last step), the final ``version``, checkpoints written."""
+    of training to the last step), the final ``version``, checkpoints written. ``stopped``: the
+    run was stopped (``Pipeline.stop``) before its last step; ``latest_checkpoint``: the newest
+    checkpoint of the run (``final``, or the one it resumed from), ``None`` if none."""
 
     mode: str
     staleness: int
@@ -87,6 +99,8 @@ class PipelineResult:
     reinjected: int
     checkpoints: tuple[str, ...]
     run_dir: str | None
+    stopped: bool = False
+    latest_checkpoint: str | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -106,19 +120,30 @@ async def run_pipeline(
     *,
     system: NodeSystem | None = None,
     resume: str | None = None,
+    overwrite: bool = False,
     on_step: OnStep | None = None,
 ) -> PipelineResult:
     """Run ``config`` to the end (see the module docstring); ``resume``: a checkpoint directory
-    (``run_dir/checkpoints/step-N``) to continue from. ``on_step`` sees every ``StepRecord``."""
+    (``run_dir/final``, ``run_dir/checkpoints/step-N``) or a run directory to continue from;
+    ``overwrite``: replace the run in ``run_dir`` (a new run refuses one otherwise). ``on_step`` sees every ``StepRecord``."""
     if system is None:
+        # checked before the system's nursery: a bad config raises PipelineConfigError itself
+        resume = await trio.to_thread.run_sync(
+            lambda: preflight(config, resume=resume, overwrite=overwrite)
+        )
         async with open_actor_system() as own:
-            return await run_pipeline(config, system=own, resume=resume, on_step=on_step)
-    async with open_pipeline(system, config, resume=resume, on_step=on_step) as run:
+            return await run_pipeline(
+                config, system=own, resume=resume, overwrite=overwrite, on_step=on_step
+            )
+    async with open_pipeline(
+        system, config, resume=resume, overwrite=overwrite, on_step=on_step
+    ) as run:
         return await run.wait()
 
 
 class Pipeline:
-    """A started run (from ``open_pipeline``): ``await wait()`` for its result."""
+    """A started run (from ``open_pipeline``): ``await wait()`` for its result; ``stop()`` asks
+    it to stop cleanly (``wait`` then returns a result with ``stopped``)."""
 
     def __init__(self, config: PipelineConfig, progress: Progress) -> None:
         self.config = config
@@ -131,7 +156,32 @@ class Pipeline:
         self.nodes: dict[str, Node] = {}  # node name (as configured) -> its handle
         self.started = 0.0
         self.version = 0
+        self.resumed_from: str | None = None
+        self.seconds_before = 0.0  # a resumed run: the seconds of the steps before it
         self._recorded = trio.Event()
+        self._stop = trio.Event()
+        self._stopped: Stopped | None = None
+        self._record_added = trio.Event()
+
+    def stop(self) -> None:
+        """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
+        newest checkpoint holds it, the roles are stopped, and ``wait`` returns."""
+        self._stop.set()
+
+    async def _stop_when_asked(self) -> None:
+        await self._stop.wait()
+        driver = self.refs.get("driver")
+        if driver is None:  # not started yet: nothing trained, nothing to save
+            self._stopped = Stopped(self.version, self.resumed_from or "")
+            return
+        answer = await driver.ask(StopRun())
+        if answer.pending:  # the Driver saves at the step the Trainer is reporting
+            await self.hooks.done.wait()
+            assert self.hooks.stopped is not None
+            answer = self.hooks.stopped
+        self._stopped = answer
+        while self.version < answer.version:  # its record reaches steps.jsonl
+            await self._record_added.wait()
 
     async def wait(self) -> PipelineResult:
         """Until the last step is recorded; raises ``RunFailed`` if a role terminated."""
@@ -141,7 +191,12 @@ class Pipeline:
                 await self.failed.wait()
                 nursery.cancel_scope.cancel()
 
+            async def watch_stop() -> None:
+                await self._stop_when_asked()
+                nursery.cancel_scope.cancel()
+
             nursery.start_soon(watch_failure)
+            nursery.start_soon(watch_stop)
             await self._recorded.wait()
             nursery.cancel_scope.cancel()
         if self.errors:
@@ -151,7 +206,7 @@ class Pipeline:
     def result(self) -> PipelineResult:
         records = tuple(self.records)
         samples = sum(r.samples for r in records)
-        seconds = records[-1].seconds if records else 0.0
+        seconds = records[-1].seconds - self.seconds_before if records else 0.0
         return PipelineResult(
             mode=self.config.mode,
             staleness=self.config.effective_staleness,
@@ -163,6 +218,10 @@ class Pipeline:
             reinjected=self.hooks.reinjected,
             checkpoints=tuple(self.hooks.checkpoints),
             run_dir=self.config.run_dir,
+            stopped=self._stopped is not None,
+            latest_checkpoint=(
+                self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
+            ),
         )
 
 
@@ -172,9 +231,15 @@ async def open_pipeline(
     config: PipelineConfig,
     *,
     resume: str | None = None,
+    overwrite: bool = False,
     on_step: OnStep | None = None,
 ) -> AsyncIterator[Pipeline]:
-    """Start a run under ``system``; stop everything when the block exits."""
+    """Start a run under ``system``; stop everything when the block exits. ``resume``: a
+    checkpoint directory, or a run directory (its newest checkpoint). Everything checkable is
+    checked first (``preflight``: ``PipelineConfigError`` before any process starts)."""
+    resume = await trio.to_thread.run_sync(
+        lambda: preflight(config, resume=resume, overwrite=overwrite)
+    )
     # torch and the roles load in a worker thread: this event loop serves the TQ and the run
     await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
     state = DriverState.read(resume) if resume else None
@@ -183,10 +248,21 @@ async def open_pipeline(
         resume_from=_absolute(resume),
     )
     total = config.train.steps - spec.start_version
+    earlier: list[dict[str, Any]] = []  # the step records before the checkpoint resumed
     if config.run_dir:
+        if overwrite and resume is None:
+            await trio.to_thread.run_sync(clear_run_dir, config.run_dir)
+        if state is not None:
+            earlier = await trio.to_thread.run_sync(trim_steps, config.run_dir, state.version)
         await trio.to_thread.run_sync(_write_config, config)
-    run = Pipeline(config, Progress(config.progress, max(total, 0)))
+    progress = Progress(config.progress, config.train.steps, start=spec.start_version)
+    run = Pipeline(config, progress)
     run.version = spec.start_version
+    run.seconds_before = float(earlier[-1].get("seconds", 0.0)) if earlier else 0.0
+    run.resumed_from = resume
+    bars = ExitStack()  # third parties' progress bars off while the display is live
+    if config.progress != "none":
+        bars.enter_context(third_party_bars_off())
     suffix = spec.run_id[:8]
     tq_config = TransferQueueConfig(
         topics=topic_specs(spec),
@@ -241,11 +317,12 @@ async def open_pipeline(
     finally:
         with trio.CancelScope(shield=True):
             run.progress.close()
+            bars.close()
             forget_shared_policy(spec)
             if config.run_dir and config.plot and run.records:
                 title = f"{config.mode} (staleness {config.effective_staleness})"
                 path = os.path.join(config.run_dir, "curves.png")
-                await trio.to_thread.run_sync(plot_run, run.records, path, title)
+                await trio.to_thread.run_sync(_plot, run.records, steps_jsonl, path, title)
 
 
 @asynccontextmanager
@@ -339,6 +416,7 @@ async def _report_steps(
     previous = await role_statistics(run.refs)
     last = run.started
     count = 0
+    total_before = run.config.train.steps - total
     async for msg, report, _ in receive:
         now = trio.current_time()
         stats = await role_statistics(run.refs)
@@ -352,9 +430,9 @@ async def _report_steps(
         count += 1
         wall = now - last
         record = StepRecord(
-            step=count,
+            step=total_before + count,  # continuous over a resume
             version=msg.version,
-            seconds=now - run.started,
+            seconds=run.seconds_before + now - run.started,
             step_seconds=wall,
             samples=msg.samples,
             samples_per_s=msg.samples / wall if wall > 0 else 0.0,
@@ -372,6 +450,8 @@ async def _report_steps(
         previous, last = stats, now
         run.records.append(record)
         run.version = msg.version
+        run._record_added.set()
+        run._record_added = trio.Event()
         if path is not None:
             line = json.dumps(record.to_json()) + "\n"
             async with await trio.open_file(path, "a", encoding="utf-8") as f:
@@ -383,6 +463,14 @@ async def _report_steps(
                 await maybe
         if count >= total:
             run._recorded.set()
+
+
+def _plot(records: list[StepRecord], steps: str | None, path: str, title: str) -> None:
+    """The whole run's curves: every record of ``steps.jsonl`` (a resumed run's earlier steps
+    too), else this run's."""
+    if steps is not None and os.path.exists(steps):
+        records = read_steps(steps)
+    plot_run(records, path, title)
 
 
 def _absolute(path: str | None) -> str | None:

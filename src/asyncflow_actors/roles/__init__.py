@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from ._messages import Scored as Scored
     from ._messages import StepAck as StepAck
     from ._messages import StepDone as StepDone
+    from ._messages import Stopped as Stopped
+    from ._messages import StopRun as StopRun
     from ._messages import SyncReport as SyncReport
     from ._messages import SyncWeights as SyncWeights
     from ._multi_engine import MultiEngine as MultiEngine
@@ -76,6 +78,8 @@ _LAZY = {
     "GetRoleStats": "._messages",
     "RoleStatistics": "._messages",
     "SaveCheckpoint": "._messages",
+    "Stopped": "._messages",
+    "StopRun": "._messages",
     "Score": "._messages",
     "Scored": "._messages",
     "StepAck": "._messages",

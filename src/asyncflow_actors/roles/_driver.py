@@ -18,8 +18,13 @@
   worker found gone when it came to write them (``GroupGone``: e.g. a group shrunk or
   discarded to nothing, which no event names) and prompts lost before generation are injected
   again, once each, keeping their slots.
-- **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save, and writes the
-  prompt cursor and the prompts still in flight (re-injected first on resume).
+- **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save under
+  ``run_dir/checkpoints/step-N`` (the newest ``keep_last`` kept), and writes the prompt cursor
+  and the prompts still in flight (re-injected first on resume). At the last step it saves
+  ``run_dir/final`` instead: a run with a ``run_dir`` always ends with its model saved.
+- **Stops.** On ``StopRun`` it saves ``run_dir/final`` at the last step unless the newest
+  checkpoint holds it already; if the Trainer has moved on to the next version meanwhile, it
+  saves at that step instead (whose ``StepDone`` is on its way) and ends the run there.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import shutil
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -45,33 +51,36 @@ from ._messages import (
     SaveCheckpoint,
     StepAck,
     StepDone,
+    Stopped,
+    StopRun,
     SyncReport,
     SyncWeights,
 )
-from ._settings import RunSpec
+from ._settings import CHECKPOINTS, DRIVER_FILE, FINAL, RunSpec
 from ._worker import Meter, in_thread, load_compute
 
 log = logging.getLogger("asyncflow_actors.roles")
 
-DRIVER_FILE = "driver.json"
 PROMPT_CHUNK = 256
 RESEND_TIMEOUT_S = 300.0  # a sync with its retries (``Trainer.SYNC_ATTEMPTS``)
 
 
 @attrs.frozen
 class DriverState:
-    """What a checkpoint keeps of the Driver: the version, the next prompt index and the prompts
-    injected but not yet trained."""
+    """What a checkpoint keeps of the Driver: the version, the next prompt index, the prompts
+    injected but not yet trained, and the run's ``[model]`` settings (a resume checks them)."""
 
     version: int
     cursor: int
     pending: tuple[int, ...]
+    model: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
     @classmethod
     def read(cls, directory: str) -> DriverState:
         with open(os.path.join(directory, DRIVER_FILE), encoding="utf-8") as f:
             raw = json.load(f)
-        return cls(int(raw["version"]), int(raw["cursor"]), tuple(int(i) for i in raw["pending"]))
+        pending = tuple(int(i) for i in raw["pending"])
+        return cls(int(raw["version"]), int(raw["cursor"]), pending, raw.get("model", {}))
 
     def write(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -84,16 +93,21 @@ class DriverState:
 @attrs.define
 class DriverHooks:
     """How the pipeline and the Driver (same process) talk: the trainer's ref once it exists,
-    a callback per step, the end of the run and checkpoints written."""
+    a callback per step, the end of the run (``done``; ``stopped``: by a ``StopRun``) and
+    checkpoints written."""
 
     on_step: Callable[[StepDone, SyncReport, float], Awaitable[None]] | None = None
     trainer: ActorRef[Any] | None = None
     done: trio.Event = attrs.Factory(trio.Event)
+    stopped: Stopped | None = None
     checkpoints: list[str] = attrs.Factory(list)
     reinjected: int = 0
 
 
-class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
+_Msg = StepDone | GetRoleStats | NeedWeights | GroupGone | StopRun
+
+
+class Driver(Actor[_Msg]):
     """The Driver of one run (see the module docstring); it lives in the driver process."""
 
     def __init__(
@@ -119,6 +133,9 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
+        self.stopping = False
+        # (version, directory) of the newest checkpoint: the one resumed from, else none yet
+        self.saved = (spec.start_version, spec.resume_from or "")
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
         self.compute = await load_compute(self.spec.train.torch_threads)
@@ -126,6 +143,7 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
         self.client = await TransferQueueClient.connect(self.controller, holder="driver")
         await self.client.set_version(S.ROLLOUT, self.version)
+        self.meter.set_version(self.version)
         self._step_started = trio.current_time()
         ctx.start_soon(self._inject)
         ctx.start_soon(self._watch_events)
@@ -247,9 +265,9 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         await self._put_prompt(index)
         return True
 
-    async def receive(
-        self, msg: StepDone | GetRoleStats | NeedWeights | GroupGone, ctx: ActorContext[Any]
-    ) -> Any:
+    async def receive(self, msg: _Msg, ctx: ActorContext[Any]) -> Any:
+        if isinstance(msg, StopRun):
+            return await self._stop()
         if isinstance(msg, GroupGone):
             if await self._reinject(msg.group_id):
                 log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
@@ -289,14 +307,32 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         spec = self.spec
         steps_done = msg.version - spec.start_version
         every = spec.train.checkpoint_every
-        if every and spec.run_dir and steps_done % every == 0:
+        stop = msg.version >= spec.train.steps or self.stopping
+        if spec.run_dir and stop:
+            if self.saved[0] < self.version:  # (a stop may have saved this step already)
+                await self.save_checkpoint(trainer, final=True)
+        elif every and spec.run_dir and steps_done % every == 0:
             await self.save_checkpoint(trainer)
         if self.hooks.on_step is not None:
             await self.hooks.on_step(msg, report, seconds)
-        stop = msg.version >= spec.train.steps
         if stop:
+            if self.stopping and self.hooks.stopped is None:
+                self.hooks.stopped = Stopped(*self.saved)
             self.hooks.done.set()
         return StepAck(stop)
+
+    async def _stop(self) -> Stopped:
+        """Save the last step unless the newest checkpoint holds it (``Stopped``), or, if the
+        Trainer has moved on, mark the run to end at the step it is reporting."""
+        self.stopping = True
+        trainer = self.hooks.trainer
+        if trainer is None or not self.spec.run_dir or self.saved[0] >= self.version:
+            self.hooks.stopped = Stopped(*self.saved)
+            return self.hooks.stopped
+        if await self.save_checkpoint(trainer, final=True, expect=self.version) is None:
+            return Stopped(self.version, "", pending=True)
+        self.hooks.stopped = Stopped(*self.saved)
+        return self.hooks.stopped
 
     async def _resend(self, worker: str) -> None:
         """Have the Trainer send the weights it holds to a restarted worker (and the others)."""
@@ -310,13 +346,58 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         except Exception as exc:  # the worker asks again when its next incarnation starts
             log.warning("resending the weights for %s failed: %r", worker, exc)
 
-    async def save_checkpoint(self, trainer: ActorRef[Any]) -> str:
-        """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>``."""
-        assert self.spec.run_dir is not None
-        directory = os.path.join(self.spec.run_dir, "checkpoints", f"step-{self.version:06d}")
-        await trainer.ask(SaveCheckpoint(directory))
+    async def save_checkpoint(
+        self, trainer: ActorRef[Any], *, final: bool = False, expect: int | None = None
+    ) -> str | None:
+        """Trainer state + Driver state under ``run_dir/checkpoints/step-<version>`` (the
+        oldest beyond ``keep_last`` removed), or ``run_dir/final`` (``final``: written beside
+        and swapped in, so a crash mid-write never leaves a half model there). With
+        ``expect``: only if the Trainer still holds that version (``None`` if not)."""
+        run_dir = self.spec.run_dir
+        assert run_dir is not None
+        version = self.version
+        if final:
+            directory = os.path.join(run_dir, FINAL)
+            target = directory + ".partial"
+            await in_thread(shutil.rmtree, target, True)
+        else:
+            directory = os.path.join(run_dir, CHECKPOINTS, f"step-{version:06d}")
+            target = directory
+        if not await trainer.ask(SaveCheckpoint(target, expect)):
+            return None
         pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog) | self.admitting))
-        state = DriverState(self.version, self.cursor, pending)
-        await in_thread(state.write, directory)
+        state = DriverState(version, self.cursor, pending, attrs.asdict(self.spec.model))
+        await in_thread(state.write, target)
+        if final:
+            await in_thread(_swap, target, directory)
+        elif self.spec.train.keep_last:
+            await in_thread(self._prune)
+        if directory in self.hooks.checkpoints:  # final, saved again at a later step
+            self.hooks.checkpoints.remove(directory)
         self.hooks.checkpoints.append(directory)
+        self.saved = (version, directory)
         return directory
+
+    def _prune(self) -> None:
+        """Remove the intermediate checkpoints beyond the newest ``keep_last`` (never the one
+        this run resumed from: a restarted station may read it)."""
+        assert self.spec.run_dir is not None
+        root = os.path.join(self.spec.run_dir, CHECKPOINTS)
+        names = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+        keep = os.path.abspath(self.spec.resume_from) if self.spec.resume_from else None
+        for name in names[: -self.spec.train.keep_last]:
+            path = os.path.join(root, name)
+            if os.path.abspath(path) != keep:
+                shutil.rmtree(path, ignore_errors=True)
+                if path in self.hooks.checkpoints:
+                    self.hooks.checkpoints.remove(path)
+
+
+def _swap(new: str, directory: str) -> None:
+    """Put the complete directory ``new`` in place of ``directory``."""
+    old = directory + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(directory):
+        os.replace(directory, old)
+    os.replace(new, directory)
+    shutil.rmtree(old, ignore_errors=True)

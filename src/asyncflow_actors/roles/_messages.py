@@ -17,12 +17,13 @@ def _floats(value: Mapping[str, float]) -> dict[str, float]:
 class RoleStatistics:
     """What a station did so far: ``busy_s`` computing, ``wait_s`` blocked on the TQ or slots.
 
-    ``extra`` holds role-specific counters (e.g. ``partial_samples`` for rollout).
+    ``version``: the policy version it holds (``None``: a role without a policy, such as the
+    advantage). ``extra`` holds role-specific counters (e.g. ``partial_samples`` for rollout).
     """
 
     role: str
     worker: str
-    version: int
+    version: int | None
     samples: int
     tokens: int
     steps: int
@@ -111,9 +112,28 @@ class AdoptVersion(Request[int]):
 
 @attrs.frozen
 class SaveCheckpoint(Request[str]):
-    """Driver → Trainer: write model, optimizer, version and RNG under ``directory``."""
+    """Driver → Trainer: write model, optimizer, version and RNG under ``directory``; with
+    ``version``, only if the Trainer still holds that version (else it answers ``""``)."""
 
     directory: str
+    version: int | None = None
+
+
+@attrs.frozen
+class Stopped:
+    """The Driver's answer to ``StopRun``: the ``version`` saved in ``checkpoint`` (the newest
+    checkpoint of the run, ``""`` if none), or ``pending``: the Trainer had moved on, and the
+    Driver saves at that step instead (``DriverHooks.done`` is set then)."""
+
+    version: int
+    checkpoint: str
+    pending: bool = False
+
+
+@attrs.frozen
+class StopRun(Request[Stopped]):
+    """Pipeline → Driver: stop the run cleanly: save a checkpoint unless the newest one holds
+    the last step, and end the run (``StepAck(stop=True)`` to the Trainer's next step)."""
 
 
 @attrs.frozen

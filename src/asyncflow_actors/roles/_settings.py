@@ -8,6 +8,7 @@ what the mode decides (staleness, whole-batch stages, colocation).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,26 +22,57 @@ class SettingsError(ValueError):
     """A setting is out of range or inconsistent; the message names the key."""
 
 
+DRIVER_FILE = "driver.json"  # a checkpoint's Driver state
+FINAL = "final"  # the run's last model, under run_dir
+CHECKPOINTS = "checkpoints"  # the intermediate ones, under run_dir
+
 DEFAULT_ENGINE_ROWS = 256
 """The most rows an engine gets by default (``RolloutSettings.max_batch`` unset)."""
 
 
 def _positive(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise SettingsError(f"{attribute.name} must be a number > 0, got {value!r}")
+        raise SettingsError(f"{attribute.name}: expected a number > 0, got {value!r}")
 
 
 def _non_negative(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise SettingsError(f"{attribute.name} must be a number >= 0, got {value!r}")
+        raise SettingsError(f"{attribute.name}: expected a number >= 0, got {value!r}")
+
+
+def _fraction(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise SettingsError(f"{attribute.name}: expected a number in (0, 1], got {value!r}")
+
+
+def _below_one(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A number in [0, 1) (a clip range below the ratio 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SettingsError(f"{attribute.name}: expected a number in [0, 1), got {value!r}")
 
 
 def _one_of(*choices: str) -> Any:
     def check(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value not in choices:
-            raise SettingsError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
+            raise SettingsError(f"{attribute.name}: expected one of {list(choices)}, got {value!r}")
 
     return check
+
+
+_DEVICE = re.compile(r"^(cpu|cuda|npu|xpu|mps|meta)(:\d+)?$")
+
+
+def _device(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or not _DEVICE.match(value):
+        raise SettingsError(
+            f"{attribute.name}: expected a torch device ('cpu', 'cuda', 'cuda:1', 'npu'...), "
+            f"got {value!r}"
+        )
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""``rl.AGG_MODES``, spelled out here: the settings load without torch."""
 
 
 @attrs.frozen
@@ -80,8 +112,15 @@ class ModelSettings:
     seed: int = 0
     init: str | None = None
     hf: str | None = None
-    device: str = "cpu"
+    device: str = attrs.field(default="cpu", validator=_device)
     lora: LoraSettings = attrs.field(factory=LoraSettings, converter=_lora)
+
+    def __attrs_post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise SettingsError(
+                f"n_heads: d_model = {self.d_model} does not split into {self.n_heads} heads "
+                "(d_model must be divisible by n_heads)"
+            )
 
 
 @attrs.frozen
@@ -129,7 +168,7 @@ class RolloutSettings:
     group_size: int = attrs.field(default=8, validator=_positive)
     max_new_tokens: int = attrs.field(default=8, validator=_positive)
     temperature: float = attrs.field(default=1.0, validator=_positive)
-    top_p: float = attrs.field(default=1.0, validator=_positive)
+    top_p: float = attrs.field(default=1.0, validator=_fraction)
     workers: int = attrs.field(default=1, validator=_positive)
     engines: int = attrs.field(default=1, validator=_positive)
     max_batch: int | None = attrs.field(
@@ -156,9 +195,9 @@ class AlgorithmSettings:
     correction of stale rollouts (``is_level`` ``"none"``, ``"token"`` or ``"sequence"``)."""
 
     advantage: str = attrs.field(default="grpo", validator=_one_of("grpo", "dr_grpo", "rloo"))
-    clip_low: float = attrs.field(default=0.2, validator=_non_negative)
+    clip_low: float = attrs.field(default=0.2, validator=_below_one)
     clip_high: float = attrs.field(default=0.2, validator=_non_negative)
-    agg: str = "token-mean"
+    agg: str = attrs.field(default="token-mean", validator=_one_of(*AGG_MODES))
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
     kl_estimator: str = attrs.field(default="k3", validator=_one_of("k1", "k2", "k3"))
     entropy_coef: float = attrs.field(default=0.0, validator=_non_negative)
@@ -174,8 +213,10 @@ class TrainSettings:
     ``forward_batch``: the most samples a forward or advantage station takes at a time when
     stages stream (async): it takes every whole group ready, up to that (default: a global
     batch), so a station that falls behind catches up in fewer, larger steps instead of paying
-    a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many steps
-    (0: never). ``torch_threads``: intra-op threads in every process of the run.
+    a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many
+    steps (0: never; the run's last step is always saved, in ``run_dir/final``), the newest
+    ``keep_last`` of them kept (0: all). ``torch_threads``: intra-op threads in every process
+    of the run.
     ``stream``: when stages stream (async) and a global batch is one update (``mini_batches``
     and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
     while the others are still generating, accumulating the gradient, and takes the one
@@ -197,6 +238,7 @@ class TrainSettings:
     )
     forward_workers: int = attrs.field(default=1, validator=_positive)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
+    keep_last: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
     stream: bool = True
     seed: int = 0

@@ -397,6 +397,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             return await self._sync(None)
         if isinstance(msg, SaveCheckpoint):
             async with self._model_lock:
+                if msg.version is not None and msg.version != self.version:
+                    return ""  # moved on: its StepDone is on its way to the Driver
                 meta = {"version": self.version}
                 await in_thread(self.learner.save, msg.directory, meta)
             return msg.directory

@@ -36,7 +36,7 @@ import attrs
 import trio
 
 from ..actors import Actor, ActorContext, ActorCrashed, ActorRef
-from ..observe import Track, clock_ns, get_registry, get_tracer
+from ..observe import Gauge, Track, clock_ns, get_registry, get_tracer
 from ..transfer_queue import (
     FIFO,
     Balanced,
@@ -157,14 +157,16 @@ class Meter:
         self._tokens = registry.counter("afa_role_tokens_total", role=role, worker=worker)
         self._steps = registry.counter("afa_role_steps_total", role=role, worker=worker)
         self._busy = registry.counter("afa_role_busy_seconds_total", role=role, worker=worker)
-        self._version = registry.gauge("afa_policy_version", role=role, worker=worker)
+        # created by the first set_version: a role without a policy (advantage, reward)
+        # reports no version rather than a 0 that reads like a stuck worker
+        self._version: Gauge | None = None
         self._waits = {
             op: registry.counter("afa_role_wait_seconds_total", role=role, worker=worker, op=op)
             for op in ("get", "put", "acquire")
         }
         self.samples = self.tokens = self.steps = 0
         self.busy_s = self.wait_s = 0.0
-        self.version = 0
+        self.version: int | None = None
         self.extra: dict[str, float] = {}
 
     def waited(self, op: str, start: int, **span: Any) -> None:
@@ -192,6 +194,10 @@ class Meter:
         self._steps.inc(steps)
 
     def set_version(self, version: int) -> None:
+        """The policy version this worker holds (none until the first call)."""
+        if self._version is None:
+            labels = {"role": self.role, "worker": self.worker}
+            self._version = get_registry().gauge("afa_policy_version", **labels)
         self.version = version
         self._version.set(version)
 

@@ -107,8 +107,10 @@ class SubprocessLauncher:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[OWNER_TOKEN_ENV] = token
+        # A session of its own: a terminal's Ctrl-C (sent to the whole foreground group) is
+        # for the driver, which stops its nodes; they exit anyway when it dies (stdin EOF).
         process = await trio.lowlevel.open_process(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True
         )
         try:
             assert process.stdout is not None

@@ -36,7 +36,7 @@ from typing import Any, Final
 import attrs
 
 from .._cell import ActorState, ActorStatistics
-from .._errors import ActorCrashed, ActorError, RemoteError
+from .._errors import ActorCrashed, ActorError, RemoteError, ungroup
 from ._wire import MessageRegistry
 
 HELLO: Final = "hello"
@@ -216,7 +216,7 @@ def error_info(error: BaseException, actor: str) -> ErrorInfo:
     crashed = isinstance(error, ActorCrashed)
     cause = error.error if isinstance(error, ActorCrashed) else None
     stopped = crashed and cause is None
-    inner: BaseException = cause if cause is not None else error
+    inner: BaseException = ungroup(cause) if cause is not None else error
     trace = "".join(traceback.format_exception(type(inner), inner, inner.__traceback__))
     message = str(inner) if not stopped else str(error)
     return ErrorInfo(type_name(type(inner)), message, actor, crashed, stopped, trace[-8000:])
