@@ -194,8 +194,12 @@ def _vllm_args(folder: str, max_len: int) -> dict[str, Any]:
 def bench_vllm(rounds: int) -> None:
     if _vllm_missing("engine_vllm_cpu_tokens_per_s"):
         return
-    from asyncflow_actors.rollout import export_hf, open_hf_engine
-    from asyncflow_actors.rollout._vllm_engine import close_vllm_engine, start_vllm_engine
+    from asyncflow_actors.rollout import (
+        close_vllm_engine,
+        export_hf,
+        open_hf_engine,
+        start_vllm_engine,
+    )
 
     tok = CharTokenizer("".join(chr(0x4E00 + i) for i in range(1021)))  # 1024 ids
     torch.manual_seed(0)
@@ -253,8 +257,12 @@ def bench_vllm_weights(rounds: int) -> None:
         return
     import asyncflow_actors as afa
     from asyncflow_actors.checkpoint import CheckpointConfig, CheckpointEngine
-    from asyncflow_actors.rollout import export_hf, llama_weights_from_tiny
-    from asyncflow_actors.rollout._vllm_engine import close_vllm_engine, start_vllm_engine
+    from asyncflow_actors.rollout import (
+        close_vllm_engine,
+        export_hf,
+        llama_weights_from_tiny,
+        start_vllm_engine,
+    )
 
     tok = CharTokenizer("".join(chr(0x4E00 + i) for i in range(1021)))
     torch.manual_seed(0)

