@@ -310,6 +310,8 @@ def bench_vllm_weights(rounds: int) -> None:
             ):
                 s, b = _alternate(rounds, subject, raw)
                 emit(name, statistics.median(s), "s", statistics.median(b))
+                phases = ", ".join(f"{k} {v:.3f}" for k, v in engine.weight_timings.items())
+                print(f"{name}: last afa_shm update, seconds: {phases}", file=sys.stderr)
                 print(
                     f"{name}: {nbytes / 1e6:.0f} MB, subject {min(s):.3f}..{max(s):.3f} s, "
                     f"raw copy {min(b):.3f}..{max(b):.3f} s over {rounds} rounds",

@@ -163,6 +163,7 @@ class VLLMEngine:
         self._tokens = 0
         self._loads = 0
         self.weight_bytes = 0
+        self.weight_timings: dict[str, float] = {}  # the last afa_shm update's phases (s)
         self._rate: deque[tuple[float, int]] = deque()
         self._closed = False
         self._broken: EngineError | None = None
@@ -431,6 +432,7 @@ class VLLMEngine:
                     version,
                     segment_bytes=self._segment_bytes,
                     checksum=self._checksum,
+                    timings=self.weight_timings,
                 )
             else:
                 await trio.to_thread.run_sync(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -44,23 +45,28 @@ async def send_shm(
     *,
     segment_bytes: int,
     checksum: bool,
+    timings: dict[str, float] | None = None,
 ) -> int:
     """Stage ``weights`` in vLLM's workers through shared memory, then commit them labelled
-    ``version``; returns the bytes sent. The caller holds vLLM paused (no step runs between
+    ``version``; returns the bytes sent (``timings``, if given, gets the seconds of each phase:
+    ``write``, ``stage``, ``commit``, ``label``). The caller holds vLLM paused (no step runs between
     the commit and the label). Cancellation before the commit abandons the update."""
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+    clock = _Clock(timings)
     plan = await trio.to_thread.run_sync(
         functools.partial(
             write_segments, dict(weights), segment_bytes=segment_bytes, checksum=checksum
         )
     )
+    clock.lap("write")
     try:
         try:
             await bridge.call(llm.start_weight_update)
             await bridge.call(
                 llm.update_weights, WeightTransferUpdateRequest(update_info=plan.to_wire())
             )
+            clock.lap("stage")
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await _abandon(llm, bridge)
@@ -80,10 +86,26 @@ async def send_shm(
                 raise WeightCommitError(
                     f"vLLM failed loading the weights of version {version}: {_reason(exc)}"
                 ) from exc
+            clock.lap("commit")
             await bridge.call(llm.finish_weight_update, str(version))
+            clock.lap("label")
     finally:
         remove_segments(plan.segments)
     return plan.nbytes
+
+
+class _Clock:
+    """Seconds between laps, into ``timings`` (when given)."""
+
+    def __init__(self, timings: dict[str, float] | None) -> None:
+        self.timings = timings
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[name] = now - self.last
+        self.last = now
 
 
 async def _abandon(llm: Any, bridge: AsyncioThread) -> None:
