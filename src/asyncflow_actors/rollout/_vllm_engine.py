@@ -50,6 +50,7 @@ from ._types import (
     GenerationRequest,
     ResumeLimitError,
 )
+from ._vllm_shm import SegmentPool
 from ._vllm_weights import WeightCommitError, send_ipc, send_shm
 
 __all__ = ["VLLMEngine", "WeightTransfer", "versions_from_spans", "vllm_sampling_kwargs"]
@@ -164,6 +165,7 @@ class VLLMEngine:
         self._loads = 0
         self.weight_bytes = 0
         self.weight_timings: dict[str, float] = {}  # the last afa_shm update's phases (s)
+        self.segments = SegmentPool()  # afa_shm's, reused from one update to the next
         self._rate: deque[tuple[float, int]] = deque()
         self._closed = False
         self._broken: EngineError | None = None
@@ -430,6 +432,7 @@ class VLLMEngine:
                     self._bridge,
                     weights,
                     version,
+                    pool=self.segments,
                     segment_bytes=self._segment_bytes,
                     checksum=self._checksum,
                     timings=self.weight_timings,

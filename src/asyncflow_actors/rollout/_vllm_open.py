@@ -104,6 +104,7 @@ def close_vllm_engine(engine: VLLMEngine) -> None:
         engine.llm.shutdown(timeout=10)
     finally:
         engine._bridge.stop()
+        engine.segments.close()
 
 
 @asynccontextmanager

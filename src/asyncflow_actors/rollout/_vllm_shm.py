@@ -1,8 +1,12 @@
 """Weights to vLLM's workers through shared memory: the segment layout both sides agree on.
 
-The rollout process (``VLLMEngine.load_weights``) packs the tensors into a few segment files
-under ``/dev/shm`` (``write_segments``), each with its CRC-32; vLLM's worker maps them
-(``map_segment``), verifies them and loads the tensors straight from the mapping. What travels
+The rollout process (``VLLMEngine.load_weights``) packs the tensors into a few shared-memory
+segments (``write_segments``), each with its CRC-32; vLLM's worker maps them (``map_segment``),
+verifies them and loads the tensors straight from the mapping. A segment is a ``memfd``
+(Linux, as vLLM): it has no name in any folder, dies with the rollout process (nothing leaks
+if it is killed), and the worker opens it as ``/proc/<pid>/fd/<fd>``. A ``SegmentPool`` keeps
+its segments from one update to the next: their pages stay mapped and faulted in, so an update
+costs one copy into them, not fresh pages every time. What travels
 on vLLM's own channel (``collective_rpc``) is only ``UpdatePlan.to_wire()``: names, dtypes,
 shapes, offsets, segment paths and checksums, as plain lists (msgpack, never pickle).
 
@@ -14,7 +18,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import secrets
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -23,19 +26,18 @@ import attrs
 import torch
 
 __all__ = [
-    "SEGMENT_DIR",
     "ParamSlot",
     "Segment",
     "SegmentError",
+    "SegmentPool",
     "UpdatePlan",
     "map_segment",
-    "remove_segments",
     "tensors_of",
     "write_segments",
 ]
 
-SEGMENT_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
-_NAME = re.compile(r"^afa-vllm-[0-9a-f]{16}-\d+$")
+_PATH = re.compile(r"^/proc/\d+/fd/\d+$")
+_MEMFD = "afa-vllm-segment"
 _ALIGN = 64  # every tensor starts on a cache line (and any dtype's alignment)
 
 
@@ -114,15 +116,46 @@ def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def write_segments(
-    weights: Mapping[str, torch.Tensor], *, segment_bytes: int, checksum: bool = True
-) -> UpdatePlan:
-    """Copy ``weights`` (host or device tensors) into new segment files; the caller removes
-    them (``remove_segments``) once the update is over, whatever its outcome.
+class SegmentPool:
+    """The sender's segments, kept across updates (``close`` frees them; so does exiting)."""
 
-    A segment holds tensors up to ``segment_bytes`` (a larger tensor gets a segment of its
-    own). Blocking: run it in a worker thread.
-    """
+    def __init__(self) -> None:
+        self._segments: list[tuple[int, mmap.mmap]] = []
+
+    def segment(self, index: int, nbytes: int) -> tuple[str, mmap.mmap]:
+        """The ``/proc`` path and a writable mapping of segment ``index``, of ``nbytes``."""
+        while len(self._segments) <= index:
+            fd = os.memfd_create(_MEMFD, os.MFD_CLOEXEC)
+            self._segments.append((fd, mmap.mmap(-1, 1)))  # placeholder, resized below
+        fd, mapped = self._segments[index]
+        if len(mapped) != nbytes:
+            mapped.close()
+            os.ftruncate(fd, nbytes)
+            mapped = mmap.mmap(fd, nbytes)
+            self._segments[index] = (fd, mapped)
+        return f"/proc/{os.getpid()}/fd/{fd}", mapped
+
+    def close(self) -> None:
+        segments, self._segments = self._segments, []
+        for fd, mapped in segments:
+            try:
+                mapped.close()
+            except BufferError:
+                pass  # a view still exists: the mapping goes with it
+            os.close(fd)
+
+
+def write_segments(
+    weights: Mapping[str, torch.Tensor],
+    *,
+    pool: SegmentPool,
+    segment_bytes: int,
+    checksum: bool = True,
+) -> UpdatePlan:
+    """Copy ``weights`` (host or device tensors) into ``pool``'s segments. A segment holds
+    tensors up to ``segment_bytes`` (a larger tensor gets a segment of its own). The segments
+    must not be written again until the receivers have dropped their mappings (the update is
+    over). Blocking: run it in a worker thread."""
     groups: list[list[tuple[str, torch.Tensor, int]]] = [[]]
     size = 0
     for name, tensor in weights.items():
@@ -132,60 +165,43 @@ def write_segments(
             size = 0
         groups[-1].append((name, tensor, size))
         size = _round_up(size + nbytes)
-    token = secrets.token_hex(8)
     segments: list[Segment] = []
     slots: list[ParamSlot] = []
-    try:
-        for index, group in enumerate(groups):
-            total = max(
-                _ALIGN, max((off + t.numel() * t.element_size() for _, t, off in group), default=0)
+    for index, group in enumerate(groups):
+        total = max(
+            _ALIGN, max((off + t.numel() * t.element_size() for _, t, off in group), default=0)
+        )
+        path, mapped = pool.segment(index, total)
+        buf = torch.frombuffer(mapped, dtype=torch.uint8)
+        end = 0
+        for name, tensor, off in group:
+            buf[end:off].zero_()  # padding: a segment's bytes depend on the weights alone
+            nbytes = tensor.numel() * tensor.element_size()
+            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[off : off + nbytes].copy_(src)
+            end = off + nbytes
+            slots.append(
+                ParamSlot(
+                    name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), index, off
+                )
             )
-            path = os.path.join(SEGMENT_DIR, f"afa-vllm-{token}-{index}")
-            segments.append(Segment(path, total, 0))
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, total)
-                with mmap.mmap(fd, total) as mapped:
-                    buf = torch.frombuffer(mapped, dtype=torch.uint8)
-                    for name, tensor, off in group:
-                        nbytes = tensor.numel() * tensor.element_size()
-                        src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                        buf[off : off + nbytes].copy_(src)
-                        slots.append(
-                            ParamSlot(
-                                name,
-                                str(tensor.dtype).removeprefix("torch."),
-                                tuple(tensor.shape),
-                                index,
-                                off,
-                            )
-                        )
-                    crc = zlib.crc32(mapped) if checksum else 0
-                    del buf
-            finally:
-                os.close(fd)
-            segments[-1] = Segment(path, total, crc)
-    except BaseException:
-        remove_segments(segments)
-        raise
+        buf[end:].zero_()
+        del buf
+        segments.append(Segment(path, total, zlib.crc32(mapped) if checksum else 0))
     return UpdatePlan(tuple(segments), tuple(slots))
 
 
-def remove_segments(segments: Sequence[Segment]) -> None:
-    """Unlink the segment files (mappings still open stay valid until closed)."""
-    for segment in segments:
-        try:
-            os.unlink(segment.path)
-        except FileNotFoundError:
-            pass
-
-
 def map_segment(segment: Segment, *, checksum: bool = True) -> mmap.mmap:
-    """Map a segment copy-on-write (nothing is written back) after checking its name, size
-    and CRC-32. Raises ``SegmentError``."""
-    folder, name = os.path.split(segment.path)
-    if os.path.realpath(folder) != os.path.realpath(SEGMENT_DIR) or not _NAME.match(name):
-        raise SegmentError(f"{segment.path!r} is not a weight segment under {SEGMENT_DIR}")
+    """Map a segment copy-on-write (nothing is written back) after checking that it is one
+    of our memfds, its size and its CRC-32. Raises ``SegmentError``."""
+    try:
+        is_ours = bool(_PATH.match(segment.path)) and os.readlink(segment.path).startswith(
+            f"/memfd:{_MEMFD}"
+        )
+    except OSError:
+        is_ours = False
+    if not is_ours:
+        raise SegmentError(f"{segment.path!r} is not a weight segment")
     try:
         fd = os.open(segment.path, os.O_RDONLY)
     except OSError as exc:

@@ -28,7 +28,7 @@ import trio
 
 from ._asyncio_bridge import AsyncioThread
 from ._types import EngineError, WeightLoadError
-from ._vllm_shm import remove_segments, write_segments
+from ._vllm_shm import SegmentPool, write_segments
 
 __all__ = ["WeightCommitError", "send_ipc", "send_shm"]
 
@@ -43,6 +43,7 @@ async def send_shm(
     weights: Mapping[str, torch.Tensor],
     version: int,
     *,
+    pool: SegmentPool,
     segment_bytes: int,
     checksum: bool,
     timings: dict[str, float] | None = None,
@@ -56,41 +57,42 @@ async def send_shm(
     clock = _Clock(timings)
     plan = await trio.to_thread.run_sync(
         functools.partial(
-            write_segments, dict(weights), segment_bytes=segment_bytes, checksum=checksum
+            write_segments,
+            dict(weights),
+            pool=pool,
+            segment_bytes=segment_bytes,
+            checksum=checksum,
         )
     )
     clock.lap("write")
     try:
-        try:
-            await bridge.call(llm.start_weight_update)
-            await bridge.call(
-                llm.update_weights, WeightTransferUpdateRequest(update_info=plan.to_wire())
-            )
-            clock.lap("stage")
-        except BaseException as exc:
-            with trio.CancelScope(shield=True):
-                await _abandon(llm, bridge)
-            if isinstance(exc, Exception):
-                raise WeightLoadError(
-                    f"vLLM refused the weights of version {version}: {_reason(exc)}"
-                ) from exc
-            raise
-        # committed and labelled whole, even if the caller is cancelled meanwhile
+        await bridge.call(llm.start_weight_update)
+        await bridge.call(
+            llm.update_weights, WeightTransferUpdateRequest(update_info=plan.to_wire())
+        )
+        clock.lap("stage")
+    except BaseException as exc:
         with trio.CancelScope(shield=True):
-            try:
-                await bridge.call(
-                    llm.update_weights, WeightTransferUpdateRequest(update_info={"commit": True})
-                )
-            except Exception as exc:
-                await _abandon(llm, bridge)
-                raise WeightCommitError(
-                    f"vLLM failed loading the weights of version {version}: {_reason(exc)}"
-                ) from exc
-            clock.lap("commit")
-            await bridge.call(llm.finish_weight_update, str(version))
-            clock.lap("label")
-    finally:
-        remove_segments(plan.segments)
+            await _abandon(llm, bridge)
+        if isinstance(exc, Exception):
+            raise WeightLoadError(
+                f"vLLM refused the weights of version {version}: {_reason(exc)}"
+            ) from exc
+        raise
+    # committed and labelled whole, even if the caller is cancelled meanwhile
+    with trio.CancelScope(shield=True):
+        try:
+            await bridge.call(
+                llm.update_weights, WeightTransferUpdateRequest(update_info={"commit": True})
+            )
+        except Exception as exc:
+            await _abandon(llm, bridge)
+            raise WeightCommitError(
+                f"vLLM failed loading the weights of version {version}: {_reason(exc)}"
+            ) from exc
+        clock.lap("commit")
+        await bridge.call(llm.finish_weight_update, str(version))
+        clock.lap("label")
     return plan.nbytes
 
 

@@ -112,10 +112,14 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        if update_info.commit:
-            self._commit()
-        else:
-            self._stage(UpdatePlan.from_wire(update_info.segments, update_info.params))
+        try:
+            if update_info.commit:
+                self._commit()
+            else:
+                self._stage(UpdatePlan.from_wire(update_info.segments, update_info.params))
+        except BaseException:
+            self._drop()  # vLLM ends the update on a failure: nothing may stay mapped
+            raise
 
     def finish_weight_update(self) -> None:
         self._drop()
