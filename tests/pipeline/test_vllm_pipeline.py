@@ -52,4 +52,7 @@ async def test_a_pipeline_with_vllm_rollout_trains_and_syncs(tmp_path: Path) -> 
     assert [r.version for r in result.records] == [1, 2, 3]
     assert all(r.sync["sync_bytes"] > 0 for r in result.records)
     # vLLM's log-probs and the trainer's forward of the same tokens agree (fp32)
+    print(
+        "mismatch_kl_k1 per step:", [f"{r.metrics['mismatch_kl_k1']:.1e}" for r in result.records]
+    )
     assert all(abs(r.metrics["mismatch_kl_k1"]) < 1e-4 for r in result.records)
