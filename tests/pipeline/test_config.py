@@ -197,7 +197,7 @@ def test_asyncflow_train_runs_a_toml_file(tmp_path: Path) -> None:
 
 
 def test_the_vllm_example_config_loads() -> None:
-    """examples/vllm_grpo.toml is not run here (no GPU), but it must stay a valid config."""
+    """examples/vllm_grpo.toml runs in nox -s tests_vllm; here it must stay a valid config."""
     root = Path(__file__).resolve().parents[2]
     config = PipelineConfig.from_toml(root / "examples" / "vllm_grpo.toml")
     assert config.rollout.engine == "vllm" and config.model.hf is not None

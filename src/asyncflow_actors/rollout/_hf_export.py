@@ -88,8 +88,9 @@ def llama_weights_from_tiny(weights: Mapping[str, Tensor], config: TinyConfig) -
 
 
 def hf_char_tokenizer(tokenizer: CharTokenizer) -> Any:
-    """A ``PreTrainedTokenizerFast`` with the ids of ``tokenizer`` (one token per character)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A ``PreTrainedTokenizerFast`` with the ids of ``tokenizer`` (one token per character);
+    with special tokens it prepends BOS as ``CharTokenizer.encode(..., add_bos=True)`` does."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": tokenizer.pad_id, "<bos>": tokenizer.bos_id, "<eos>": tokenizer.eos_id}
@@ -97,6 +98,9 @@ def hf_char_tokenizer(tokenizer: CharTokenizer) -> Any:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", tokenizer.bos_id)]
+    )
     fast: Any = PreTrainedTokenizerFast  # untyped in some transformers releases
     return fast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 

