@@ -8,15 +8,19 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 import asyncflow_actors as afa
 from asyncflow_actors.checkpoint import (
     CheckpointEngine,
     GetReceiverStatistics,
+    PauseAck,
+    PauseMode,
     PhaseDeadlines,
     Resumed,
     SyncFailed,
     SyncResume,
+    WeightReceiver,
 )
 from tests.checkpoint.doubles import GetState, World, weights_of
 from tests.checkpoint.test_protocol import config, spawn
@@ -78,3 +82,54 @@ async def test_a_receiver_reporting_older_weights_after_the_commit_fails_the_syn
     assert info.value.receiver == "liar" and not info.value.committed
     assert info.value.phase == "resume" and "reports version -1" in str(info.value)
     assert engine.statistics().failed == 1
+
+
+class TakesAtResume:
+    """A lazy target whose host reaches its batch boundary while the sync resumes it: it takes
+    the pending weights there and loads them until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.gate = trio.Event()
+        self.ctx: afa.ActorContext[Any] | None = None
+        self.receiver: WeightReceiver | None = None
+
+    async def pause(self, mode: PauseMode) -> PauseAck:
+        await trio.lowlevel.checkpoint()
+        return PauseAck(mode, self.version)
+
+    async def resume(self) -> None:
+        assert self.ctx is not None and self.receiver is not None
+        self.ctx.start_soon(self.receiver.apply_pending)
+        await trio.testing.wait_all_tasks_blocked()  # the load under way, at the gate
+
+    async def load_weights(self, weights: Any, version: int) -> None:
+        await self.gate.wait()
+        self.version = version
+
+
+class Host(afa.Actor[Any]):
+    def __init__(self, target: TakesAtResume) -> None:
+        self.target = target
+
+    async def on_start(self, ctx: afa.ActorContext[Any]) -> None:
+        self.target.ctx = ctx
+        self.target.receiver = WeightReceiver(self.target, load="lazy", pause=False, offload=False)
+
+    async def receive(self, msg: Any, ctx: afa.ActorContext[Any]) -> Any:
+        assert self.target.receiver is not None
+        return await self.target.receiver.handle(msg, ctx)
+
+
+async def test_weights_the_host_is_loading_when_the_sync_resumes_count_as_delivered() -> None:
+    """The answer to the commit names a load under way (the host took the pending weights at
+    its boundary while the target resumed): not a receiver behind."""
+    target = TakesAtResume()
+    async with afa.open_actor_system() as system:
+        host = await system.spawn(lambda: Host(target), name="host")
+        with trio.fail_after(30):
+            result = await CheckpointEngine((host,), config()).sync(1, weights_of(1))
+            assert result.resumed[0].pending == 1 and target.version == -1
+            target.gate.set()
+            while target.version != 1:
+                await trio.lowlevel.checkpoint()

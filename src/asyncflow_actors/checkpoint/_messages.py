@@ -127,7 +127,8 @@ class SyncFused(Request[FusedAck]):
 @attrs.frozen
 class Resumed:
     """What a receiver holds after ``SyncResume``: the target's version, and the version
-    waiting in the host cache for the next batch boundary (``None``: nothing pending)."""
+    waiting in the host cache for the next batch boundary or being loaded now (``None``:
+    nothing pending)."""
 
     version: int
     pending: int | None

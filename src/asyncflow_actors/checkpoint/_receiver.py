@@ -148,6 +148,7 @@ class WeightReceiver:
         self._voted: _Sync | None = None
         self._pending: dict[str, torch.Tensor] | None = None
         self._pending_version: int | None = None
+        self._loading: int | None = None  # the version a load under way brings
         self._load_lock = trio.Lock()
         self._limiter = trio.CapacityLimiter(2)  # background checksums at a time
         self._committed = self._aborted = self._expired = 0
@@ -180,12 +181,15 @@ class WeightReceiver:
             if weights is None or version is None:
                 return None
             self._pending = self._pending_version = None
+            self._loading = version
             started = time.perf_counter()
             try:
                 await self.target.load_weights(weights, version)
             except BaseException:
                 self._load_errors += 1
                 raise
+            finally:
+                self._loading = None
             self._loads += 1
             self._last_load = time.perf_counter() - started
             return version
@@ -451,7 +455,10 @@ class WeightReceiver:
             await self._end(voted, commit=msg.commit, eager=msg.eager, resumed=True)
         else:
             await trio.lowlevel.checkpoint()  # a repeated or stale resume: nothing to do
-        return Resumed(self.target.version, self._pending_version)
+        # What it holds or will: pending weights, or those a load under way brings (the host
+        # may have taken them at its boundary while the target resumed).
+        pending = self._pending_version if self._pending_version is not None else self._loading
+        return Resumed(self.target.version, pending)
 
     def _drop(self, sync: _Sync, *, count: bool) -> None:
         for scope in sync.scopes:

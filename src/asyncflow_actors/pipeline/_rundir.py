@@ -104,8 +104,9 @@ def check_model(config: PipelineConfig, checkpoint: str) -> None:
         saved: dict[str, Any] = json.load(f).get("model") or {}
     if not saved:
         return  # written before checkpoints recorded it
-    here = attrs.asdict(config.model)
-    defaults = attrs.asdict(ModelSettings())
+    # as JSON holds them (tuples read back as lists), so that equal settings compare equal
+    here = json.loads(json.dumps(attrs.asdict(config.model)))
+    defaults = json.loads(json.dumps(attrs.asdict(ModelSettings())))
     keys = sorted(k for k in here if k != "device" and saved.get(k, defaults[k]) != here[k])
     if keys:
         diffs = "; ".join(f"{k} = {here[k]!r} here, {saved.get(k)!r} there" for k in keys)
