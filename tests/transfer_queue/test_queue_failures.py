@@ -206,3 +206,19 @@ async def test_a_get_cancelled_after_its_lease_was_granted_loses_nothing() -> No
         assert stats.controller.state.leases == 0  # the granted lease was returned
         again = await waiter.get("plain", "trainer", ["x"], 2, wait=False)
         assert again is not None and again.indexes == held.indexes
+
+
+async def test_put_columns_on_samples_that_left_their_lease_raises_unknown_sample() -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(4), version=0)
+        batch = await client.get("plain", "trainer", ["x"], 4)
+        await client.nack(batch)  # as if it expired: the samples are free to go
+        await client.discard("plain", indexes)
+        await client.flush()  # the units dropped them
+        with pytest.raises(tq.UnknownSample):
+            await client.put_columns(batch, rows(4))
+        assert (await client.statistics()).controller.state.topics[0].live == 0

@@ -65,12 +65,13 @@ class UnknownSample(TransferQueueError, LookupError):
     topic: str = ""  # rebuilt from the wire (``cls(message)``), it knows its message only
     indexes: tuple[int, ...] = ()
 
-    def __init__(self, topic: str, indexes: Iterable[int] = ()) -> None:
+    def __init__(self, topic: str, indexes: Iterable[int] = (), *, detail: str = "") -> None:
         self.topic = topic
         self.indexes = tuple(indexes)
+        which = f"samples {_preview(self.indexes)}" if self.indexes or not detail else "samples"
         super().__init__(
-            f"samples {_preview(self.indexes)} of topic {topic!r} are not live "
-            "(expected indexes allocated and not yet freed, evicted or lost)"
+            f"{which} of topic {topic!r} are not live "
+            f"({detail or 'expected indexes allocated and not yet freed, evicted or lost'})"
         )
 
 

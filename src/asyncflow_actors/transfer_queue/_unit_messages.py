@@ -26,6 +26,12 @@ class UnitError(TransferQueueError):
     """A unit refused a malformed request (wrong row counts, unknown samples, a bad segment)."""
 
 
+class MissingSamples(UnitError):
+    """A unit holds none of some samples a request names: they were freed (discarded, evicted,
+    acked by every consumer) or lost. Clients turn it into the documented errors:
+    ``UnknownSample`` for ``put_columns``, ``StorageUnavailable`` for a fetch."""
+
+
 @attrs.frozen
 class ShmBody:
     """A tensor body in a shared-memory segment: ``dtype``/``shape`` at ``offset``.

@@ -221,7 +221,10 @@ class TransferQueueClient:
     async def put_columns(self, batch: Batch | Lease, data: Mapping[str, Any]) -> None:
         """Write computed columns (old_logprob, advantages...) for a leased batch's samples.
 
-        Rows of ``data`` follow the batch's sample order.
+        Rows of ``data`` follow the batch's sample order. Raises ``UnknownSample`` if samples
+        of the lease are no longer live (discarded, evicted or lost since it was granted: what
+        an ack reports as missing; nothing is committed: nack the lease and its live samples
+        go out again), ``StorageUnavailable`` if a unit failed.
         """
         lease = batch.lease if isinstance(batch, Batch) else batch
         prepared = prepare(self._spec(lease.topic), data, shared=False)
