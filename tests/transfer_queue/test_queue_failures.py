@@ -222,3 +222,60 @@ async def test_put_columns_on_samples_that_left_their_lease_raises_unknown_sampl
         with pytest.raises(tq.UnknownSample):
             await client.put_columns(batch, rows(4))
         assert (await client.statistics()).controller.state.topics[0].live == 0
+
+
+async def test_a_restarted_controller_does_not_wait_twice_on_a_dead_unit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A unit that went silent (its node died) while the controller restarted: its samples are
+    reported lost within ``unit_timeout`` and the rest is served then, not after a second wait
+    (to reset it: that waits in the background)."""
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        kept = await client.put("plain", rows(2), version=0)
+        gone = await client.put("plain", rows(2, 2), version=0)
+        dead = await unit_of(client, gone)
+        assert await unit_of(client, kept) != dead
+
+        async def hang(msg: Any) -> None:
+            await trio.sleep_forever()
+
+        q.shared.units[dead] = Tap(q.shared.units[dead], hang)
+        start = trio.current_time()
+        await crash(q.controller)
+        assert await lost_indexes(client) == set(gone)
+        batch = await client.get("plain", "trainer", ["x"], 2)
+        assert batch.indexes == kept
+        assert trio.current_time() - start < SLOW_WATCH.unit_timeout + 1.0
+
+
+async def test_a_unit_slow_to_answer_the_watcher_is_not_presumed_lost(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(2), version=0)
+        busy = await unit_of(client, indexes)
+        slow = True
+
+        async def late(msg: Any) -> None:
+            if slow and isinstance(msg, U.GetToken):
+                await trio.sleep(2 * SLOW_WATCH.unit_timeout)  # a deep mailbox, say
+
+        q.shared.units[busy] = Tap(q.shared.units[busy], late)
+        await q.controller.send(M.CheckUnits())
+        await trio.sleep(3 * SLOW_WATCH.unit_timeout)
+        slow = False
+        await q.controller.send(M.CheckUnits())
+        await trio.sleep(1)
+        batch = await client.get("plain", "trainer", ["x"], 2, wait=False)
+        assert batch is not None and batch.indexes == indexes  # kept, served
+        stats = await client.statistics()
+        assert (stats.controller.lost_samples, stats.controller.units_down) == (0, ())
+
