@@ -279,3 +279,17 @@ async def test_a_unit_slow_to_answer_the_watcher_is_not_presumed_lost(
         stats = await client.statistics()
         assert (stats.controller.lost_samples, stats.controller.units_down) == (0, ())
 
+
+async def test_a_discard_retried_after_a_controller_restart_gets_the_first_answer() -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(2), version=0)
+        discard = M.Discard("plain", indexes, 4242)  # as the client sends it, with its id
+        assert await q.controller.ask(discard) == ()
+        await crash(q.controller)  # say, before the reply reached the client, which retries
+        assert await q.controller.ask(discard) == ()
+        with pytest.raises(tq.UnknownSample):  # a new discard of the same samples still fails
+            await client.discard("plain", indexes)

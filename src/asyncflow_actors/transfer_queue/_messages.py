@@ -225,7 +225,9 @@ class SetVersion(Request[None]):
 class Discard(Request[tuple[int, ...]]):
     """Drop samples on purpose; with ``missing_ok`` indexes no longer live are skipped (and
     returned), else they fail the whole request (``UnknownSample``). ``undo``: the samples of
-    a put that failed before its commit; members of open groups give their slots back."""
+    a put that failed before its commit; members of open groups give their slots back.
+    ``put_id``: the failed put's id with ``undo``, else this request's id (a retry after a
+    controller restart gets the first try's answer; 0: none)."""
 
     topic: str
     indexes: tuple[int, ...]

@@ -184,8 +184,14 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         self._kick(msg.topic)
 
     def _on_discard(self, msg: M.Discard, ctx: Ctx, state: ControllerState) -> Any:
-        self.puts.pop_granted(msg.put_id)
-        return self._discard(state, msg)
+        if msg.undo:  # ``put_id`` names the failed put (its commit may be remembered)
+            self.puts.pop_granted(msg.put_id)
+            return self._discard(state, msg)
+        if msg.put_id in self.shared.done:  # a retry (the controller restarted before the
+            return self.shared.done[msg.put_id]  # reply): its samples are gone already
+        missing = self._discard(state, msg)
+        self.shared.remember(msg.put_id, missing)
+        return missing
 
     def _on_shrink_group(self, msg: M.ShrinkGroup, ctx: Ctx, state: ControllerState) -> None:
         if msg.request_id not in self.shared.done:
