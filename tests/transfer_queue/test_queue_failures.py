@@ -293,3 +293,44 @@ async def test_a_discard_retried_after_a_controller_restart_gets_the_first_answe
         assert await q.controller.ask(discard) == ()
         with pytest.raises(tq.UnknownSample):  # a new discard of the same samples still fails
             await client.discard("plain", indexes)
+
+
+class Swamped(Tap):
+    """A controller ref whose mailbox is full for tells that must not wait."""
+
+    def send_nowait(self, msg: Any) -> None:
+        raise trio.WouldBlock
+
+
+async def test_a_cancelled_get_or_put_withdraws_its_request_even_when_the_mailbox_is_full() -> None:
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        client = await q.client()
+
+        async def nothing(msg: Any) -> None:
+            pass
+
+        client.controller = Swamped(client.controller, nothing)
+        with trio.move_on_after(0.2):
+            await client.get("plain", "trainer", ["x"], 1)  # waits: nothing to claim
+        stats = (await client.statistics()).controller
+        assert (stats.waiting_claims, stats.waiting_puts) == (0, 0)
+
+
+async def test_aclose_says_what_it_left_when_the_controller_does_not_answer(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client("worker-3")
+
+        async def hang(msg: Any) -> None:
+            if isinstance(msg, M.ReleaseHolder):
+                await trio.sleep_forever()
+
+        client.controller = Tap(client.controller, hang)
+        await client.aclose()  # gives up after a while: no hang, no error
+        (record,) = [r for r in caplog.records if "worker-3" in r.getMessage()]
+        assert record.levelname == "WARNING" and "lease_ttl" in record.getMessage()

@@ -234,7 +234,6 @@ class Recovery:
                         self.adopting[unit] = fresh
                         await ctx.self.send(UnitSeen(unit, fresh))
 
-
     def _silent(self, unit: str) -> None:
         """``unit`` did not answer its token in ``unit_timeout``: said once per silence."""
         if unit not in self.silent:
