@@ -32,6 +32,13 @@ def about_group(exc: TransferQueueError, group_id: int) -> TransferQueueError:
     return exc
 
 
+def unexpected(msg: object, exc: BaseException) -> TransferQueueError:
+    """The error an actor of the queue answers ``msg`` with when handling it raised ``exc``,
+    an exception no check foresaw (the actor goes on: one bad request must not cost the
+    leases or the samples it holds)."""
+    return TransferQueueError(f"{type(msg).__name__} failed: {type(exc).__name__}: {exc}")
+
+
 class SchemaError(TransferQueueError, ValueError):
     """A spec, a configuration table, an inventory or a column write does not fit the schema."""
 

@@ -37,7 +37,7 @@ import trio
 
 from .. import _messages as M
 from .. import _unit_messages as U
-from .._errors import TransferQueueError, UnknownSample
+from .._errors import TransferQueueError, UnknownSample, unexpected
 from .._results import GroupSlot, Loss, Update
 from .._runtime import Actor, ActorContext, Request
 from ..state._state import ControllerState
@@ -145,6 +145,12 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
                 ctx.reply_error(exc)
             else:
                 log.warning("controller: %r failed: %s", msg, exc)
+            return None
+        except Exception as exc:  # a request no check foresaw: answer it too; a crash would
+            # return every lease and stall every client for a rebuild, for one bad message
+            log.exception("controller: %s failed", type(msg).__name__)
+            if isinstance(msg, Request):
+                ctx.reply_error(unexpected(msg, exc))
             return None
         finally:
             self.waiters.serve()  # one batch per message: events of one change arrive together
