@@ -334,3 +334,31 @@ async def test_aclose_says_what_it_left_when_the_controller_does_not_answer(
         await client.aclose()  # gives up after a while: no hang, no error
         (record,) = [r for r in caplog.records if "worker-3" in r.getMessage()]
         assert record.levelname == "WARNING" and "lease_ttl" in record.getMessage()
+
+
+async def test_a_group_whose_writer_died_holds_whole_group_claims_back_for_lease_ttl_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    spec = tq.TopicSpec.from_dict(
+        {
+            "consumers": ["trainer"],
+            "staleness": 1,
+            "lease_ttl": 30.0,
+            "columns": {"x": {"dtype": "float32", "shape": [3]}},
+        },
+        name="plain",
+    )
+    config = tq.TransferQueueConfig(topics=(spec,), units=1, unit_check_interval=3600.0)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        client = await q.client()
+        await client.open_group("plain", 2)  # its writer dies: never filled, never released
+        await client.set_version("plain", 1)
+        later = [
+            await client.put("plain", rows(2), version=1, group=await client.open_group("plain", 2))
+            for _ in range(2)
+        ]
+        start = trio.current_time()
+        sampler = tq.WholeGroups(wait_expiring=True)
+        batch = await client.get("plain", "trainer", ["x"], 4, sampler=sampler, min_count=4)
+        assert batch.indexes == (*later[0], *later[1])
+        assert trio.current_time() - start == pytest.approx(spec.lease_ttl, abs=0.5)

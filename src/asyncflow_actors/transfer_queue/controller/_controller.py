@@ -430,6 +430,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         if not msg.wait:
             return None
         self.claims.add(WaitingClaim(msg, ctx.defer_reply()), state.changes(msg.topic))
+        self._wake_timer(state)  # a claim held back for groups about to go stale: till when
         return None
 
     def _store_marks(self, msg: M.Claim, leased: M.Leased) -> dict[str, int]:
@@ -478,6 +479,13 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
             return True
 
         self.claims.serve(topic, state.changes(topic), attempt)
+        if len(self.claims):
+            self._wake_timer(state)
+
+    def _wake_timer(self, state: ControllerState) -> None:
+        deadline = state.next_deadline()
+        if deadline is not None:
+            self.timer.deadline(deadline)
 
     def _stores_taken(self, state: ControllerState) -> None:
         """Send the held replies whose units took their stores (or were declared lost)."""
