@@ -104,3 +104,26 @@ async def test_fused_forward_writes_old_logprobs_and_advantages_of_whole_groups(
         assert any(bool(a.abs().sum() > 0) for a in batch[S.ADVANTAGES])
         stats = [await ref.ask(GetRoleStats()) for ref in ranks]
         assert sum(s.samples for s in stats) == 16
+
+
+async def test_samples_that_left_the_lease_before_the_write_back_return_it_without_a_crash() -> (
+    None
+):
+    """Samples discarded (or evicted, lost) while a station computed: its write-back finds them
+    gone (``UnknownSample``) and the station returns the lease, as an ack would report them
+    missing; no crash, no restart."""
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("test")
+        await put_groups(client, 1)
+        batch = await client.get(S.ROLLOUT, "actor_fwd", [S.RESPONSE_IDS], 4)
+        assert batch is not None
+        await client.discard(S.ROLLOUT, batch.indexes[:2])  # gone while leased
+        station = ActorForward(SPEC, queue.controller, "fwd-0")
+        station.client = client
+        old = [torch.zeros(len(r)) for r in batch[S.RESPONSE_IDS]]
+        assert not await station.write_back(batch, range(4), {S.OLD: old})
+        view = await client.statistics()
+        (topic,) = [t for t in view.controller.state.topics if t.topic == S.ROLLOUT]
+        (fwd,) = [c for c in topic.consumers if c.consumer == "actor_fwd"]
+        assert (fwd.leased, fwd.consumed, topic.live) == (0, 0, 2)  # returned: to compute again

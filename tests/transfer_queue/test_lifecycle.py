@@ -279,3 +279,15 @@ def test_an_open_group_waiting_too_long_for_members_gives_up_its_slots() -> None
     assert upd.abandoned[0].group_ids == (slot.group_id,) and upd.abandoned[0].indexes == ()
     assert state.free_slots(T) == 7
     assert state.ready_count(T, "fwd", RESP, sampler=WHOLE_GROUPS) == 1
+
+
+def test_releasing_a_holder_drops_its_uncommitted_samples_without_a_write_ttl() -> None:
+    state = make(capacity=4, write_ttl=None)  # no deadline: only the release gives them back
+    stuck = state.allocate(T, 3, 0, holder="w", now=0.0)
+    kept = state.allocate(T, 1, 0, holder="x", now=0.0)
+    assert state.free_slots(T) == 0 and state.next_deadline() is None
+    (abandoned,) = state.release_holder("w").abandoned
+    assert abandoned.indexes == stuck.indexes
+    assert state.free_slots(T) == 3 and state.locate(T, kept.indexes)
+    state.commit_write(T, kept.indexes, {"resp": 8})
+    assert state.release_holder("x") == Update()  # committed: nothing of it to give up

@@ -206,3 +206,159 @@ async def test_a_get_cancelled_after_its_lease_was_granted_loses_nothing() -> No
         assert stats.controller.state.leases == 0  # the granted lease was returned
         again = await waiter.get("plain", "trainer", ["x"], 2, wait=False)
         assert again is not None and again.indexes == held.indexes
+
+
+async def test_put_columns_on_samples_that_left_their_lease_raises_unknown_sample() -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(4), version=0)
+        batch = await client.get("plain", "trainer", ["x"], 4)
+        await client.nack(batch)  # as if it expired: the samples are free to go
+        await client.discard("plain", indexes)
+        await client.flush()  # the units dropped them
+        with pytest.raises(tq.UnknownSample):
+            await client.put_columns(batch, rows(4))
+        assert (await client.statistics()).controller.state.topics[0].live == 0
+
+
+async def test_a_restarted_controller_does_not_wait_twice_on_a_dead_unit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A unit that went silent (its node died) while the controller restarted: its samples are
+    reported lost within ``unit_timeout`` and the rest is served then, not after a second wait
+    (to reset it: that waits in the background)."""
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        kept = await client.put("plain", rows(2), version=0)
+        gone = await client.put("plain", rows(2, 2), version=0)
+        dead = await unit_of(client, gone)
+        assert await unit_of(client, kept) != dead
+
+        async def hang(msg: Any) -> None:
+            await trio.sleep_forever()
+
+        q.shared.units[dead] = Tap(q.shared.units[dead], hang)
+        start = trio.current_time()
+        await crash(q.controller)
+        assert await lost_indexes(client) == set(gone)
+        batch = await client.get("plain", "trainer", ["x"], 2)
+        assert batch.indexes == kept
+        assert trio.current_time() - start < SLOW_WATCH.unit_timeout + 1.0
+
+
+async def test_a_unit_slow_to_answer_the_watcher_is_not_presumed_lost(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(2), version=0)
+        busy = await unit_of(client, indexes)
+        slow = True
+
+        async def late(msg: Any) -> None:
+            if slow and isinstance(msg, U.GetToken):
+                await trio.sleep(2 * SLOW_WATCH.unit_timeout)  # a deep mailbox, say
+
+        q.shared.units[busy] = Tap(q.shared.units[busy], late)
+        await q.controller.send(M.CheckUnits())
+        await trio.sleep(3 * SLOW_WATCH.unit_timeout)
+        slow = False
+        await q.controller.send(M.CheckUnits())
+        await trio.sleep(1)
+        batch = await client.get("plain", "trainer", ["x"], 2, wait=False)
+        assert batch is not None and batch.indexes == indexes  # kept, served
+        stats = await client.statistics()
+        assert (stats.controller.lost_samples, stats.controller.units_down) == (0, ())
+
+
+async def test_a_discard_retried_after_a_controller_restart_gets_the_first_answer() -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(2), version=0)
+        discard = M.Discard("plain", indexes, 4242)  # as the client sends it, with its id
+        assert await q.controller.ask(discard) == ()
+        await crash(q.controller)  # say, before the reply reached the client, which retries
+        assert await q.controller.ask(discard) == ()
+        with pytest.raises(tq.UnknownSample):  # a new discard of the same samples still fails
+            await client.discard("plain", indexes)
+
+
+class Swamped(Tap):
+    """A controller ref whose mailbox is full for tells that must not wait."""
+
+    def send_nowait(self, msg: Any) -> None:
+        raise trio.WouldBlock
+
+
+async def test_a_cancelled_get_or_put_withdraws_its_request_even_when_the_mailbox_is_full() -> None:
+    config = tq.TransferQueueConfig(topics=(PLAIN,), units=1)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        client = await q.client()
+
+        async def nothing(msg: Any) -> None:
+            pass
+
+        client.controller = Swamped(client.controller, nothing)
+        with trio.move_on_after(0.2):
+            await client.get("plain", "trainer", ["x"], 1)  # waits: nothing to claim
+        stats = (await client.statistics()).controller
+        assert (stats.waiting_claims, stats.waiting_puts) == (0, 0)
+
+
+async def test_aclose_says_what_it_left_when_the_controller_does_not_answer(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client("worker-3")
+
+        async def hang(msg: Any) -> None:
+            if isinstance(msg, M.ReleaseHolder):
+                await trio.sleep_forever()
+
+        client.controller = Tap(client.controller, hang)
+        await client.aclose()  # gives up after a while: no hang, no error
+        (record,) = [r for r in caplog.records if "worker-3" in r.getMessage()]
+        assert record.levelname == "WARNING" and "lease_ttl" in record.getMessage()
+
+
+async def test_a_group_whose_writer_died_holds_whole_group_claims_back_for_lease_ttl_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    spec = tq.TopicSpec.from_dict(
+        {
+            "consumers": ["trainer"],
+            "staleness": 1,
+            "lease_ttl": 30.0,
+            "columns": {"x": {"dtype": "float32", "shape": [3]}},
+        },
+        name="plain",
+    )
+    config = tq.TransferQueueConfig(topics=(spec,), units=1, unit_check_interval=3600.0)
+    async with afa.open_actor_system() as system, tq.open_transfer_queue(system, config) as q:
+        client = await q.client()
+        await client.open_group("plain", 2)  # its writer dies: never filled, never released
+        await client.set_version("plain", 1)
+        later = [
+            await client.put("plain", rows(2), version=1, group=await client.open_group("plain", 2))
+            for _ in range(2)
+        ]
+        start = trio.current_time()
+        sampler = tq.WholeGroups(wait_expiring=True)
+        batch = await client.get("plain", "trainer", ["x"], 4, sampler=sampler, min_count=4)
+        assert batch.indexes == (*later[0], *later[1])
+        assert trio.current_time() - start == pytest.approx(spec.lease_ttl, abs=0.5)

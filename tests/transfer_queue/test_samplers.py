@@ -266,3 +266,20 @@ def test_a_whole_group_lease_marks_exactly_its_rows_when_groups_are_out_of_index
     state.ack(nxt.id)
     (topic,) = state.statistics().topics
     assert [c.leased for c in topic.consumers if c.consumer == "train"] == [0]
+
+
+def test_wait_expiring_waits_for_a_slow_group_at_most_lease_ttl() -> None:
+    """A group whose writer died without a release must not stall its consumers until
+    ``write_ttl``: past ``lease_ttl`` (10 s here) the claim passes it over."""
+    state, _, later = _slow_group_scenario()
+
+    def claim(now: float) -> Lease | None:
+        return state.claim(T, "train", ALL, 4, holder="h", now=now, sampler=EXPIRING, min_count=4)
+
+    assert claim(0.0) is None and state.next_deadline() == 10.0
+    assert claim(9.0) is None
+    changes = state.changes(T)
+    state.expire(10.0)
+    assert state.changes(T) != changes  # waiting claims are tried again
+    lease = claim(10.0)
+    assert lease is not None and lease.indexes == (*later[0], *later[1])

@@ -90,6 +90,7 @@ class Advantage(Station, Actor[GetRoleStats]):
                 start = clock_ns()
                 advantages = await self.advantages(batch, rows, lengths)
                 self.meter.busy(start)
-                await self.write_back(batch, rows, {S.ADVANTAGES: advantages})
+                if not await self.write_back(batch, rows, {S.ADVANTAGES: advantages}):
+                    continue  # its samples left the lease: returned, not acked
             await self.client.ack(batch)
             self.meter.done(len(batch), sum(lengths))

@@ -122,7 +122,8 @@ class _Forward(Station):
                     lengths = [int(r.shape[0]) for r in responses]
                     data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths)
                 self.meter.busy(start)
-                await self.write_back(batch, rows, data)
+                if not await self.write_back(batch, rows, data):
+                    continue  # its samples left the lease: returned, not acked
             await self.client.ack(batch)
             self.meter.done(len(rows), sum(int(r.shape[0]) for r in responses))
 

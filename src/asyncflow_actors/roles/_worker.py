@@ -44,6 +44,8 @@ from ..transfer_queue import (
     Lease,
     Sampler,
     TransferQueueClient,
+    TransferQueueError,
+    UnknownSample,
     WholeGroups,
 )
 from ._messages import GetRoleStats, RoleStatistics
@@ -280,13 +282,29 @@ class Station(Actor[Any]):
         self.meter.waited("get", start, samples=batch.indexes)
         return batch
 
-    async def write_back(self, batch: Batch, rows: Sequence[int], data: Mapping[str, Any]) -> None:
-        """Step 4: ``data`` rows follow ``rows`` (this rank's partition of ``batch``)."""
+    async def write_back(self, batch: Batch, rows: Sequence[int], data: Mapping[str, Any]) -> bool:
+        """Step 4: ``data`` rows follow ``rows`` (this rank's partition of ``batch``). False if
+        samples left the lease meanwhile (evicted, discarded, lost: ``UnknownSample``), as an
+        ack would report them missing: not a fault. A lease of this rank alone is then
+        returned (its live samples go out again) and must not be acked; a rank-shared one is
+        acked as usual (a nack would take it from the other ranks)."""
         assert self.client is not None
         start = clock_ns()
         lease = batch.lease if len(rows) == len(batch) else sub_lease(batch.lease, rows)
-        await self.client.put_columns(lease, data)
+        try:
+            await self.client.put_columns(lease, data)
+        except UnknownSample as exc:
+            log.info("%s %s: samples left lease %d: %s", self.role, self.worker, lease.id, exc)
+            if self.dp.size > 1:
+                return True
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.client.nack(batch)
+                except TransferQueueError:
+                    pass  # it ended already (expired): its live samples are back anyway
+            return False
         self.meter.waited("put", start, samples=lease.indexes)
+        return True
 
     async def receive(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, GetRoleStats):

@@ -32,6 +32,13 @@ def about_group(exc: TransferQueueError, group_id: int) -> TransferQueueError:
     return exc
 
 
+def unexpected(msg: object, exc: BaseException) -> TransferQueueError:
+    """The error an actor of the queue answers ``msg`` with when handling it raised ``exc``,
+    an exception no check foresaw (the actor goes on: one bad request must not cost the
+    leases or the samples it holds)."""
+    return TransferQueueError(f"{type(msg).__name__} failed: {type(exc).__name__}: {exc}")
+
+
 class SchemaError(TransferQueueError, ValueError):
     """A spec, a configuration table, an inventory or a column write does not fit the schema."""
 
@@ -65,12 +72,13 @@ class UnknownSample(TransferQueueError, LookupError):
     topic: str = ""  # rebuilt from the wire (``cls(message)``), it knows its message only
     indexes: tuple[int, ...] = ()
 
-    def __init__(self, topic: str, indexes: Iterable[int] = ()) -> None:
+    def __init__(self, topic: str, indexes: Iterable[int] = (), *, detail: str = "") -> None:
         self.topic = topic
         self.indexes = tuple(indexes)
+        which = f"samples {_preview(self.indexes)}" if self.indexes or not detail else "samples"
         super().__init__(
-            f"samples {_preview(self.indexes)} of topic {topic!r} are not live "
-            "(expected indexes allocated and not yet freed, evicted or lost)"
+            f"{which} of topic {topic!r} are not live "
+            f"({detail or 'expected indexes allocated and not yet freed, evicted or lost'})"
         )
 
 

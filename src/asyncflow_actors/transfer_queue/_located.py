@@ -23,11 +23,12 @@ from typing import Any
 
 import attrs
 
+from ._checks import Checked
 from ._unit_messages import ShmBody
 
 
 @attrs.frozen
-class Located:
+class Located(Checked):
     """Rows ``indexes`` of one store, in segment ``segment`` of its unit: per column, one
     batch body ``[n, ...]`` or one body per row (as in the ``Store``)."""
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from ._checks import Checked
 from ._located import Located
 from ._results import Allocation, GroupSlot, Lease
 from ._runtime import ActorRef, Request
@@ -17,7 +18,7 @@ from ._unit_messages import FreeSegment, ShmBody, Store
 
 
 @attrs.frozen
-class TQEvent:
+class TQEvent(Checked):
     """Something the driver must hear about: groups ``evicted`` from the staleness window,
     samples ``lost`` with a storage unit (re-inject those prompts), samples and group slots
     ``abandoned`` by a writer that died or went silent past ``write_ttl`` (re-inject those
@@ -32,7 +33,7 @@ class TQEvent:
 
 
 @attrs.frozen
-class EventBatch:
+class EventBatch(Checked):
     """Events after a cursor; pass ``cursor`` as ``since`` to wait for the next ones."""
 
     cursor: int
@@ -40,7 +41,7 @@ class EventBatch:
 
 
 @attrs.frozen
-class ControllerStatistics:
+class ControllerStatistics(Checked):
     """The controller's counts: its state, waiting requests, reported events, its epoch (one
     per incarnation), the units it considers down and every unit's known incarnation."""
 
@@ -59,17 +60,17 @@ class ControllerStatistics:
 
 
 @attrs.frozen
-class CreateTopic(Request[None]):
+class CreateTopic(Checked, Request[None]):
     spec: TopicSpec
 
 
 @attrs.frozen
-class GetTopology(Request["Topology"]):
+class GetTopology(Checked, Request["Topology"]):
     """The topics' specs and the storage units' refs (what a client needs)."""
 
 
 @attrs.frozen
-class Topology:
+class Topology(Checked):
     """What a client needs: the topics, the units, and how to talk to the units (data messages
     at least ``shm_min_bytes`` big go through shared memory to a unit on the same host; ``None``:
     never; every unit request is bounded by ``unit_timeout`` seconds)."""
@@ -81,7 +82,7 @@ class Topology:
 
 
 @attrs.frozen
-class Placed:
+class Placed(Checked):
     """An allocation and the incarnation of each unit it places samples on (stores name it);
     ``free``: the free segments those units last reported (a writer on their host may claim
     one instead of creating a segment, see ``storage._pool``)."""
@@ -92,7 +93,7 @@ class Placed:
 
 
 @attrs.frozen
-class OpenedGroups:
+class OpenedGroups(Checked):
     """The groups an ``OpenGroups`` opened (in request order) and their units' incarnations."""
 
     slots: tuple[GroupSlot, ...]
@@ -100,7 +101,7 @@ class OpenedGroups:
 
 
 @attrs.frozen
-class Leased:
+class Leased(Checked):
     """A lease and the incarnation of each unit holding its samples (fetches name it);
     ``located``: for units whose rows of the lease all lie in shared memory, the parts a fetch
     would return (a reader on that host maps them without asking the unit, see ``_located``)."""
@@ -111,7 +112,7 @@ class Leased:
 
 
 @attrs.frozen
-class Allocate(Request[Placed]):
+class Allocate(Checked, Request[Placed]):
     """Assign indexes; waits (does not fail) while the topic is at capacity."""
 
     topic: str
@@ -124,7 +125,7 @@ class Allocate(Request[Placed]):
 
 
 @attrs.frozen
-class OpenGroups(Request[OpenedGroups]):
+class OpenGroups(Checked, Request[OpenedGroups]):
     """Open one group per entry of ``sizes``, all or none; waits while they do not fit
     together (their total size) in the topic's capacity."""
 
@@ -135,14 +136,14 @@ class OpenGroups(Request[OpenedGroups]):
 
 
 @attrs.frozen
-class CancelPut:
+class CancelPut(Checked):
     """The writer gave up waiting: drop its put, or undo the allocation it won meanwhile."""
 
     put_id: int
 
 
 @attrs.frozen
-class Commit(Request[None]):
+class Commit(Checked, Request[None]):
     """The bytes of these cells are stored: mark them present (``columns``: nbytes per index,
     or one for all). ``new``: the first write of new samples (a put, not ``put_columns``).
     ``put_id`` makes a retry after a controller restart harmless. ``located``: per unit,
@@ -160,7 +161,7 @@ class Commit(Request[None]):
 
 
 @attrs.frozen
-class CommitSharedGroups(Request[None]):
+class CommitSharedGroups(Checked, Request[None]):
     """The group-shared columns of these groups are stored (group id -> nbytes per column):
     record them, all or none."""
 
@@ -169,7 +170,7 @@ class CommitSharedGroups(Request[None]):
 
 
 @attrs.frozen
-class Claim(Request["Leased | None"]):
+class Claim(Checked, Request["Leased | None"]):
     """Lease ready ∩ unconsumed ∩ fresh samples; with ``wait``, waits until enough qualify."""
 
     topic: str
@@ -187,14 +188,14 @@ class Claim(Request["Leased | None"]):
 
 
 @attrs.frozen
-class CancelClaim:
+class CancelClaim(Checked):
     """The claimant gave up: drop its wait, or return the lease if it was granted meanwhile."""
 
     claim_id: int
 
 
 @attrs.frozen
-class Ack(Request[tuple[int, ...]]):
+class Ack(Checked, Request[tuple[int, ...]]):
     """Complete a lease; replies with the indexes that had gone missing (lost, discarded).
     ``request_id`` makes a retry after a controller restart answer what the first got."""
 
@@ -204,17 +205,17 @@ class Ack(Request[tuple[int, ...]]):
 
 
 @attrs.frozen
-class Nack(Request[None]):
+class Nack(Checked, Request[None]):
     lease_id: int
 
 
 @attrs.frozen
-class Renew(Request[Lease]):
+class Renew(Checked, Request[Lease]):
     lease_id: int
 
 
 @attrs.frozen
-class SetVersion(Request[None]):
+class SetVersion(Checked, Request[None]):
     """The policy ``version`` is now the latest: samples out of the window are evicted."""
 
     topic: str
@@ -222,10 +223,12 @@ class SetVersion(Request[None]):
 
 
 @attrs.frozen
-class Discard(Request[tuple[int, ...]]):
+class Discard(Checked, Request[tuple[int, ...]]):
     """Drop samples on purpose; with ``missing_ok`` indexes no longer live are skipped (and
     returned), else they fail the whole request (``UnknownSample``). ``undo``: the samples of
-    a put that failed before its commit; members of open groups give their slots back."""
+    a put that failed before its commit; members of open groups give their slots back.
+    ``put_id``: the failed put's id with ``undo``, else this request's id (a retry after a
+    controller restart gets the first try's answer; 0: none)."""
 
     topic: str
     indexes: tuple[int, ...]
@@ -235,7 +238,7 @@ class Discard(Request[tuple[int, ...]]):
 
 
 @attrs.frozen
-class ShrinkGroup(Request[None]):
+class ShrinkGroup(Checked, Request[None]):
     topic: str
     group_id: int
     slots: int
@@ -243,7 +246,7 @@ class ShrinkGroup(Request[None]):
 
 
 @attrs.frozen
-class ReleaseHolder(Request[None]):
+class ReleaseHolder(Checked, Request[None]):
     """Return every lease of ``holder`` (a consumer that goes away loses no samples), drop its
     uncommitted writes and withdraw its claims and puts still waiting (they fail)."""
 
@@ -251,7 +254,7 @@ class ReleaseHolder(Request[None]):
 
 
 @attrs.frozen
-class WaitEvents(Request[EventBatch]):
+class WaitEvents(Checked, Request[EventBatch]):
     """Events with ``seq > since``; waits until there is one (bound it with fail_after)."""
 
     since: int = 0
@@ -259,24 +262,24 @@ class WaitEvents(Request[EventBatch]):
 
 
 @attrs.frozen
-class CancelWait:
+class CancelWait(Checked):
     """The watcher gave up waiting for events."""
 
     wait_id: int
 
 
 @attrs.frozen
-class GetControllerStatistics(Request[ControllerStatistics]):
+class GetControllerStatistics(Checked, Request[ControllerStatistics]):
     pass
 
 
 @attrs.frozen
-class Flushed(Request[None]):
+class Flushed(Checked, Request[None]):
     """Reply once every unit has taken the bookkeeping queued so far (or was declared lost)."""
 
 
 @attrs.frozen
-class AwaitStores(Request[None]):
+class AwaitStores(Checked, Request[None]):
     """Reply once ``units`` have taken every put told to them so far (or were declared lost):
     a writer of columns to samples it leased asks this before it asks those units."""
 
@@ -284,12 +287,12 @@ class AwaitStores(Request[None]):
 
 
 @attrs.frozen
-class CheckUnits(Request[None]):
+class CheckUnits(Checked, Request[None]):
     """Check now that every storage unit is alive and unchanged (a client saw it fail)."""
 
 
 @attrs.frozen
-class CheckInvariants(Request[tuple[str, ...]]):
+class CheckInvariants(Checked, Request[tuple[str, ...]]):
     """The controller's invariants, checked now: what is violated, in words (empty: nothing).
     For tests: it recounts the whole state."""
 

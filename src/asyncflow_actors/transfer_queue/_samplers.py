@@ -40,7 +40,9 @@ class WholeGroups:
     ``wait_expiring``: never pass over a group that the next version would make stale (opened
     ``staleness`` or more versions ago and not complete yet): the claim takes only groups
     before it, and waits for it rather than take fewer than ``min_count``. Slow groups (the
-    long tail of generation) are then trained instead of being overtaken and evicted.
+    long tail of generation) are then trained instead of being overtaken and evicted. The
+    wait lasts ``lease_ttl`` from the first claim held back at the latest version, no longer
+    (a group whose writer died must not stall its consumers until ``write_ttl``).
     """
 
     wait_expiring: bool = False

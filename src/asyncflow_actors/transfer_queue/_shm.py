@@ -50,12 +50,14 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from ._checks import Checked
+
 SHM_DIR = "/dev/shm"
 ALIGN = 16  # byte alignment of every body in a segment (enough for every dtype)
 
 
 @attrs.frozen
-class ShmInfo:
+class ShmInfo(Checked):
     """How a unit's segments are named, and how to check that they are reachable from here."""
 
     prefix: str

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from ..actors import Request
+from ._checks import Checked
 from ._errors import TransferQueueError
 from ._shm import ShmInfo
 
@@ -26,8 +27,14 @@ class UnitError(TransferQueueError):
     """A unit refused a malformed request (wrong row counts, unknown samples, a bad segment)."""
 
 
+class MissingSamples(UnitError):
+    """A unit holds none of some samples a request names: they were freed (discarded, evicted,
+    acked by every consumer) or lost. Clients turn it into the documented errors:
+    ``UnknownSample`` for ``put_columns``, ``StorageUnavailable`` for a fetch."""
+
+
 @attrs.frozen
-class ShmBody:
+class ShmBody(Checked):
     """A tensor body in a shared-memory segment: ``dtype``/``shape`` at ``offset``.
 
     In a ``Store`` the segment is the one the store hands over (``segment`` empty); in a
@@ -41,7 +48,7 @@ class ShmBody:
 
 
 @attrs.frozen
-class FreeSegment:
+class FreeSegment(Checked):
     """A segment the unit keeps for reuse: a writer on its host may claim it (``_shm.claim``)
     and fill it instead of creating fresh pages."""
 
@@ -50,7 +57,7 @@ class FreeSegment:
 
 
 @attrs.frozen
-class Stored:
+class Stored(Checked):
     """Reply of ``Store``: free segments of the unit's pool (see ``storage._pool``). Of a
     ``UnitBatch``, also ``missing``: per topic, samples of told stores the unit could not take
     (their segment was gone) and does not hold; the controller reports those still live as
@@ -61,7 +68,7 @@ class Stored:
 
 
 @attrs.frozen
-class Store(Request[Stored]):
+class Store(Checked, Request[Stored]):
     """Store samples ``indexes`` of ``topic`` on incarnation ``incarnation``.
 
     ``columns`` maps a column to a batch whose first dimension runs over ``indexes`` (a tensor
@@ -86,7 +93,7 @@ class Store(Request[Stored]):
 
 
 @attrs.frozen
-class StoreGroups(Request[None]):
+class StoreGroups(Checked, Request[None]):
     """Store the group-shared columns of groups on this unit (group id -> its columns; stored
     once for all members of a group; small, so always over the socket)."""
 
@@ -96,7 +103,7 @@ class StoreGroups(Request[None]):
 
 
 @attrs.frozen
-class Fetched:
+class Fetched(Checked):
     """Reply of ``Fetch``: per column, its parts in request order (a batch of consecutive rows,
     or a list of row values, possibly :class:`ShmBody` references); ``shared`` per group."""
 
@@ -105,7 +112,7 @@ class Fetched:
 
 
 @attrs.frozen
-class Fetch(Request[Fetched]):
+class Fetch(Checked, Request[Fetched]):
     """Rows ``indexes`` of ``columns`` and the shared ``shared_columns`` of ``shared_groups``;
     ``shm``: the reader maps this unit's segments (bodies come back as :class:`ShmBody`)."""
 
@@ -119,7 +126,7 @@ class Fetch(Request[Fetched]):
 
 
 @attrs.frozen
-class Delete:
+class Delete(Checked):
     """Forget samples and group blobs (the controller freed them, or a failed put's writer)."""
 
     topic: str
@@ -128,7 +135,7 @@ class Delete:
 
 
 @attrs.frozen
-class MarkConsumed:
+class MarkConsumed(Checked):
     """Record that ``consumer`` acked ``indexes`` (kept only for the inventory)."""
 
     topic: str
@@ -137,7 +144,7 @@ class MarkConsumed:
 
 
 @attrs.frozen
-class Committed:
+class Committed(Checked):
     """The writer of ``indexes`` committed them: a rebuild keeps them as committed samples."""
 
     topic: str
@@ -145,7 +152,7 @@ class Committed:
 
 
 @attrs.frozen
-class TopicInfo:
+class TopicInfo(Checked):
     """A topic's latest version and id watermarks, as the controller last told this unit."""
 
     topic: str
@@ -155,7 +162,7 @@ class TopicInfo:
 
 
 @attrs.frozen
-class GroupInfo:
+class GroupInfo(Checked):
     """An explicit group's record (absolute values, so applying it twice is harmless):
     ``size`` members expected, ``committed`` members committed so far (freed ones included)."""
 
@@ -166,7 +173,7 @@ class GroupInfo:
 
 
 @attrs.frozen
-class Unlink:
+class Unlink(Checked):
     """Segments written for told stores that an earlier incarnation of this unit never took (it
     was lost before they reached it): nobody will take them, unlink them."""
 
@@ -174,7 +181,7 @@ class Unlink:
 
 
 @attrs.frozen
-class UnitBatch(Request[Stored]):
+class UnitBatch(Checked, Request[Stored]):
     """The controller's bookkeeping for incarnation ``incarnation``, applied in order; replied
     to once applied (the controller keeps the items until then). Every item is idempotent.
 
@@ -188,7 +195,7 @@ class UnitBatch(Request[Stored]):
 
 
 @attrs.frozen
-class UnitSample:
+class UnitSample(Checked):
     """One sample as a unit reports it in its inventory."""
 
     index: int
@@ -201,7 +208,7 @@ class UnitSample:
 
 
 @attrs.frozen
-class UnitGroup:
+class UnitGroup(Checked):
     group_id: int
     size: int
     committed: int
@@ -210,7 +217,7 @@ class UnitGroup:
 
 
 @attrs.frozen
-class UnitInventory:
+class UnitInventory(Checked):
     unit: str
     incarnation: str
     topics: list[TopicInfo]
@@ -219,12 +226,12 @@ class UnitInventory:
 
 
 @attrs.frozen
-class GetInventory(Request[UnitInventory]):
+class GetInventory(Checked, Request[UnitInventory]):
     pass
 
 
 @attrs.frozen
-class StorageStatistics:
+class StorageStatistics(Checked):
     """A unit's counts. ``nbytes``: bytes it really holds (buffers and segments, shared blobs
     included); ``live_nbytes``: the bytes of live rows and blobs (``nbytes`` exceeds it while a
     buffer still holds freed rows next to live ones: compaction keeps it under twice that)."""
@@ -248,23 +255,23 @@ class StorageStatistics:
 
 
 @attrs.frozen
-class GetStorageStatistics(Request[StorageStatistics]):
+class GetStorageStatistics(Checked, Request[StorageStatistics]):
     pass
 
 
 @attrs.frozen
-class GetToken(Request[str]):
+class GetToken(Checked, Request[str]):
     """The unit's incarnation token: a new one means its data is gone (it restarted)."""
 
 
 @attrs.frozen
-class Reset(Request[str]):
+class Reset(Checked, Request[str]):
     """Drop everything and draw a new incarnation token (replied): the controller declared this
     unit lost (it did not answer in time) and its data reported lost, so none of it may stay."""
 
 
 @attrs.frozen
-class GetShm(Request["ShmInfo | None"]):
+class GetShm(Checked, Request["ShmInfo | None"]):
     """How to reach the unit's shared-memory segments (``None``: it has none)."""
 
 

@@ -16,6 +16,7 @@ again. Failures of storage units surface as :class:`StorageUnavailable`.
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import os
 import re
@@ -46,8 +47,11 @@ from .._spec import TopicSpec
 from ._batch import Batch, assemble, materialize, prepare
 from ._unit_io import UnitIO
 
+CLEANUP_S = 5.0  # how long clean-ups (aclose, withdrawing a cancelled request) may wait
 _RETRIES = 6  # tries of a controller request interrupted by restarts (backoff 10 ms doubling)
 _PUT_TRIES = 3  # puts whose allocation a controller restart forgot, put again
+
+log = logging.getLogger("asyncflow_actors.transfer_queue")
 
 _request_ids = itertools.count(((os.getpid() & 0xFFFF) << 40) + 1)
 _client_ids = itertools.count(1)
@@ -114,8 +118,34 @@ class TransferQueueClient:
         try:
             return await self._ask(msg)
         except trio.Cancelled:
-            self._tell(cancel)  # waiting, or answered meanwhile: the controller undoes it
+            await self._withdraw(cancel)  # waiting, or answered meanwhile: the controller undoes it
             raise
+
+    async def _withdraw(self, cancel: Any) -> None:
+        """Deliver ``cancel`` (a ``CancelPut``/``CancelClaim``/``CancelWait``), waiting for room
+        in a full mailbox (shielded, for at most ``CLEANUP_S``): dropped, it would leave a claim
+        granted to nobody until ``lease_ttl``, or a put allocated for nobody until ``write_ttl``.
+        """
+        try:
+            self.controller.send_nowait(cancel)
+            return
+        except ActorCrashed:
+            return  # gone: a restarted controller forgets the requests that were waiting
+        except trio.WouldBlock:
+            pass
+        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
+            try:
+                await self.controller.send(cancel)
+            except ActorCrashed:
+                pass
+            return
+        log.warning(
+            "TransferQueue client %r: the controller's mailbox stayed full for %.0f s; %r was "
+            "not delivered (a lease it won comes back at lease_ttl, an allocation at write_ttl)",
+            self.holder,
+            CLEANUP_S,
+            cancel,
+        )
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -221,7 +251,10 @@ class TransferQueueClient:
     async def put_columns(self, batch: Batch | Lease, data: Mapping[str, Any]) -> None:
         """Write computed columns (old_logprob, advantages...) for a leased batch's samples.
 
-        Rows of ``data`` follow the batch's sample order.
+        Rows of ``data`` follow the batch's sample order. Raises ``UnknownSample`` if samples
+        of the lease are no longer live (discarded, evicted or lost since it was granted: what
+        an ack reports as missing; nothing is committed: nack the lease and its live samples
+        go out again), ``StorageUnavailable`` if a unit failed.
         """
         lease = batch.lease if isinstance(batch, Batch) else batch
         prepared = prepare(self._spec(lease.topic), data, shared=False)
@@ -462,13 +495,26 @@ class TransferQueueClient:
     async def aclose(self) -> None:
         """Return every lease this client's holder holds, drop its writes in progress and
         withdraw its claims and puts still waiting (they fail): what a restarted worker with
-        the same holder does first, for a predecessor that died holding or waiting."""
+        the same holder does first, for a predecessor that died holding or waiting.
+
+        It never raises (it runs in clean-ups, where an error would hide the one that led
+        there): if the controller does not confirm within ``CLEANUP_S`` seconds (or is gone),
+        it logs a warning naming the holder and what is left behind until it times out."""
         self.io.close()
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
+        why = f"no answer in {CLEANUP_S:.0f} s"
+        with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
             try:
                 await self._ask(M.ReleaseHolder(self.holder))
-            except TransferQueueError:
-                pass  # the controller is gone: leases expire, writes are abandoned on time
+                return
+            except TransferQueueError as exc:
+                why = str(exc)
+        log.warning(
+            "TransferQueue client %r: the controller did not release its holder (%s): its "
+            "leases come back at lease_ttl, its uncommitted writes and open group slots at "
+            "write_ttl (never without one), its waiting claims and puts stay until answered",
+            self.holder,
+            why,
+        )
 
 
 def _size(size: Any) -> int:

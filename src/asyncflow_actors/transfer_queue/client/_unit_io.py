@@ -20,7 +20,7 @@ import numpy as np
 import trio
 
 from .. import _shm
-from .._errors import StorageUnavailable, TransferQueueError
+from .._errors import StorageUnavailable, TransferQueueError, UnknownSample
 from .._located import Located, locate
 from .._runtime import ActorCrashed, ActorRef, RawTensor, itemsize
 from .._tensors import dtype_name, is_tensor, torch_module
@@ -31,6 +31,7 @@ from .._unit_messages import (
     FreeSegment,
     GetShm,
     IncarnationMismatch,
+    MissingSamples,
     ShmBody,
     Store,
     Stored,
@@ -212,7 +213,10 @@ class UnitIO:
                             self._held[segment], fill = fill, None
                             held.append(segment)
                             return located, msg
-                    stored: Stored = await self._ask(unit, msg)
+                    try:
+                        stored: Stored = await self._ask(unit, msg)
+                    except MissingSamples as exc:  # they left the lease (freed, or lost)
+                        raise UnknownSample(topic, (), detail=f"unit {unit!r}: {exc}") from exc
                 except BaseException:
                     if segment:
                         _shm.unlink(segment)  # not taken (the unit unlinks those it took)

@@ -37,7 +37,7 @@ import trio
 
 from .. import _messages as M
 from .. import _unit_messages as U
-from .._errors import TransferQueueError, UnknownSample
+from .._errors import TransferQueueError, UnknownSample, unexpected
 from .._results import GroupSlot, Loss, Update
 from .._runtime import Actor, ActorContext, Request
 from ..state._state import ControllerState
@@ -146,6 +146,12 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
             else:
                 log.warning("controller: %r failed: %s", msg, exc)
             return None
+        except Exception as exc:  # a request no check foresaw: answer it too; a crash would
+            # return every lease and stall every client for a rebuild, for one bad message
+            log.exception("controller: %s failed", type(msg).__name__)
+            if isinstance(msg, Request):
+                ctx.reply_error(unexpected(msg, exc))
+            return None
         finally:
             self.waiters.serve()  # one batch per message: events of one change arrive together
 
@@ -184,8 +190,14 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         self._kick(msg.topic)
 
     def _on_discard(self, msg: M.Discard, ctx: Ctx, state: ControllerState) -> Any:
-        self.puts.pop_granted(msg.put_id)
-        return self._discard(state, msg)
+        if msg.undo:  # ``put_id`` names the failed put (its commit may be remembered)
+            self.puts.pop_granted(msg.put_id)
+            return self._discard(state, msg)
+        if msg.put_id in self.shared.done:  # a retry (the controller restarted before the
+            return self.shared.done[msg.put_id]  # reply): its samples are gone already
+        missing = self._discard(state, msg)
+        self.shared.remember(msg.put_id, missing)
+        return missing
 
     def _on_shrink_group(self, msg: M.ShrinkGroup, ctx: Ctx, state: ControllerState) -> None:
         if msg.request_id not in self.shared.done:
@@ -418,6 +430,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         if not msg.wait:
             return None
         self.claims.add(WaitingClaim(msg, ctx.defer_reply()), state.changes(msg.topic))
+        self._wake_timer(state)  # a claim held back for groups about to go stale: till when
         return None
 
     def _store_marks(self, msg: M.Claim, leased: M.Leased) -> dict[str, int]:
@@ -466,6 +479,13 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
             return True
 
         self.claims.serve(topic, state.changes(topic), attempt)
+        if len(self.claims):
+            self._wake_timer(state)
+
+    def _wake_timer(self, state: ControllerState) -> None:
+        deadline = state.next_deadline()
+        if deadline is not None:
+            self.timer.deadline(deadline)
 
     def _stores_taken(self, state: ControllerState) -> None:
         """Send the held replies whose units took their stores (or were declared lost)."""

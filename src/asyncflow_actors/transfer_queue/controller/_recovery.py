@@ -71,6 +71,7 @@ class Recovery:
         self.delivery = delivery
         self.locations = locations
         self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
+        self.silent: dict[str, float] = {}  # unit -> since when it has not answered the watcher
         self.check_now = trio.Event()
 
     def check(self) -> None:
@@ -83,11 +84,14 @@ class Recovery:
         and what they held is returned as losses."""
         shared = self.shared
         timeout = shared.unit_timeout
-        stale = set(await shared.outbox.flush(shared.units, shared.known, timeout))
+        # only the units still on the incarnation the state knew: one that did not answer its
+        # token, or changed it, is lost whatever else it says (no second wait on a dead unit)
+        same = {u: ref for u, ref in shared.units.items() if tokens[u] == shared.known.get(u)}
+        stale = set(await shared.outbox.flush(same, shared.known, timeout))
         lost = [u for u in shared.units if u in stale or tokens[u] != shared.known.get(u)]
         parts = [Inventory(topics=tuple(_record(m) for m in shared.watermarks.values()))]
         for unit in shared.units:
-            if unit in lost:
+            if unit in lost or tokens[unit] is None:  # lost, or down before and still silent
                 continue
             try:
                 with trio.fail_after(timeout):
@@ -99,9 +103,6 @@ class Recovery:
                 lost.append(unit)
                 continue
             parts.append(inventory_of(unit, inv))
-        fresh = {}
-        for unit in lost:  # whatever they hold now is not what the state knew: drop it
-            fresh[unit] = await self.reset(unit)
         # From here on nothing awaits: a crash cannot split the losses from their report.
         old = shared.state
         losses = tuple(
@@ -115,9 +116,11 @@ class Recovery:
             now=trio.current_time(),
         )
         shared.state = state
-        for unit in lost:
-            self.dropped(unit)
-            self.adopt(state, unit, fresh[unit])
+        for unit in lost:  # down until the watcher has reset the unit (whatever it holds now
+            self.dropped(unit)  # is not what the state knew) and adopts it: in the background,
+            self.adopt(state, unit, None)  # so that a dead unit never delays serving the others
+        if lost:
+            self.check()
         log.info("controller rebuilt (epoch %d); units lost meanwhile: %s", epoch, lost)
         return Rebuilt(state, update, losses)
 
@@ -214,8 +217,13 @@ class Recovery:
             with trio.move_on_after(shared.unit_check_interval):
                 await self.check_now.wait()
             self.check_now = trio.Event()
-            tokens = await unit_tokens(shared.units, shared.unit_timeout)
+            tokens = await unit_tokens(shared.units, shared.unit_timeout, silent=SILENT)
             for unit, token in tokens.items():
+                if token == SILENT:  # busy is not dead: lost only on evidence (a crash, a
+                    self._silent(unit)  # new token), never on one slow answer
+                    continue
+                if self.silent.pop(unit, None) is not None:
+                    log.info("storage unit %s answers again", unit)
                 if token == shared.known.get(unit) or token == self.adopting.get(unit):
                     continue
                 if shared.known.get(unit) is not None:
@@ -226,21 +234,39 @@ class Recovery:
                         self.adopting[unit] = fresh
                         await ctx.self.send(UnitSeen(unit, fresh))
 
+    def _silent(self, unit: str) -> None:
+        """``unit`` did not answer its token in ``unit_timeout``: said once per silence."""
+        if unit not in self.silent:
+            self.silent[unit] = trio.current_time()
+            log.warning(
+                "storage unit %s did not answer in %.1f s: not presumed lost (it may be busy)",
+                unit,
+                self.shared.unit_timeout,
+            )
+
+
+SILENT = "?"  # a unit's token in ``unit_tokens`` when it did not answer in time (no token is)
+
 
 def _record(info: U.TopicInfo) -> TopicRecord:
     return TopicRecord(info.topic, info.latest_version, info.next_index, info.next_group_id)
 
 
-async def unit_tokens(units: Mapping[str, ActorRef[Any]], timeout: float) -> dict[str, str | None]:
-    """Every unit's incarnation token, asked concurrently (``None``: it did not answer)."""
+async def unit_tokens(
+    units: Mapping[str, ActorRef[Any]], timeout: float, *, silent: str | None = None
+) -> dict[str, str | None]:
+    """Every unit's incarnation token, asked concurrently: ``None`` for a unit that is gone
+    (crashed, its node lost), ``silent`` for one that did not answer within ``timeout``."""
     out: dict[str, str | None] = dict.fromkeys(units)
 
     async def one(unit: str, ref: ActorRef[Any]) -> None:
         try:
             with trio.fail_after(timeout):
                 out[unit] = await ref.ask(U.GetToken())
-        except (ActorCrashed, trio.TooSlowError):
+        except ActorCrashed:
             out[unit] = None
+        except trio.TooSlowError:
+            out[unit] = silent
 
     async with trio.open_nursery() as nursery:
         for unit, ref in units.items():

@@ -103,7 +103,7 @@ class LeaseTable:
         v = t.view(ci, cols)
         chunks: list[Ints] | None = None
         if uses_groups(sampler):
-            picked = self._pick_groups(t, v, count, low, waits_expiring(sampler))
+            picked = self._pick_groups(t, v, count, low, waits_expiring(sampler), now)
             if picked is None:
                 return None
             rows, chunks = picked
@@ -142,17 +142,25 @@ class LeaseTable:
 
     @staticmethod
     def _pick_groups(
-        t: Topic, v: View, count: int, low: int, wait_expiring: bool = False
+        t: Topic, v: View, count: int, low: int, wait_expiring: bool = False, now: float = 0.0
     ) -> tuple[Ints, list[Ints]] | None:
         """Oldest eligible groups, first fit up to ``count`` samples: their unacked members,
         group by group (the rows, and each group's rows), or ``None`` below ``low``. With
         ``wait_expiring``, room is kept for the groups about to expire that are not eligible
-        yet: the others fill at most ``count`` less their samples (see ``WholeGroups``)."""
+        yet: the others fill at most ``count`` less their samples (see ``WholeGroups``), for
+        ``lease_ttl`` from the first claim held back at this version (``Topic.hold_until``)."""
         g = t.g
         n = g.n
         pos = g.first_at_or_after(v.glo)
         if wait_expiring:
-            count -= _expiring_reserve(t, v)
+            reserve = _expiring_reserve(t, v)
+            if reserve:
+                if t.hold_version != t.latest:  # the first claim held back at this version
+                    t.hold_version, t.hold_until = t.latest, now + t.spec.lease_ttl
+                    t.hold_woken = False
+                if now >= t.hold_until:
+                    reserve = 0  # waited long enough: the group's writer may be dead
+            count -= reserve
             if count < max(low, 1):
                 return None
         chosen: list[int] = []

@@ -255,9 +255,11 @@ class ControllerState(Writing):
         return self._lease_table.renew(lease_id, finite_time(now))
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline of an outstanding lease, an uncommitted allocation or an open
-        group's unfilled slots (when to call :meth:`expire` next)."""
-        deadlines = (self._lease_table.next_deadline(), self._writes.next_deadline(self._topics))
+        """The earliest deadline of an outstanding lease, an uncommitted allocation, an open
+        group's unfilled slots or the room whole-group claims keep for groups about to go
+        stale (when to call :meth:`expire` next)."""
+        deadlines = [self._lease_table.next_deadline(), self._writes.next_deadline(self._topics)]
+        deadlines += [t.hold_until for t in self._topics.values() if not t.hold_woken]
         return min((d for d in deadlines if d is not None), default=None)
 
     def expire(self, now: float) -> Update:
@@ -271,6 +273,9 @@ class ControllerState(Writing):
         self._writes.expire(self._topics, now, fx)
         for t in self._topics.values():
             t.tidy()
+            if not t.hold_woken and t.hold_until <= now:  # claims held back for groups about
+                t.hold_woken = True  # to go stale may take the others now: try them again
+                t.changes += 1
         return fx.update()
 
     def release_holder(self, holder: str) -> Update:

@@ -17,6 +17,7 @@ open groups, so a streaming group can always complete once opened.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -107,6 +108,12 @@ class Topic:
         self.lost_groups = 0
         self.discarded_total = 0
         self.changes = 0
+        # whole-group claims keep room for groups about to go stale (``WholeGroups``) for
+        # ``lease_ttl`` from the first claim held back at the latest version, no longer: a
+        # group whose writer died without a release must not stall its consumers till write_ttl
+        self.hold_version = -1
+        self.hold_until = math.inf
+        self.hold_woken = True  # claims held back were told that the hold ended (or none was)
 
     # -- lookups -------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Writes in progress, and what a writer that dies or goes silent leaves behind (internal).
 
 A put allocates samples, stores their data, then commits them; an open group waits for its
-members. :class:`Writes` keeps, per topic, the allocations not yet committed (in deadline
-order: ``now`` never goes back) and the open groups' deadlines, so that ``ControllerState``
+members. :class:`Writes` keeps, per topic, the allocations not yet committed (those with a
+deadline in deadline order: ``now`` never goes back; those of a named writer with none apart,
+for its release only) and the open groups' deadlines, so that ``ControllerState``
 can give them up at ``write_ttl`` (:meth:`Writes.expire`) or when their writer goes away
 (:meth:`Writes.release`): uncommitted samples are discarded, unfilled slots given up, and both
 are reported as abandoned.
@@ -36,25 +37,36 @@ class _Write:
 
 class Writes:
     """See the module docstring. Deadlines are ``inf`` where no ``now`` or ``write_ttl`` was
-    given: those writes are only given up with their holder."""
+    given: those writes are only given up with their holder (kept in ``_held`` so that they
+    never block the deadline order of ``_pending``)."""
 
     def __init__(self) -> None:
         self._pending: dict[str, OrderedDict[int, _Write]] = {}
+        self._held: dict[str, dict[int, _Write]] = {}  # no deadline, a holder: its release
+        self._held_mark: dict[str, int] = {}  # size of ``_held`` after its last pruning
         self._groups: list[tuple[float, str, int]] = []  # (deadline, topic, gid), lazily checked
         self._holders: dict[str, int] = {}  # holder name -> id (open groups keep the id)
 
     def add_topic(self, name: str) -> None:
         self._pending[name] = OrderedDict()
+        self._held[name] = {}
 
     def holder_id(self, holder: str | None) -> int:
         if holder is None:
             return -1
         return self._holders.setdefault(holder_name(holder), len(self._holders))
 
-    def allocated(self, topic: str, ids: Ints, holder: str | None, deadline: float) -> None:
+    def allocated(self, t: Topic, ids: Ints, holder: str | None, deadline: float) -> None:
+        start = int(ids[0])
         if deadline != math.inf:
-            start = int(ids[0])
-            self._pending[topic][start] = _Write(start, int(ids[-1]) + 1, holder, deadline)
+            self._pending[t.name][start] = _Write(start, int(ids[-1]) + 1, holder, deadline)
+        elif holder is not None:  # no deadline: only its holder's release gives it up
+            held = self._held[t.name]
+            if len(held) >= 2 * self._held_mark.get(t.name, 32):  # amortised: drop the writes
+                for w in [w for w in held.values() if not _uncommitted(t, w).size]:  # undone
+                    del held[w.start]  # (discarded) before their commit, never to be released
+                self._held_mark[t.name] = max(len(held), 32)
+            held[start] = _Write(start, int(ids[-1]) + 1, holder, deadline)
 
     def group_deadline(self, topic: str, gid: int, deadline: float) -> None:
         if deadline != math.inf:
@@ -62,10 +74,12 @@ class Writes:
 
     def committed(self, t: Topic, first: int, count: int, *, whole: bool) -> None:
         """Samples from index ``first`` were committed (``whole``: exactly one write's run)."""
-        pending = self._pending[t.name]
-        w = pending.get(first) if pending else None
-        if w is not None and ((whole and w.stop - w.start == count) or not _uncommitted(t, w).size):
-            del pending[w.start]
+        for pending in (self._pending[t.name], self._held[t.name]):
+            w = pending.get(first) if pending else None
+            if w is not None and (
+                (whole and w.stop - w.start == count) or not _uncommitted(t, w).size
+            ):
+                del pending[w.start]
 
     def rebuilt(self, topic: str, index: int, deadline: float) -> None:
         """An uncommitted sample found at a rebuild: extend the last write or start one."""
@@ -104,10 +118,11 @@ class Writes:
 
     def release(self, topics: dict[str, Topic], holder: str, fx: Effects) -> None:
         """``holder`` went away: give up its uncommitted writes and its groups' open slots."""
-        for topic, pending in self._pending.items():
-            for w in [w for w in pending.values() if w.holder == holder]:
-                del pending[w.start]
-                _abandon_write(topics[topic], w, fx)
+        for writes in (self._pending, self._held):
+            for topic, pending in writes.items():
+                for w in [w for w in pending.values() if w.holder == holder]:
+                    del pending[w.start]
+                    _abandon_write(topics[topic], w, fx)
         owner = self._holders.get(holder)
         if owner is not None:
             for t in topics.values():

@@ -203,7 +203,7 @@ class Writing:
             self._extend_group(t, gslot, group, deadline)
         rows = t.new_samples(gslots, version, lens)
         ids = t.s.ids[rows]
-        self._writes.allocated(topic, ids, holder, deadline)
+        self._writes.allocated(t, ids, holder, deadline)
         t.changes += 1
         return Allocation(
             topic=topic,

@@ -22,6 +22,7 @@ from .._unit_messages import (
     Fetched,
     GroupInfo,
     MarkConsumed,
+    MissingSamples,
     ShmBody,
     Store,
     TopicInfo,
@@ -134,7 +135,7 @@ class Shelf:
         if not create:
             absent = [i for i in msg.indexes if i not in samples]
             if absent:
-                raise UnitError(
+                raise MissingSamples(
                     f"unit {self.name!r} holds no samples {absent[:8]} of {msg.topic!r}"
                 )
         if self.pool is not None:
@@ -347,7 +348,9 @@ class Shelf:
         rows = [samples.get(i) for i in msg.indexes]
         if None in rows:
             missing = [i for i, s in zip(msg.indexes, rows, strict=True) if s is None]
-            raise UnitError(f"unit {self.name!r} holds no samples {missing[:8]} of {msg.topic!r}")
+            raise MissingSamples(
+                f"unit {self.name!r} holds no samples {missing[:8]} of {msg.topic!r}"
+            )
         columns = {c: self._parts(msg.topic, c, rows, msg.indexes, msg.shm) for c in msg.columns}  # type: ignore[arg-type]
         blobs = self.blobs.get(msg.topic, {})
         shared = {

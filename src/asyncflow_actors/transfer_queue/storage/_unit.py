@@ -15,13 +15,15 @@ sweeps what a dead writer left behind, and removes all of its own when it stops.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import trio
 
 from .. import _shm
-from .._runtime import Actor, ActorContext
+from .._errors import TransferQueueError, unexpected
+from .._runtime import Actor, ActorContext, Request
 from .._unit_messages import (
     Delete,
     Fetch,
@@ -38,11 +40,12 @@ from .._unit_messages import (
     StoreGroups,
     TopicInfo,
     UnitBatch,
-    UnitError,
     Unlink,
 )
 from ._pool import SegmentPool
 from ._shelf import Shelf
+
+log = logging.getLogger("asyncflow_actors.transfer_queue")
 
 ORPHAN_AGE = 60.0  # default: a segment not handed over after this long lost its writer
 POOL_BYTES = 256 << 20  # default: freed segments kept for reuse (see ``_pool``)
@@ -124,8 +127,11 @@ class StorageUnit(Actor[StorageMessage]):
     async def receive(self, msg: StorageMessage, ctx: ActorContext[StorageMessage]) -> Any:
         try:
             return self._receive(msg)
-        except (UnitError, IncarnationMismatch) as exc:  # bad request: answer it, do not crash
-            if isinstance(msg, (Store, StoreGroups, Fetch, UnitBatch, GetInventory)):
+        except Exception as exc:  # a bad request: answer it, never crash (its samples would go)
+            if not isinstance(exc, TransferQueueError):  # one no check foresaw
+                log.exception("storage unit %s: %s failed", self.name, type(msg).__name__)
+                exc = unexpected(msg, exc)
+            if isinstance(msg, Request):
                 ctx.reply_error(exc)
             return None
 
