@@ -121,9 +121,15 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
             async with trio.open_nursery() as nursery:
                 for request in list(peer.specs.values()):
                     nursery.start_soon(self._spawn_on, link, attrs.evolve(request, adopt=True))
-        peer.attach(link, info, launched.address)
-        update = P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, up=True)
-        ctx.start_soon(mesh.broadcast, update, peer.name)
+        # Where the new process listens is known here from its own link, whatever incarnation
+        # it drew; the other nodes learn it before anyone here sees the node up, and the new
+        # node learns where the others are from us (its owner) before anyone reaches it.
+        endpoints = info.endpoints or (launched.address,)
+        update = P.PeerUpdate(peer.name, info.incarnation, endpoints, up=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mesh.broadcast, update, peer.name)
+            nursery.start_soon(mesh.tell_peers, link, mesh.supervised_updates(peer.name))
+        peer.attach(link, info, launched.address, authoritative=True)
 
     async def _spawn_on(self, link: NodeLink, request: P.SpawnRequest) -> RemoteActorRef[Any]:
         register_value_types(link.registry, request.kwargs)

@@ -42,6 +42,7 @@ class Peer:
         self.info: P.NodeInfo | None = None
         self.endpoints: tuple[str, ...] = ()
         self.incarnation = -1
+        self.authoritative = False  # where it listens came from an authoritative source
         self.address = ""  # the endpoint the current link connected to
         self.up = trio.Event()
         self.cell: ActorCell | None = None  # the NodeActor of a supervised peer
@@ -67,9 +68,26 @@ class Peer:
         self.incarnation, self.endpoints = incarnation, endpoints
         return changed
 
-    def attach(self, link: NodeLink, info: P.NodeInfo, address: str) -> None:
+    def move(self, incarnation: int, endpoints: tuple[str, ...]) -> bool:
+        """An authoritative source says where the peer listens now; True if that changed."""
+        if not endpoints:
+            return False
+        changed = incarnation != self.incarnation or endpoints != self.endpoints
+        self.incarnation, self.endpoints, self.authoritative = incarnation, endpoints, True
+        return changed
+
+    def attach(
+        self, link: NodeLink, info: P.NodeInfo, address: str, *, authoritative: bool
+    ) -> None:
+        """Take ``link`` (to where this side chose to connect) as current: its answer says
+        which incarnation listens there, and where else (``authoritative``: the supervisor's
+        own link; a mesh link only confirms what this side already believed)."""
         self.link, self.info, self.address = link, info, address
-        self.learn(info.incarnation, info.endpoints or (address,))
+        endpoints = info.endpoints or (address,)
+        if authoritative:
+            self.move(info.incarnation, endpoints)
+        else:
+            self.incarnation, self.endpoints = info.incarnation, endpoints
         self.up.set()
 
     def detach(self) -> NodeLink | None:
