@@ -227,6 +227,7 @@ class Mesh:
             peer_timeout=peer_timeout,
             owner_token=owner_token,
             on_shutdown=on_shutdown,
+            authenticated=curve is not None,
         )
         await self._nursery.start(self.server.serve)
         self._listening.set()
@@ -296,10 +297,16 @@ class Mesh:
             return
         self.peers[peer.name] = peer
 
-    def peer_hello(self, hello: P.Hello) -> None:
-        """A peer connected to our server: learn where it listens (to reach it back)."""
-        if hello.name != self.name:
-            self.peer(hello.name).learn(hello.incarnation, hello.endpoints)
+    def peer_hello(self, hello: P.Hello, *, owner: bool) -> None:
+        """A peer connected to our server: learn where it listens (to reach it back). Our
+        owner's word is authoritative; anyone else's is hearsay (``Peer.learn``)."""
+        if hello.name == self.name:
+            return
+        peer = self.peer(hello.name)
+        if owner and not peer.supervised:
+            peer.move(hello.incarnation, hello.endpoints)
+        else:
+            peer.learn(hello.incarnation, hello.endpoints)
 
     def peer_update(self, update: P.PeerUpdate) -> None:
         """This node's owner (the supervisor of the node named) says where that node is now,

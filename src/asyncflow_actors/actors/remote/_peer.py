@@ -13,6 +13,13 @@ Two kinds, one interface:
 - a *mesh* peer is any other system a ref pointed to: the mesh opens a link lazily on first use
   and again after a link was lost; a peer that cannot be reached raises ``ActorCrashed`` caused by
   ``NodeLost``.
+
+Who may say where a peer listens (``docs/remote.md``, security): its supervisor (the
+``NodeActor``'s own link) and the owner of this node (a ``PEERS`` update, or its hello) are
+*authoritative*: they move the peer. Anything else — an address inside a message, a stranger's
+hello — is hearsay: it tells where an unknown peer listens, and moves only a peer nobody
+authoritative told about, whose link is down, to a newer incarnation. A peer whose link is up is
+never re-pointed by hearsay.
 """
 
 from __future__ import annotations
@@ -61,12 +68,15 @@ class Peer:
         return self.cell is not None
 
     def learn(self, incarnation: int, endpoints: tuple[str, ...]) -> bool:
-        """Adopt where the peer listens if ``incarnation`` is at least as new; True if changed."""
-        if incarnation < self.incarnation or not endpoints:
+        """Hearsay of where the peer listens (module docstring); True if it moved the peer."""
+        if not endpoints or self.supervised or self.authoritative:
             return False
-        changed = incarnation != self.incarnation or endpoints != self.endpoints
+        if self.endpoints and (
+            incarnation <= self.incarnation or (self.link is not None and self.link.closed is None)
+        ):
+            return False
         self.incarnation, self.endpoints = incarnation, endpoints
-        return changed
+        return True
 
     def move(self, incarnation: int, endpoints: tuple[str, ...]) -> bool:
         """An authoritative source says where the peer listens now; True if that changed."""

@@ -17,7 +17,8 @@ so what one actor's inbox holds is bounded by its peers' windows.
 
 Authorization: only the peer that spawned an actor, the node's owner (the process that started
 it, proven by its owner token), or a peer presenting the actor's stop token (carried by refs to
-it) may stop it; only the owner may shut the node down.
+it) may stop it; only the owner may shut the node down; only the owner (or, under CURVE, a
+member of the cluster) may say where other nodes listen (``PEERS``).
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ class NodeServer:
         peer_timeout: float = math.inf,
         owner_token: str = "",
         on_shutdown: Callable[[], None] | None = None,
+        authenticated: bool = False,
     ) -> None:
         self.mesh = mesh
+        # every connection proved a key of the cluster (CURVE): its members may update peers
+        self.authenticated = authenticated
         self.system: ActorSystem = mesh.system
         self.sock = sock
         self.name = mesh.name
@@ -300,6 +304,12 @@ class NodeServer:
         elif kind == P.STATS:
             self._stats(peer, corr, meta.get("t"))
         elif kind == P.PEERS and isinstance(payload, P.PeerUpdate):
+            if not (state.owner or self.authenticated):
+                # where other nodes listen is the word of our owner (their supervisor) only
+                self.refusals += 1
+                error = NotAuthorized("only the node's owner may say where its peers are")
+                self._reply_error(peer, corr, error, self.name)
+                return
             self.mesh.peer_update(payload)
             self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
         elif kind == P.SHUTDOWN:
@@ -424,7 +434,7 @@ class NodeServer:
         state.owner = bool(self.owner_token) and secrets.compare_digest(
             hello.owner_token, self.owner_token
         )
-        self.mesh.peer_hello(hello)
+        self.mesh.peer_hello(hello, owner=state.owner)
         info = P.NodeInfo(
             self.name,
             os.getpid(),
