@@ -1,5 +1,5 @@
-"""Node processes killed under a run (issue #27 §1 item 1): refs follow every restart. Real node
-processes."""
+"""Node processes killed under a run (issue #27 §1 item 1, §1b): refs follow every restart, and
+watchers of actors that died with their process hear of it. Real node processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import trio
 
 import asyncflow_actors as afa
-from tests.remote.light_actors import Forward, Forwarder, Hello
+from tests.remote.light_actors import Forward, Forwarder, Heard, Hello, Hi, Watch, Watcher
 
 ALLOW = ["tests.remote"]
 RESTARTS = 10
@@ -39,3 +39,22 @@ async def test_a_restarted_node_is_reached_by_other_nodes_after_every_restart() 
                 await _killed(b)
                 # A asks B's new process (its link to the old one dropped with it)
                 assert await forwarder.ask(Forward(hello, str(i))) == f"hello:{i}"
+
+
+async def test_watchers_hear_when_a_temporary_actor_dies_with_its_node() -> None:
+    """A TEMPORARY actor is not spawned again when its node restarts: its watchers — in the
+    supervising system and on another node — get ``Terminated`` (``NodeLost``) at once."""
+    async with afa.open_actor_system() as system:
+        a = await system.start_node("a", allow=ALLOW)
+        b = await system.start_node("b", allow=ALLOW)
+        lone = await b.spawn(Hello, name="lone", restart=afa.Restart.TEMPORARY)
+        kept = await b.spawn(Hello, name="kept")
+        here = await system.spawn(Watcher, name="here")
+        there = await a.spawn(Watcher, name="there")
+        await here.ask(Watch(lone))
+        await there.ask(Watch(lone))
+        with trio.fail_after(afa.NodeOptions().heartbeat_timeout):
+            await _killed(b)
+            assert await here.ask(Heard()) == "NodeLost"
+            assert await there.ask(Heard()) == "NodeLost"
+            assert await kept.ask(Hi("again")) == "kept:again"  # a PERMANENT one came back

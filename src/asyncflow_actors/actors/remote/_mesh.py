@@ -318,10 +318,14 @@ class Mesh:
             peer = self.peer(update.name)  # known now, so that hearsay cannot place it later
         if peer is None or peer.supervised:
             return
+        older = peer.incarnation
         if peer.move(update.incarnation, update.endpoints) or not update.up:
             link = peer.detach()
             if link is not None:
                 link.close(P.NodeLost(f"node {update.name!r} restarted or stopped"))
+        if update.up and older not in (-1, update.incarnation):
+            lost = P.NodeLost(f"node {update.name!r} restarted: its process died")
+            peer.lost_with_process(lost, update.actors)
         if not update.up:
             for actor in list(peer.watchers):
                 peer.notify_watchers(actor, P.NodeLost(f"node {update.name!r} stopped"))
@@ -339,7 +343,7 @@ class Mesh:
     def supervised_updates(self, skip: str) -> tuple[P.PeerUpdate, ...]:
         """Where each supervised peer that is up listens now (for a node that just started)."""
         return tuple(
-            P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, up=True)
+            P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, True, tuple(peer.specs))
             for peer in list(self.peers.values())
             if peer.supervised
             and peer.name != skip

@@ -8,7 +8,8 @@ never because this process's loop was busy. Losing it crashes the ``NodeActor`` 
 ``NodeLost``: pending asks fail with ``ActorCrashed``, and its supervisor restarts it like any
 actor. A restarted ``NodeActor`` launches a fresh node (or reconnects to a hand-started one,
 which adopts the actors this session left there) and spawns again the actors spawned on the old
-one (except ``TEMPORARY`` ones and those that terminated), so ``RemoteActorRef``s stay valid.
+one (except ``TEMPORARY`` ones and those that terminated), so ``RemoteActorRef``s stay valid;
+the watchers of those not spawned again get ``Terminated`` (``NodeLost``) as the node is lost.
 
 Stopping a node: ask it to shut down, wait ``shutdown_grace``, then SIGTERM, then SIGKILL.
 """
@@ -125,7 +126,7 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         # it drew; the other nodes learn it before anyone here sees the node up, and the new
         # node learns where the others are from us (its owner) before anyone reaches it.
         endpoints = info.endpoints or (launched.address,)
-        update = P.PeerUpdate(peer.name, info.incarnation, endpoints, up=True)
+        update = P.PeerUpdate(peer.name, info.incarnation, endpoints, True, tuple(peer.specs))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mesh.broadcast, update, peer.name)
             nursery.start_soon(mesh.tell_peers, link, mesh.supervised_updates(peer.name))
@@ -193,6 +194,9 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         """
         self.stopping = True
         self.peer.detach()
+        # whatever happens next, the actors of this process that are not spawned again are
+        # gone: their watchers hear it now (the node may restart and never mention them)
+        self.peer.lost_with_process(lost, tuple(self.peer.specs))
         link, launched = self.link, self.launched
         process = launched.process if launched is not None else None
         # a node that is not our child (a Ray actor) says when it has exited

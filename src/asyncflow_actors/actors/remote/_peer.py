@@ -179,6 +179,16 @@ class Peer:
         for watcher in self.watchers.pop(actor, set()):
             watcher.deliver_system(Terminated(ref, error))
 
+    def lost_with_process(self, error: BaseException, kept: tuple[str, ...]) -> None:
+        """The peer's process is gone: every watched actor of it that is not hosted again
+        (under one of the paths ``kept``) died with it — a ``TEMPORARY`` one, one this side
+        never spawned — and its watchers get ``Terminated`` with ``error`` now."""
+        for actor in list(self.watchers):
+            if any(actor == path or actor.startswith(path + "/") for path in kept):
+                continue
+            self.gone[actor] = error
+            self.notify_watchers(actor, error)
+
     def node_terminated(self) -> None:
         """The node will not come back: every remote actor of it has terminated."""
         error = self.cell.last_error if self.cell is not None else None

@@ -133,6 +133,9 @@ class PeerUpdate:
     incarnation: int
     endpoints: tuple[str, ...]
     up: bool
+    # the actors the new incarnation hosts again (respawned by the supervisor): a watched actor
+    # of an older incarnation not among them (nor under one of them) died with its process
+    actors: tuple[str, ...] = ()
 
 
 @attrs.frozen
