@@ -9,7 +9,7 @@ messages the same way.
 
 Checked: ``Any``/``object`` (anything), ``None``, ``bool``, ``int`` (not a bool), ``float`` (an
 int too), ``str``, ``bytes``, unions and ``Optional``, ``Literal``, ``tuple[X, ...]`` and fixed
-tuples, ``list[X]``, ``set[X]``, ``frozenset[X]``, ``dict[K, V]`` / ``Mapping[K, V]``, and any
+tuples, ``list[X]``, ``Sequence[X]`` (a list or a tuple), ``set[X]``, ``frozenset[X]``, ``dict[K, V]`` / ``Mapping[K, V]``, and any
 other class by ``isinstance`` (attrs classes, enums, tensors, ``ActorRef``). An annotation it
 cannot read (a type variable, a string it cannot resolve) is not checked.
 """
@@ -84,8 +84,10 @@ def compile_check(hint: object) -> Check:
             and len(value) == len(each)
             and all(check(x) for check, x in zip(each, value, strict=True))
         )
-    if origin in (list, collections.abc.Sequence):
+    if origin is list:
         return _of(compile_check(args[0]) if args else _anything, list)
+    if origin in (collections.abc.Sequence, collections.abc.Iterable):
+        return _of(compile_check(args[0]) if args else _anything, (list, tuple))
     if origin in (set, collections.abc.Set, collections.abc.MutableSet):
         return _of(compile_check(args[0]) if args else _anything, (set, frozenset))
     if origin is frozenset:
