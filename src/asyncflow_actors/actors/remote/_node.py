@@ -194,10 +194,12 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         """
         self.stopping = True
         self.peer.detach()
-        # whatever happens next, the actors of this process that are not spawned again are
-        # gone: their watchers hear it now (the node may restart and never mention them)
-        self.peer.lost_with_process(lost, tuple(self.peer.specs))
         link, launched = self.link, self.launched
+        if launched is not None and launched.owns_node:
+            # the process ends here whatever happens next, so its actors that are not spawned
+            # again are gone: their watchers hear it now (a restart never mentions them). A
+            # node we do not own lives on: the actors we leave there are not dead.
+            self.peer.lost_with_process(lost, tuple(self.peer.specs))
         process = launched.process if launched is not None else None
         # a node that is not our child (a Ray actor) says when it has exited
         wait_exit = launched.wait_exit if launched is not None and process is None else None
