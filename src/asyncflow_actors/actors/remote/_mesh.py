@@ -2,7 +2,7 @@
 
 Each system opened by ``open_actor_system`` has a mesh (``system.mesh``): it is the system's
 ``Transport`` (``actors._transport``). It names the system (``name``, and an ``incarnation``
-that is new at every start), listens on a ROUTER socket (its ``NodeServer``) so that any peer can
+that is new, and larger, at every start), listens on a ROUTER socket (its ``NodeServer``) so that any peer can
 reach any of its actors, and keeps one ``Peer`` per other system it talks to, with a link opened
 lazily on first use. Refs travel inside messages as ``ActorAddress``es: ``address_of`` names a
 ref for the wire, ``resolve`` turns an address back into a ref that works here — a local ref when
