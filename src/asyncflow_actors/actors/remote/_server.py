@@ -324,7 +324,6 @@ class NodeServer:
         elif kind == P.PEERS and isinstance(payload, P.PeerUpdate):
             if not (state.owner or self.authenticated):
                 # where other nodes listen is the word of our owner (their supervisor) only
-                self.refusals += 1
                 error = NotAuthorized("only the node's owner may say where its peers are")
                 self._reply_error(peer, corr, error, self.name)
                 return
