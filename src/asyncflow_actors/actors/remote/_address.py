@@ -2,8 +2,9 @@
 
 An address names an actor from anywhere in a run: the *node* (the name of the actor system that
 hosts it), its *path* there, the node's *endpoints* (where to connect, as the node advertised
-them) and the node's *incarnation* (which start of that node minted the address: a newer one
-supersedes an older one's endpoints). ``token`` is the actor's capability to be stopped by a
+them) and the node's *incarnation* (which start of that node minted the address; later starts
+draw larger ones). An address is hearsay where it lands: it places a node the receiver does not
+know, and never re-points one its supervisor or owner told about (``_peer``). ``token`` is the actor's capability to be stopped by a
 peer that holds its ref (``docs/remote.md``, security). Refs follow restarts of their actor and
 of its node, as they do in the process that created them.
 """

@@ -2,7 +2,7 @@
 
 Each system opened by ``open_actor_system`` has a mesh (``system.mesh``): it is the system's
 ``Transport`` (``actors._transport``). It names the system (``name``, and an ``incarnation``
-that is new at every start), listens on a ROUTER socket (its ``NodeServer``) so that any peer can
+that is new, and larger, at every start), listens on a ROUTER socket (its ``NodeServer``) so that any peer can
 reach any of its actors, and keeps one ``Peer`` per other system it talks to, with a link opened
 lazily on first use. Refs travel inside messages as ``ActorAddress``es: ``address_of`` names a
 ref for the wire, ``resolve`` turns an address back into a ref that works here — a local ref when
@@ -23,6 +23,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -106,7 +107,7 @@ class Mesh:
     def __init__(self, system: ActorSystem, name: str | None, options: NodeOptions) -> None:
         self.system = system
         self.name = name if name is not None else default_system_name()
-        self.incarnation = secrets.randbits(62)
+        self.incarnation = new_incarnation()
         self.session = secrets.token_hex(16)
         self.options = options
         self.registry = P.protocol_registry()
@@ -226,6 +227,7 @@ class Mesh:
             peer_timeout=peer_timeout,
             owner_token=owner_token,
             on_shutdown=on_shutdown,
+            authenticated=curve is not None,
         )
         await self._nursery.start(self.server.serve)
         self._listening.set()
@@ -295,31 +297,64 @@ class Mesh:
             return
         self.peers[peer.name] = peer
 
-    def peer_hello(self, hello: P.Hello) -> None:
-        """A peer connected to our server: learn where it listens (to reach it back)."""
-        if hello.name != self.name:
-            self.peer(hello.name).learn(hello.incarnation, hello.endpoints)
+    def peer_hello(self, hello: P.Hello, *, owner: bool) -> None:
+        """A peer connected to our server: learn where it listens (to reach it back). Our
+        owner's word is authoritative; anyone else's is hearsay (``Peer.learn``)."""
+        if hello.name == self.name:
+            return
+        peer = self.peer(hello.name)
+        if owner and not peer.supervised:
+            peer.move(hello.incarnation, hello.endpoints)
+        else:
+            peer.learn(hello.incarnation, hello.endpoints)
 
     def peer_update(self, update: P.PeerUpdate) -> None:
-        """The supervisor of a node says where it is now (or that it is gone for good)."""
+        """This node's owner (the supervisor of the node named) says where that node is now,
+        or that it is gone for good: authoritative, whatever incarnation this side knew."""
+        if update.name == self.name:
+            return
         peer = self.peers.get(update.name)
+        if peer is None and update.up:
+            peer = self.peer(update.name)  # known now, so that hearsay cannot place it later
         if peer is None or peer.supervised:
             return
-        if peer.learn(update.incarnation, update.endpoints) or not update.up:
+        older = peer.incarnation
+        if peer.move(update.incarnation, update.endpoints) or not update.up:
             link = peer.detach()
             if link is not None:
                 link.close(P.NodeLost(f"node {update.name!r} restarted or stopped"))
+        if update.up and older not in (-1, update.incarnation):
+            lost = P.NodeLost(f"node {update.name!r} restarted: its process died")
+            peer.lost_with_process(lost, update.actors)
         if not update.up:
             for actor in list(peer.watchers):
                 peer.notify_watchers(actor, P.NodeLost(f"node {update.name!r} stopped"))
 
     async def broadcast(self, update: P.PeerUpdate, skip: str) -> None:
-        """Tell the other supervised peers where node ``skip`` is now (best effort)."""
-        for peer in list(self.peers.values()):
-            link = peer.link
-            if not peer.supervised or peer.name == skip or link is None or link.closed:
-                continue
-            with trio.move_on_after(self.options.connect_timeout), contextlib.suppress(Exception):
+        """Tell the other supervised peers where node ``skip`` is now (best effort, all at
+        once: a peer that does not answer delays it by ``connect_timeout`` at most)."""
+        async with trio.open_nursery() as nursery:
+            for peer in list(self.peers.values()):
+                link = peer.link
+                if not peer.supervised or peer.name == skip or link is None or link.closed:
+                    continue
+                nursery.start_soon(self.tell_peers, link, (update,))
+
+    def supervised_updates(self, skip: str) -> tuple[P.PeerUpdate, ...]:
+        """Where each supervised peer that is up listens now (for a node that just started)."""
+        return tuple(
+            P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, True, tuple(peer.specs))
+            for peer in list(self.peers.values())
+            if peer.supervised
+            and peer.name != skip
+            and peer.endpoints
+            and peer.link is not None
+            and not peer.link.closed
+        )
+
+    async def tell_peers(self, link: NodeLink, updates: Sequence[P.PeerUpdate]) -> None:
+        with trio.move_on_after(self.options.connect_timeout), contextlib.suppress(Exception):
+            for update in updates:
                 await link.request(P.PEERS, update)
 
     def broadcast_soon(self, update: P.PeerUpdate, skip: str) -> None:
@@ -435,7 +470,7 @@ class Mesh:
                 with trio.CancelScope(shield=True):
                     await stack.aclose()
                 raise P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}")
-            peer.attach(link, info, address)
+            peer.attach(link, info, address, authoritative=False)
         except P.NodeLost as exc:
             raise ActorCrashed(peer.alias, exc, detail="unreachable") from exc
         finally:
@@ -456,6 +491,12 @@ def _advertised(endpoint: str) -> str:
     if endpoint.startswith("tcp://0.0.0.0:") or endpoint.startswith("tcp://*:"):
         return f"tcp://{socket.gethostname()}:{endpoint.rpartition(':')[2]}"
     return endpoint
+
+
+def new_incarnation() -> int:
+    """A node's incarnation: later starts draw larger ones (milliseconds since the epoch,
+    then 20 random bits), so that an address from a newer start is recognised as newer."""
+    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
 
 
 def _pick_endpoint(endpoints: Iterable[str]) -> str | None:

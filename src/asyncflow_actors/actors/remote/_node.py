@@ -8,7 +8,8 @@ never because this process's loop was busy. Losing it crashes the ``NodeActor`` 
 ``NodeLost``: pending asks fail with ``ActorCrashed``, and its supervisor restarts it like any
 actor. A restarted ``NodeActor`` launches a fresh node (or reconnects to a hand-started one,
 which adopts the actors this session left there) and spawns again the actors spawned on the old
-one (except ``TEMPORARY`` ones and those that terminated), so ``RemoteActorRef``s stay valid.
+one (except ``TEMPORARY`` ones and those that terminated), so ``RemoteActorRef``s stay valid;
+the watchers of those not spawned again get ``Terminated`` (``NodeLost``) as the node is lost.
 
 Stopping a node: ask it to shut down, wait ``shutdown_grace``, then SIGTERM, then SIGKILL.
 """
@@ -121,9 +122,15 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
             async with trio.open_nursery() as nursery:
                 for request in list(peer.specs.values()):
                     nursery.start_soon(self._spawn_on, link, attrs.evolve(request, adopt=True))
-        peer.attach(link, info, launched.address)
-        update = P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, up=True)
-        ctx.start_soon(mesh.broadcast, update, peer.name)
+        # Where the new process listens is known here from its own link, whatever incarnation
+        # it drew; the other nodes learn it before anyone here sees the node up, and the new
+        # node learns where the others are from us (its owner) before anyone reaches it.
+        endpoints = info.endpoints or (launched.address,)
+        update = P.PeerUpdate(peer.name, info.incarnation, endpoints, True, tuple(peer.specs))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mesh.broadcast, update, peer.name)
+            nursery.start_soon(mesh.tell_peers, link, mesh.supervised_updates(peer.name))
+        peer.attach(link, info, launched.address, authoritative=True)
 
     async def _spawn_on(self, link: NodeLink, request: P.SpawnRequest) -> RemoteActorRef[Any]:
         register_value_types(link.registry, request.kwargs)
@@ -188,6 +195,11 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         self.stopping = True
         self.peer.detach()
         link, launched = self.link, self.launched
+        if launched is not None and launched.owns_node:
+            # the process ends here whatever happens next, so its actors that are not spawned
+            # again are gone: their watchers hear it now (a restart never mentions them). A
+            # node we do not own lives on: the actors we leave there are not dead.
+            self.peer.lost_with_process(lost, tuple(self.peer.specs))
         process = launched.process if launched is not None else None
         # a node that is not our child (a Ray actor) says when it has exited
         wait_exit = launched.wait_exit if launched is not None and process is None else None

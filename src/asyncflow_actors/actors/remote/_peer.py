@@ -13,6 +13,13 @@ Two kinds, one interface:
 - a *mesh* peer is any other system a ref pointed to: the mesh opens a link lazily on first use
   and again after a link was lost; a peer that cannot be reached raises ``ActorCrashed`` caused by
   ``NodeLost``.
+
+Who may say where a peer listens (``docs/remote.md``, security): its supervisor (the
+``NodeActor``'s own link) and the owner of this node (a ``PEERS`` update, or its hello) are
+*authoritative*: they move the peer. Anything else — an address inside a message, a stranger's
+hello — is hearsay: it tells where an unknown peer listens, and moves only a peer nobody
+authoritative told about, whose link is down, to a newer incarnation. A peer whose link is up is
+never re-pointed by hearsay.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Peer:
         self.info: P.NodeInfo | None = None
         self.endpoints: tuple[str, ...] = ()
         self.incarnation = -1
+        self.authoritative = False  # where it listens came from an authoritative source
         self.address = ""  # the endpoint the current link connected to
         self.up = trio.Event()
         self.cell: ActorCell | None = None  # the NodeActor of a supervised peer
@@ -60,16 +68,36 @@ class Peer:
         return self.cell is not None
 
     def learn(self, incarnation: int, endpoints: tuple[str, ...]) -> bool:
-        """Adopt where the peer listens if ``incarnation`` is at least as new; True if changed."""
-        if incarnation < self.incarnation or not endpoints:
+        """Hearsay of where the peer listens (module docstring); True if it moved the peer."""
+        if not endpoints or self.supervised or self.authoritative:
+            return False
+        if self.endpoints and (
+            incarnation <= self.incarnation or (self.link is not None and self.link.closed is None)
+        ):
+            return False
+        self.incarnation, self.endpoints = incarnation, endpoints
+        return True
+
+    def move(self, incarnation: int, endpoints: tuple[str, ...]) -> bool:
+        """An authoritative source says where the peer listens now; True if that changed."""
+        if not endpoints:
             return False
         changed = incarnation != self.incarnation or endpoints != self.endpoints
-        self.incarnation, self.endpoints = incarnation, endpoints
+        self.incarnation, self.endpoints, self.authoritative = incarnation, endpoints, True
         return changed
 
-    def attach(self, link: NodeLink, info: P.NodeInfo, address: str) -> None:
+    def attach(
+        self, link: NodeLink, info: P.NodeInfo, address: str, *, authoritative: bool
+    ) -> None:
+        """Take ``link`` (to where this side chose to connect) as current: its answer says
+        which incarnation listens there, and where else (``authoritative``: the supervisor's
+        own link; a mesh link only confirms what this side already believed)."""
         self.link, self.info, self.address = link, info, address
-        self.learn(info.incarnation, info.endpoints or (address,))
+        endpoints = info.endpoints or (address,)
+        if authoritative:
+            self.move(info.incarnation, endpoints)
+        else:
+            self.incarnation, self.endpoints = info.incarnation, endpoints
         self.up.set()
 
     def detach(self) -> NodeLink | None:
@@ -150,6 +178,16 @@ class Peer:
         ref: RemoteActorRef[Any] = RemoteActorRef(self, actor)
         for watcher in self.watchers.pop(actor, set()):
             watcher.deliver_system(Terminated(ref, error))
+
+    def lost_with_process(self, error: BaseException, kept: tuple[str, ...]) -> None:
+        """The peer's process is gone: every watched actor of it that is not hosted again
+        (under one of the paths ``kept``) died with it — a ``TEMPORARY`` one, one this side
+        never spawned — and its watchers get ``Terminated`` with ``error`` now."""
+        for actor in list(self.watchers):
+            if any(actor == path or actor.startswith(path + "/") for path in kept):
+                continue
+            self.gone[actor] = error
+            self.notify_watchers(actor, error)
 
     def node_terminated(self) -> None:
         """The node will not come back: every remote actor of it has terminated."""

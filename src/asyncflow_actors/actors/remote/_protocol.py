@@ -133,6 +133,9 @@ class PeerUpdate:
     incarnation: int
     endpoints: tuple[str, ...]
     up: bool
+    # the actors the new incarnation hosts again (respawned by the supervisor): a watched actor
+    # of an older incarnation not among them (nor under one of them) died with its process
+    actors: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -200,10 +203,11 @@ PROTOCOL_TYPES: Final = (
 
 
 def protocol_registry() -> MessageRegistry:
-    """A registry holding the protocol's own classes (each side adds the users' types)."""
+    """A registry holding the protocol's own classes (each side adds the users' types); every
+    field of a protocol message is checked against its annotation when it is received."""
     registry = MessageRegistry()
     for cls in PROTOCOL_TYPES:
-        registry.register(cls)
+        registry.register(cls, checked=True)
     return registry
 
 

@@ -6,9 +6,11 @@ and asks go straight into the actor's mailbox, and replies, credits, rejections 
 notices go back. A node (``python -m asyncflow_actors.node``) also spawns actors for peers, from
 import paths restricted to an allowlist.
 
-It never crashes on bad input: a malformed or unknown message is counted in
+It never crashes on bad input: a malformed or unknown message (the protocol's own messages
+have every field checked against its annotation as they are decoded) is counted in
 ``NodeServerStatistics`` and answered (an error reply, or a ``reject`` that returns the sender's
-credit) wherever the sender can be addressed.
+credit) wherever the sender can be addressed; an unexpected error while handling a request is
+logged and answered as that request's error reply.
 
 Flow control is per sender: each peer may have at most ``capacity`` (the mailbox size) messages
 in flight to an actor; one credit goes back to *that* peer each time one of its messages enters
@@ -17,7 +19,8 @@ so what one actor's inbox holds is bounded by its peers' windows.
 
 Authorization: only the peer that spawned an actor, the node's owner (the process that started
 it, proven by its owner token), or a peer presenting the actor's stop token (carried by refs to
-it) may stop it; only the owner may shut the node down.
+it) may stop it; only the owner may shut the node down; only the owner (or, under CURVE, a
+member of the cluster) may say where other nodes listen (``PEERS``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -71,6 +74,7 @@ class NodeServerStatistics:
     rejected: int = 0
     received_bytes: int = 0
     sent_bytes: int = 0
+    failed_requests: int = 0  # unexpected errors while handling a request (answered, logged)
 
 
 @attrs.define(eq=False)
@@ -116,8 +120,11 @@ class NodeServer:
         peer_timeout: float = math.inf,
         owner_token: str = "",
         on_shutdown: Callable[[], None] | None = None,
+        authenticated: bool = False,
     ) -> None:
         self.mesh = mesh
+        # every connection proved a key of the cluster (CURVE): its members may update peers
+        self.authenticated = authenticated
         self.system: ActorSystem = mesh.system
         self.sock = sock
         self.name = mesh.name
@@ -131,7 +138,7 @@ class NodeServer:
         self.sessions = Sessions()
         self.peers = self.sessions.peers
         self.received = self.sent = self.wire_errors = self.unknown_targets = 0
-        self.refusals = self.rejected = 0
+        self.refusals = self.rejected = self.failed_requests = 0
         self.received_bytes = self.sent_bytes = 0
         self._nursery: trio.Nursery | None = None
 
@@ -149,6 +156,7 @@ class NodeServer:
             self.rejected,
             self.received_bytes,
             self.sent_bytes,
+            self.failed_requests,
         )
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -235,7 +243,21 @@ class NodeServer:
             except WireError as exc:
                 self._refuse(peer, exc)
                 continue
-            self._dispatch(peer, state, meta, payload)
+            except Exception as exc:  # learning a type ran foreign code: still the sender's fault
+                self._refuse(peer, MalformedMessage(f"{type(exc).__name__}: {exc}"))
+                continue
+            try:
+                self._dispatch(peer, state, meta, payload)
+            except Exception as exc:  # a bug must cost one request, never the server
+                self._failed(peer, meta, exc)
+
+    def _failed(self, peer: bytes, meta: dict[str, Any], exc: Exception) -> None:
+        """An unexpected error while handling a request: log it, answer it as an error."""
+        self.failed_requests += 1
+        log.error("node %s: handling a %r failed", self.name, meta.get("k"), exc_info=exc)
+        corr = meta.get("c")
+        if isinstance(corr, int):
+            self._reply_error(peer, corr, exc, self.name)
 
     def _refuse(self, peer: bytes, exc: WireError) -> None:
         """Answer an undecodable message so its sender learns, and gets its credit back."""
@@ -294,12 +316,17 @@ class NodeServer:
         elif kind == P.RESOLVE:
             self._resolve(peer, corr, meta.get("t"))
         elif kind == P.SPAWN and isinstance(payload, P.SpawnRequest):
-            self._nursery.start_soon(self._spawn, peer, state, corr, payload)
+            self._nursery.start_soon(self._guarded, self._spawn, peer, meta, state, corr, payload)
         elif kind == P.STOP:
-            self._nursery.start_soon(self._stop, peer, state, corr, meta)
+            self._nursery.start_soon(self._guarded, self._stop, peer, meta, state, corr, meta)
         elif kind == P.STATS:
             self._stats(peer, corr, meta.get("t"))
         elif kind == P.PEERS and isinstance(payload, P.PeerUpdate):
+            if not (state.owner or self.authenticated):
+                # where other nodes listen is the word of our owner (their supervisor) only
+                error = NotAuthorized("only the node's owner may say where its peers are")
+                self._reply_error(peer, corr, error, self.name)
+                return
             self.mesh.peer_update(payload)
             self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
         elif kind == P.SHUTDOWN:
@@ -313,7 +340,12 @@ class NodeServer:
                 self.on_shutdown()
         else:
             self.wire_errors += 1
-            self._reply_error(peer, corr, WireError(f"unknown request kind {kind!r}"), self.name)
+            unknown = WireError(
+                f"a {kind!r} request cannot carry a {type(payload).__name__}"
+                if kind in (P.HELLO, P.SPAWN, P.PEERS)
+                else f"unknown request kind {kind!r}"
+            )
+            self._reply_error(peer, corr, unknown, self.name)
 
     # -- messages to actors -------------------------------------------------------------------------
 
@@ -419,12 +451,21 @@ class NodeServer:
 
     # -- requests --------------------------------------------------------------------------------
 
+    async def _guarded(
+        self, handler: Callable[..., Awaitable[None]], peer: bytes, meta: dict[str, Any], *args: Any
+    ) -> None:
+        """Run a request's handler task; an unexpected error becomes its error reply."""
+        try:
+            await handler(peer, *args)
+        except Exception as exc:
+            self._failed(peer, meta, exc)
+
     def _hello(self, peer: bytes, state: PeerState, corr: int, hello: P.Hello) -> None:
         state.name, state.session = hello.name, hello.session
         state.owner = bool(self.owner_token) and secrets.compare_digest(
             hello.owner_token, self.owner_token
         )
-        self.mesh.peer_hello(hello)
+        self.mesh.peer_hello(hello, owner=state.owner)
         info = P.NodeInfo(
             self.name,
             os.getpid(),

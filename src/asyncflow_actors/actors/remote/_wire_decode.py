@@ -200,6 +200,12 @@ class _Decoder:
         for fname, alias in spec.fields:
             v = fields[fname]
             kwargs[alias] = v if type(v) in _INLINE else self.walk(v, depth + 1)
+        for alias, expected, check in spec.checks:  # a class registered checked=True
+            if not check(kwargs[alias]):
+                raise MalformedMessage(
+                    f"field {alias!r} of {name!r} holds a {type(kwargs[alias]).__qualname__}; "
+                    f"expected {expected}"
+                )
         try:
             return spec.cls(**kwargs)
         except Exception as exc:

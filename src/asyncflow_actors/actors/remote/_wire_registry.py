@@ -8,6 +8,8 @@ from typing import Any, TypeVar, overload
 
 import attrs
 
+from ._wire_check import field_checks
+
 _T = TypeVar("_T")
 
 
@@ -63,6 +65,8 @@ class _ObjSpec:
     # (field name on the wire, constructor keyword) for each init field
     fields: tuple[tuple[str, str], ...]
     field_names: frozenset[str]
+    # checked=True: (constructor keyword, annotation text, predicate) per checkable field
+    checks: tuple[tuple[str, str, Callable[[object], bool]], ...] = ()
 
 
 @attrs.frozen
@@ -85,18 +89,22 @@ class MessageRegistry:
         self._by_type: dict[type, _ObjSpec | _EnumSpec] = {}
 
     @overload
-    def register(self, cls: type[_T], *, name: str | None = None) -> type[_T]: ...
+    def register(
+        self, cls: type[_T], *, name: str | None = None, checked: bool = False
+    ) -> type[_T]: ...
     @overload
     def register(
-        self, cls: None = None, *, name: str | None = None
+        self, cls: None = None, *, name: str | None = None, checked: bool = False
     ) -> Callable[[type[_T]], type[_T]]: ...
     def register(
-        self, cls: type[_T] | None = None, *, name: str | None = None
+        self, cls: type[_T] | None = None, *, name: str | None = None, checked: bool = False
     ) -> type[_T] | Callable[[type[_T]], type[_T]]:
+        """Register ``cls``; ``checked``: a received instance has every field's value checked
+        against the field's annotation before the class is built (``_wire_check``)."""
         if cls is None:
 
             def decorator(c: type[_T]) -> type[_T]:
-                return self.register(c, name=name)
+                return self.register(c, name=name, checked=checked)
 
             return decorator
         registered: type[_T] = cls
@@ -110,7 +118,11 @@ class MessageRegistry:
             spec = _EnumSpec(key, cls)
         elif attrs.has(cls):
             init = tuple((f.name, f.alias or f.name) for f in attrs.fields(cls) if f.init)
-            spec = _ObjSpec(key, cls, init, frozenset(n for n, _ in init))
+            checks: tuple[tuple[str, str, Callable[[object], bool]], ...] = ()
+            if checked:
+                alias = dict(init)
+                checks = tuple((alias[n], text, c) for n, text, c in field_checks(cls))
+            spec = _ObjSpec(key, cls, init, frozenset(n for n, _ in init), checks)
         else:
             raise RegistrationError(
                 f"{cls.__qualname__} is neither an attrs class nor an Enum: only those can be sent"

@@ -1,0 +1,69 @@
+"""Actors the node-fault tests place on nodes; this module imports no torch, so that a node
+restarted many times starts (and respawns them) in well under a second."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+import asyncflow_actors as afa
+
+
+@attrs.frozen
+class Hi(afa.Request[str]):
+    text: str
+
+
+class Hello(afa.Actor[Hi]):
+    """Answers ``Hi`` with its name and the text."""
+
+    async def receive(self, msg: Hi, ctx: afa.ActorContext[Hi]) -> str:
+        await trio.lowlevel.checkpoint()
+        return f"{ctx.name}:{msg.text}"
+
+
+@attrs.frozen
+class Forward(afa.Request[str]):
+    """Ask ``target`` a ``Hi`` and reply with its answer (a node reaching another node)."""
+
+    target: afa.ActorRef[Hi]
+    text: str
+
+
+class Forwarder(afa.Actor[Forward]):
+    async def receive(self, msg: Forward, ctx: afa.ActorContext[Any]) -> str:
+        return await msg.target.ask(Hi(msg.text))
+
+
+@attrs.frozen
+class Watch(afa.Request[None]):
+    """Watch ``target``; ``Heard`` then replies with what its ``Terminated`` said."""
+
+    target: afa.ActorRef[Any]
+
+
+@attrs.frozen
+class Heard(afa.Request[str]):
+    """Wait for the watched actor's ``Terminated``; reply with its error's type name."""
+
+
+class Watcher(afa.Actor[Watch | Heard | afa.Terminated]):
+    """Watches one actor; ``Heard`` waits until its ``Terminated`` arrived."""
+
+    def __init__(self) -> None:
+        self.heard = trio.Event()
+        self.error = ""
+
+    async def receive(self, msg: Watch | Heard | afa.Terminated, ctx: afa.ActorContext[Any]) -> Any:
+        if isinstance(msg, Watch):
+            ctx.watch(msg.target)
+        elif isinstance(msg, afa.Terminated):
+            self.error = type(msg.error).__name__
+            self.heard.set()
+        else:
+            await self.heard.wait()
+            return self.error
+        await trio.lowlevel.checkpoint()
+        return None
