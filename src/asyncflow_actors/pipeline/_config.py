@@ -7,7 +7,10 @@ staleness = 1           # async only: versions rollout may run ahead (0: on-poli
 run_dir = "runs/exp1"
 
 [model]                 # models.TinyDecoder, or init = "policy.safetensors"
-[task]                  # kind = "addition" | "longtail" | "jsonl"; [task.options]
+[task]                  # kind = "addition" | "longtail" | "jsonl" | "dataset"; [task.options]
+                        # reward = "my_rewards:correct" (or a list), reward_weights; [task.dataset]
+[reward]                # on_error = "raise" | "zero" | "drop", concurrency, timeout
+[eval]                  # dataset, every, samples, greedy
 [rollout]               # group_size, max_new_tokens, workers, engines, pause_mode, reward ...
 [algorithm]             # advantage, clip_low/high, kl_coef, is_level ...
 [train]                 # steps, prompts_per_step, mini_batches, lr, checkpoint_every ...
@@ -41,6 +44,7 @@ from ..roles._settings import (
     TaskSettings,
     TrainSettings,
 )
+from ..tasks._settings import EvalSettings, RewardSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -106,6 +110,8 @@ class PipelineConfig:
     rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
     algorithm: AlgorithmSettings = attrs.field(factory=AlgorithmSettings)
     train: TrainSettings = attrs.field(factory=TrainSettings)
+    reward: RewardSettings = attrs.field(factory=RewardSettings)
+    eval: EvalSettings = attrs.field(factory=EvalSettings)
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
 
     def __attrs_post_init__(self) -> None:
@@ -134,6 +140,8 @@ class PipelineConfig:
             rollout=self.rollout,
             algorithm=self.algorithm,
             train=self.train,
+            reward=self.reward,
+            eval=self.eval,
             run_dir=self.run_dir,
             run_id=uuid.uuid4().hex,
             start_version=start_version,
@@ -335,6 +343,11 @@ def _matches(tp: Any, value: Any) -> bool:
         return isinstance(value, str)
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         return isinstance(value, Mapping)
+    if origin is tuple:  # tuple[X, ...]: a TOML array of X, or one X
+        item = typing.get_args(tp)[0]
+        if isinstance(value, (list, tuple)):
+            return all(_matches(item, v) for v in value)
+        return _matches(item, value)
     return isinstance(tp, type) and isinstance(value, tp)
 
 
@@ -348,4 +361,6 @@ def _describe(tp: Any) -> str:
         return "nothing"
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         return "a table"
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('a ')}"
     return f"a {getattr(tp, '__name__', tp)}"

@@ -37,8 +37,10 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
+from ._driver_tasks import DriverTasks
 from ._messages import (
     GetRoleStats,
+    GroupDropped,
     GroupGone,
     NeedWeights,
     ResendWeights,
@@ -48,6 +50,7 @@ from ._messages import (
     SyncReport,
     SyncWeights,
 )
+from ._reward import record_json
 from ._settings import RunSpec
 from ._worker import Meter, in_thread, load_compute
 
@@ -91,9 +94,10 @@ class DriverHooks:
     done: trio.Event = attrs.Factory(trio.Event)
     checkpoints: list[str] = attrs.Factory(list)
     reinjected: int = 0
+    rollouts: list[ActorRef[Any]] = attrs.Factory(list)  # for evaluations
 
 
-class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
+class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone | GroupDropped]):
     """The Driver of one run (see the module docstring); it lives in the driver process."""
 
     def __init__(
@@ -124,6 +128,9 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         self.compute = await load_compute(self.spec.train.torch_threads)
         self.task = await in_thread(self.spec.task.build)
         self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
+        # a dataset's prompts rendered and checked, the evaluation set (``_driver_tasks``)
+        self.tasks = await in_thread(DriverTasks.open, self.spec, self.task, self.tokenizer)
+        ctx.start_soon(self.tasks.serve, self.hooks)
         self.client = await TransferQueueClient.connect(self.controller, holder="driver")
         await self.client.set_version(S.ROLLOUT, self.version)
         self._step_started = trio.current_time()
@@ -132,6 +139,9 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
 
     def problem(self, index: int) -> Any:
         """The run's ``index``-th prompt (deterministic in the task seed)."""
+        prepared = self.tasks.problem(index)
+        if prepared is not None:
+            return prepared
         chunk = index // PROMPT_CHUNK
         if self._chunk[0] != chunk:
             seed = self.spec.task.seed * 1_000_003 + chunk
@@ -212,6 +222,7 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
             S.GROUP: torch.tensor(opened),
             S.PROMPT_INDEX: torch.tensor(indexes),
             S.MIN_VERSION: torch.full((len(indexes),), version, dtype=torch.int64),
+            S.RECORD: [record_json(p) for p in problems],
         }
         samples = await self.client.put(S.PROMPTS, data, version=0)
         for sample, group in zip(samples, opened, strict=True):
@@ -248,8 +259,16 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         return True
 
     async def receive(
-        self, msg: StepDone | GetRoleStats | NeedWeights | GroupGone, ctx: ActorContext[Any]
+        self,
+        msg: StepDone | GetRoleStats | NeedWeights | GroupGone | GroupDropped,
+        ctx: ActorContext[Any],
     ) -> Any:
+        if isinstance(msg, GroupDropped):
+            await trio.lowlevel.checkpoint()
+            self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
+            if self.inflight.pop(msg.group_id, None) is not None:
+                self.flow.release(self.spec.rollout.group_size)  # another prompt instead
+            return None
         if isinstance(msg, GroupGone):
             if await self._reinject(msg.group_id):
                 log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
@@ -291,9 +310,15 @@ class Driver(Actor[StepDone | GetRoleStats | NeedWeights | GroupGone]):
         every = spec.train.checkpoint_every
         if every and spec.run_dir and steps_done % every == 0:
             await self.save_checkpoint(trainer)
+        stop = msg.version >= spec.train.steps
+        if self.tasks.eval_due(steps_done):
+            if stop:  # the last record carries it
+                await self.tasks.evaluate(self.hooks)
+            else:
+                self.tasks.request_eval(steps_done)
+        msg = self.tasks.with_metrics(msg)
         if self.hooks.on_step is not None:
             await self.hooks.on_step(msg, report, seconds)
-        stop = msg.version >= spec.train.steps
         if stop:
             self.hooks.done.set()
         return StepAck(stop)
