@@ -58,3 +58,14 @@ def trio_free(completions: list[Any], **kw: Any) -> list[float]:
     except RuntimeError:
         return [1.0] * len(completions)
     raise AssertionError("a sync reward ran on the event loop")
+
+
+_calls = [0]
+
+
+def every_fifth_fails(completions: list[Any], **kw: Any) -> list[float]:
+    """Raises on one call in five (20%; the second, seventh...), deterministically."""
+    _calls[0] += 1
+    if _calls[0] % 5 == 2:
+        raise ValueError("every fifth call fails")
+    return [float(len(_text(c)) % 2) for c in completions]

@@ -50,9 +50,7 @@ def test_jsonl_parquet_and_saved_datasets_read_alike(tmp_path: Path) -> None:
     table = datasets.Dataset.from_list(RECORDS)
     table.to_parquet(str(tmp_path / "d.parquet"))
     datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "saved"))
-    expected = [
-        {"prompt": r["q"], "answer": r["sol"], "level": r["level"]} for r in RECORDS
-    ]
+    expected = [{"prompt": r["q"], "answer": r["sol"], "level": r["level"]} for r in RECORDS]
     for path in (jsonl, str(tmp_path / "d.parquet"), str(tmp_path / "saved")):
         assert read_records(settings(path)) == expected, path
     with pytest.raises(TaskError, match="no prompt column 'question'"):

@@ -114,9 +114,7 @@ async def test_a_call_that_outlives_its_timeout_is_an_error() -> None:
 @pytest.mark.parametrize("on_error", ["raise", "zero", "drop"])
 async def test_a_reward_raising_at_20_percent(on_error: str) -> None:
     rewards._flaky.seed(1)
-    runner = RewardRunner(
-        ["tests.tasks.rewards:flaky"], None, RewardSettings(on_error=on_error)
-    )
+    runner = RewardRunner(["tests.tasks.rewards:flaky"], None, RewardSettings(on_error=on_error))
     outcomes = {"ok": 0, "zero": 0, "dropped": 0, "raised": 0}
     for _ in range(40):
         try:
