@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from asyncflow_actors.pipeline import RunFailed, run_pipeline
@@ -102,3 +103,15 @@ def test_the_custom_reward_example_in_processes(tmp_path: Path) -> None:
     assert config["placement"]["default"] == "process"
     steps = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
     assert len(steps) == 4 and any("eval/pass@1" in line for line in steps)
+
+
+async def test_reward_functions_in_a_reward_actor_of_their_own() -> None:
+    config = tiny(rollout={"reward": "actor"}, reward={"on_error": "drop"})
+    # function objects from Python: their import paths
+    task = attrs.evolve(config.task, reward=[rewards.exact, rewards.length])
+    config = attrs.evolve(config, task=task)
+    assert config.task.reward == ("tests.tasks.rewards:exact", "tests.tasks.rewards:length")
+    result = await run_pipeline(config)
+    last = result.records[-1].metrics
+    assert last["reward/length"] < 0 and 0 <= last["reward/exact"] <= 1
+    assert last["reward/dropped_groups"] == 0
