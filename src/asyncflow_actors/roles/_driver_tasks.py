@@ -109,7 +109,7 @@ class DriverTasks:
             metrics["dataset/truncated_prompts"] = float(self.prompts.truncated)
         for result in self._results:
             metrics.update(result.metrics)
-            metrics["eval/version"] = float(result.version)
+            metrics["eval_version"] = float(result.version)
         self._results.clear()
         return attrs.evolve(msg, metrics=metrics)
 

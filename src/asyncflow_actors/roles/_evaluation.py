@@ -61,7 +61,7 @@ async def evaluate(
     parts = [list(row) for s in scores if s.dropped is None for row in s.parts]
     names = runner.names if spec.task.reward else ()
     metrics = eval_metrics(rewards, parts, names, msg.threshold)
-    metrics["eval/dropped_groups"] = float(sum(1 for s in scores if s.dropped is not None))
+    metrics["eval_dropped_groups"] = float(sum(1 for s in scores if s.dropped is not None))
     return Evaluated(metrics, version)
 
 
@@ -75,7 +75,7 @@ def eval_metrics(
     from ..rl import pass_at_k
 
     flat = [r for group in rewards for r in group]
-    out: dict[str, float] = {"eval/samples": float(len(flat))}
+    out: dict[str, float] = {"eval_samples": float(len(flat))}
     if not flat:
         return out
     out["eval/reward_mean"] = sum(flat) / len(flat)
