@@ -93,7 +93,7 @@ class DriverTasks:
         if msg.fatal:
             raise RewardFailed(msg.reason)
         self.dropped += 1
-        log.warning("group %d dropped by %s: %s", msg.group_id, msg.worker, msg.reason)
+        log.info("group %d dropped by %s: %s", msg.group_id, msg.worker, msg.reason)
 
     def with_metrics(self, msg: StepDone) -> StepDone:
         """``msg`` with this step's task figures: dropped groups, the filtered prompts (once),
