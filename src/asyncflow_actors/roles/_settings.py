@@ -120,15 +120,18 @@ class TaskSettings:
         """The task (imports ``rl``, hence torch). Raises ``SettingsError`` for bad options."""
         from .. import rl
 
+        if self.kind == "dataset":
+            from ..tasks import DatasetTask
+
+            try:
+                return DatasetTask.read(self.dataset)
+            except ValueError as exc:
+                raise SettingsError(f"task.dataset: {exc}") from exc
         try:
             if self.kind == "addition":
                 return rl.AdditionTask(**self.options)
             if self.kind == "longtail":
                 return rl.LongTailTask(**self.options)
-            if self.kind == "dataset":
-                from ..tasks import DatasetTask
-
-                return DatasetTask.read(self.dataset)
             options = dict(self.options)
             path = options.pop("path", None)
             if not isinstance(path, str):

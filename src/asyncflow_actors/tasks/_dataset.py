@@ -36,6 +36,8 @@ def read_records(settings: DatasetSettings, path: str | None = None) -> list[dic
     where = path if path is not None else settings.path
     if not where:
         raise TaskError("task.dataset.path: a dataset task needs a path")
+    if not os.path.exists(where):
+        raise TaskError(f"{where}: no such file or folder")
     fmt = settings.format if path is None or settings.format != "auto" else "auto"
     if fmt == "auto":
         fmt = _guess_format(where)
