@@ -126,6 +126,17 @@ def bench_peer(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_peer_trl(session: nox.Session) -> None:
+    """Our pipeline against TRL's GRPOTrainer (trl 1.16.0) on the same model, prompts and
+    reward, in its own venv (benchmarks/peer_trl.py)."""
+    session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
+    session.install("trl==1.16.0")
+    session.install("-e", ".[hf,datasets]")
+    session.env["PYTHONPATH"] = "benchmarks"
+    session.run("python", "benchmarks/peer_trl.py", *session.posargs)
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The demo: SFT warm-up, then asynchronous GRPO of a tiny policy on CPU (a few minutes on
     2 cores); it prints the reward of every step and what the policy learned."""

@@ -13,7 +13,10 @@
   batches) reaches 0.8 on addition, for async (value) against a plain single-loop synchronous
   GRPO written below (generate, score, update; no actors; baseline), from the same warmed-up
   policy with the same batch and learning rate; the mean over ``--seeds`` task seeds (one
-  seed moves the steps needed by about 1.4x). The async run folds the old log-probs and the
+  seed moves the steps needed by about 1.4x). The plain loop runs on its best torch thread
+  count (1 or 2), measured before each seed's pair in the same sitting (with 2 threads its
+  step was 11-33% faster in three sittings); the step cap (1200) leaves a wide margin over the
+  193-382 steps either arm needed, so both arms reach the threshold. The async run folds the old log-probs and the
   advantages into the trainer and runs the rollout in the driver process, next to the
   TransferQueue (``placement.roles``): the placement ``docs/pipeline.md`` recommends for small
   models, two processes, generation and training in parallel; it corrects its one-version-stale
@@ -164,9 +167,34 @@ def process_cpu_seconds() -> float:
     return total
 
 
-def plain_grpo_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[float, int, float]:
-    """The baseline: one loop, one process: sample groups, score, one PPO update. Returns
-    the seconds and steps to the target and the CPU seconds per step."""
+def plain_grpo_time_to_reward(
+    init: str, max_steps: int, seed: int, threads: int = 1, *, stop: bool = True
+) -> tuple[float, int, float]:
+    """The baseline: one loop, one process: sample groups, score, one PPO update, on
+    ``threads`` torch threads. Returns the seconds and steps to the target (``stop``: else it
+    runs ``max_steps``) and the CPU seconds per step."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _plain_grpo(init, max_steps, seed, stop)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def best_plain_threads(init: str, seed: int, steps: int = 12) -> tuple[int, dict[int, float]]:
+    """The plain loop's fastest torch thread count on this machine now (1 or 2, the cores the
+    async arm's two processes use), from ``steps`` steps on each, twice, alternated: the
+    baseline gets its best, measured in the same sitting as the runs it is compared with."""
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(2):
+        for threads in times:
+            seconds, _, _ = plain_grpo_time_to_reward(init, steps, seed, threads, stop=False)
+            times[threads].append(seconds / steps)
+    per_step = {n: min(v) for n, v in times.items()}
+    return min(per_step, key=lambda n: per_step[n]), per_step
+
+
+def _plain_grpo(init: str, max_steps: int, seed: int, stop: bool) -> tuple[float, int, float]:
     model = load_model(init)
     tokenizer = CharTokenizer(ADDITION.alphabet)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -186,8 +214,10 @@ def plain_grpo_time_to_reward(init: str, max_steps: int, seed: int) -> tuple[flo
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         history.append(float(groups.rewards.mean()))
-        if statistics.mean(history[-3:]) >= TARGET:
+        if stop and statistics.mean(history[-3:]) >= TARGET:
             return time.perf_counter() - started, step + 1, (time.process_time() - cpu) / (step + 1)
+    if not stop:
+        return time.perf_counter() - started, max_steps, (time.process_time() - cpu) / max_steps
     return float("inf"), max_steps, (time.process_time() - cpu) / max_steps
 
 
@@ -278,7 +308,9 @@ async def main(rounds: int, quick: bool, seeds: int, parts: tuple[str, ...]) -> 
                                                        accuracy=1.0, steps=40 if quick else 100))  # fmt: skip
             await throughput(longtail, rounds, 4 if quick else 48)
         if "time_to_reward" in parts:
-            await time_to_reward(addition, 40 if quick else 400, seeds)
+            # the cap: the arms needed 193-382 steps in past sittings; a run that reaches no
+            # threshold prints Infinity, so the cap leaves a wide margin
+            await time_to_reward(addition, 40 if quick else 1200, seeds)
         if "gap" in parts:
             await reward_gap(addition, 6 if quick else 60, workdir)
         if "staleness0" in parts:
@@ -286,10 +318,13 @@ async def main(rounds: int, quick: bool, seeds: int, parts: tuple[str, ...]) -> 
 
 
 async def time_to_reward(addition: str, max_steps: int, seeds: int) -> None:
-    plain, folded = [], []
+    plain, folded, chosen = [], [], []
     for seed in range(1, seeds + 1):
+        # the plain loop's best thread count, measured now (the load moves between sittings)
+        threads, per_step = await trio.to_thread.run_sync(best_plain_threads, addition, seed)
+        chosen.append((threads, {n: round(t * 1e3, 1) for n, t in per_step.items()}))
         plain.append(await trio.to_thread.run_sync(
-            plain_grpo_time_to_reward, addition, max_steps, seed))  # fmt: skip
+            plain_grpo_time_to_reward, addition, max_steps, seed, threads))  # fmt: skip
         folded.append(await pipeline_time_to_reward(addition, max_steps, seed))
     emit("pipeline_time_to_reward", statistics.mean(r[0] for r in folded), "s",
          statistics.mean(r[0] for r in plain))  # fmt: skip
@@ -297,7 +332,8 @@ async def time_to_reward(addition: str, max_steps: int, seeds: int) -> None:
          statistics.median(r[2] for r in plain))  # fmt: skip
     print(f"# time to reward {TARGET} per task seed (s, steps): async "
           f"{[(round(r[0], 1), r[1]) for r in folded]}, plain loop "
-          f"{[(round(r[0], 1), r[1]) for r in plain]}; load average "
+          f"{[(round(r[0], 1), r[1]) for r in plain]}; the plain loop's threads per seed "
+          f"(chosen, ms a step on 1 and 2) {chosen}; load average "
           f"{os.getloadavg()[0]:.1f}", file=sys.stderr)  # fmt: skip
 
 

@@ -79,6 +79,7 @@ async def test_rollout_takes_every_ready_prompt_in_one_lease() -> None:
                     S.GROUP: torch.tensor([slot.group_id]),
                     S.PROMPT_INDEX: torch.tensor([index]),
                     S.MIN_VERSION: torch.tensor([0]),
+                    S.RECORD: ["{}"],
                 }
                 await client.put(S.PROMPTS, prompt, version=0)
             ref = await system.spawn(
@@ -150,6 +151,7 @@ async def put_prompts(
         S.GROUP: torch.tensor(groups),
         S.PROMPT_INDEX: torch.tensor(indexes),
         S.MIN_VERSION: torch.full((len(indexes),), min_version, dtype=torch.int64),
+        S.RECORD: ["{}"] * len(indexes),
     }
     await client.put(S.PROMPTS, prompts, version=0)
 

@@ -135,6 +135,7 @@ async def put_prompt(client: Any, index: int, gid: int) -> None:
             S.GROUP: torch.tensor([gid]),
             S.PROMPT_INDEX: torch.tensor([index]),
             S.MIN_VERSION: torch.tensor([0]),
+            S.RECORD: ["{}"],
         },
         version=0,
     )

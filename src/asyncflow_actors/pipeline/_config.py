@@ -7,7 +7,10 @@ staleness = 1           # async only: versions rollout may run ahead (0: on-poli
 run_dir = "runs/exp1"
 
 [model]                 # models.TinyDecoder, or init = "policy.safetensors"
-[task]                  # kind = "addition" | "longtail" | "jsonl"; [task.options]
+[task]                  # kind = "addition" | "longtail" | "jsonl" | "dataset"; [task.options]
+                        # reward = "my_rewards:correct" (or a list), reward_weights; [task.dataset]
+[reward]                # on_error = "raise" | "zero" | "drop", concurrency, timeout
+[eval]                  # dataset, every, samples, greedy
 [rollout]               # group_size, max_new_tokens, workers, engines, pause_mode, reward ...
 [algorithm]             # advantage, clip_low/high, kl_coef, is_level ...
 [train]                 # steps, prompts_per_step, mini_batches, lr, checkpoint_every ...
@@ -43,6 +46,7 @@ from ..roles._settings import (
     _one_of,
     _positive,
 )
+from ..tasks._settings import EvalSettings, RewardSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -114,6 +118,8 @@ class PipelineConfig:
     rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
     algorithm: AlgorithmSettings = attrs.field(factory=AlgorithmSettings)
     train: TrainSettings = attrs.field(factory=TrainSettings)
+    reward: RewardSettings = attrs.field(factory=RewardSettings)
+    eval: EvalSettings = attrs.field(factory=EvalSettings)
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
 
     def __attrs_post_init__(self) -> None:
@@ -142,6 +148,8 @@ class PipelineConfig:
             rollout=self.rollout,
             algorithm=self.algorithm,
             train=self.train,
+            reward=self.reward,
+            eval=self.eval,
             run_dir=self.run_dir,
             run_id=uuid.uuid4().hex,
             start_version=start_version,
@@ -347,9 +355,11 @@ def _matches(tp: Any, value: Any) -> bool:
         return isinstance(value, str)
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         return isinstance(value, Mapping)
-    if origin in (tuple, list):  # a TOML array: ``tuple[str, ...]`` and the like
+    if origin in (tuple, list):  # tuple[X, ...]: a TOML array of X, or one X
         item = typing.get_args(tp)[0]
-        return isinstance(value, (list, tuple)) and all(_matches(item, v) for v in value)
+        if isinstance(value, (list, tuple)):
+            return all(_matches(item, v) for v in value)
+        return _matches(item, value)
     return isinstance(tp, type) and isinstance(value, tp)
 
 
@@ -364,5 +374,5 @@ def _describe(tp: Any) -> str:
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
         return "a table"
     if origin in (tuple, list):
-        return f"an array of {_describe(typing.get_args(tp)[0])}"
+        return f"a list of {_describe(typing.get_args(tp)[0]).removeprefix('a ')}"
     return f"a {getattr(tp, '__name__', tp)}"

@@ -9,6 +9,7 @@ the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,9 +87,27 @@ class Placement:
                 names.append(where)
         return names
 
+    def node_env(self) -> tuple[tuple[str, ...], dict[str, str] | None]:
+        """The allowlist of the run's local nodes, and their environment: the run's reward
+        modules are allowed, and the folders this process imports them from are on the nodes'
+        ``PYTHONPATH`` (a script's own folder is not the node's)."""
+        from ..tasks._functions import import_roots, module_prefixes
+
+        paths = self.config.task.reward
+        allow = ALLOW + tuple(p for p in module_prefixes(paths) if p not in ALLOW)
+        roots = import_roots(paths)
+        if not roots:
+            return allow, None
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*roots, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        )
+        return allow, env
+
     async def start(self) -> None:
         """Start or connect every node, concurrently, and preload torch on each."""
         place = self.config.placement
+        allow, env = self.node_env()
 
         async def one(name: str) -> None:
             alias = f"{name}.{self.suffix}"
@@ -96,7 +115,9 @@ class Placement:
             if address is not None:
                 node = await self.system.connect_node(address, name=alias)
             else:
-                node = await self.system.start_node(alias, allow=ALLOW, transport=place.transport)
+                node = await self.system.start_node(
+                    alias, allow=allow, transport=place.transport, env=env
+                )
             await node.spawn(Preload, name=f"preload.{self.suffix}")
             self.nodes[name] = node
 

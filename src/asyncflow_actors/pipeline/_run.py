@@ -385,6 +385,8 @@ async def _spawn_roles(
             targets.append(ref)
         if role == "trainer":
             hooks.trainer = ref
+        if role == "rollout":
+            hooks.rollouts.append(ref)
 
 
 async def role_statistics(refs: dict[str, ActorRef[Any]]) -> list[RoleStatistics]:

@@ -54,6 +54,10 @@ from ._losses import ValueLossOutput as ValueLossOutput
 from ._losses import clipped_surrogate as clipped_surrogate
 from ._losses import policy_loss as policy_loss
 from ._losses import value_loss as value_loss
+from ._rewards import RewardValueError as RewardValueError
+from ._rewards import check_reward_values as check_reward_values
+from ._rewards import pass_at_k as pass_at_k
+from ._rewards import weighted_rewards as weighted_rewards
 from ._sft import SFTResult as SFTResult
 from ._sft import sft_warmup as sft_warmup
 from ._tasks import AdditionTask as AdditionTask

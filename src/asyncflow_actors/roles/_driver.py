@@ -43,8 +43,10 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
+from ._driver_tasks import DriverTasks
 from ._messages import (
     GetRoleStats,
+    GroupDropped,
     GroupGone,
     NeedWeights,
     ResendWeights,
@@ -56,6 +58,7 @@ from ._messages import (
     SyncReport,
     SyncWeights,
 )
+from ._reward import record_json
 from ._settings import CHECKPOINTS, DRIVER_FILE, FINAL, RunSpec
 from ._worker import Meter, in_thread, load_compute
 
@@ -102,9 +105,10 @@ class DriverHooks:
     stopped: Stopped | None = None
     checkpoints: list[str] = attrs.Factory(list)
     reinjected: int = 0
+    rollouts: list[ActorRef[Any]] = attrs.Factory(list)  # for evaluations
 
 
-_Msg = StepDone | GetRoleStats | NeedWeights | GroupGone | StopRun
+_Msg = StepDone | GetRoleStats | NeedWeights | GroupGone | GroupDropped | StopRun
 
 
 class Driver(Actor[_Msg]):
@@ -141,6 +145,9 @@ class Driver(Actor[_Msg]):
         self.compute = await load_compute(self.spec.train.torch_threads)
         self.task = await in_thread(self.spec.task.build)
         self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
+        # a dataset's prompts rendered and checked, the evaluation set (``_driver_tasks``)
+        self.tasks = await in_thread(DriverTasks.open, self.spec, self.task, self.tokenizer)
+        ctx.start_soon(self.tasks.serve, self.hooks)
         self.client = await TransferQueueClient.connect(self.controller, holder="driver")
         await self.client.set_version(S.ROLLOUT, self.version)
         self.meter.set_version(self.version)
@@ -150,6 +157,9 @@ class Driver(Actor[_Msg]):
 
     def problem(self, index: int) -> Any:
         """The run's ``index``-th prompt (deterministic in the task seed)."""
+        prepared = self.tasks.problem(index)
+        if prepared is not None:
+            return prepared
         chunk = index // PROMPT_CHUNK
         if self._chunk[0] != chunk:
             seed = self.spec.task.seed * 1_000_003 + chunk
@@ -230,6 +240,7 @@ class Driver(Actor[_Msg]):
             S.GROUP: torch.tensor(opened),
             S.PROMPT_INDEX: torch.tensor(indexes),
             S.MIN_VERSION: torch.full((len(indexes),), version, dtype=torch.int64),
+            S.RECORD: [record_json(p) for p in problems],
         }
         samples = await self.client.put(S.PROMPTS, data, version=0)
         for sample, group in zip(samples, opened, strict=True):
@@ -268,6 +279,12 @@ class Driver(Actor[_Msg]):
     async def receive(self, msg: _Msg, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, StopRun):
             return await self._stop()
+        if isinstance(msg, GroupDropped):
+            await trio.lowlevel.checkpoint()
+            self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
+            if self.inflight.pop(msg.group_id, None) is not None:
+                self.flow.release(self.spec.rollout.group_size)  # another prompt instead
+            return None
         if isinstance(msg, GroupGone):
             if await self._reinject(msg.group_id):
                 log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
@@ -313,6 +330,13 @@ class Driver(Actor[_Msg]):
                 await self.save_checkpoint(trainer, final=True)
         elif every and spec.run_dir and steps_done % every == 0:
             await self.save_checkpoint(trainer)
+        stop = msg.version >= spec.train.steps
+        if self.tasks.eval_due(steps_done):
+            if stop:  # the last record carries it
+                await self.tasks.evaluate(self.hooks)
+            else:
+                self.tasks.request_eval(steps_done)
+        msg = self.tasks.with_metrics(msg)
         if self.hooks.on_step is not None:
             await self.hooks.on_step(msg, report, seconds)
         if stop:

@@ -57,6 +57,7 @@ def group_request(
         max_new_tokens=spec.rollout.max_new_tokens,
         temperature=spec.rollout.temperature,
         top_p=spec.rollout.top_p,
+        top_k=spec.rollout.top_k,
         n=spec.rollout.group_size,
         seed=sample_seed(spec.train.seed, index, attempt),
     )
@@ -78,12 +79,19 @@ def oldest_version(completions: Sequence[Completion], current: int) -> int:
     return min(current if c.oldest_version is None else c.oldest_version for c in completions)
 
 
-def group_rows(completions: Sequence[Completion], rewards: list[float]) -> dict[str, Any]:
-    """A scored group's rows, as the rollout writes them."""
+def group_rows(
+    completions: Sequence[Completion],
+    rewards: list[float],
+    parts: Sequence[Sequence[float]] | None = None,
+) -> dict[str, Any]:
+    """A scored group's rows, as the rollout writes them (``parts``: each reward function's
+    value per sample, when the run has reward functions)."""
     import torch
 
     lengths = [len(c.token_ids) for c in completions]
+    extra = {} if parts is None else {S.REWARD_PARTS: torch.tensor(parts, dtype=torch.float32)}
     return {
+        **extra,
         S.RESPONSE_IDS: _as_rows([c.token_ids for c in completions], lengths, torch.int64),
         S.BEHAVIOUR: _as_rows([c.logprobs for c in completions], lengths, torch.float32),
         S.TOKEN_VERSIONS: _as_rows([c.versions for c in completions], lengths, torch.int64),

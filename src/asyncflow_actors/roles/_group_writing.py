@@ -13,6 +13,7 @@ prompt of a group that vanished).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -29,6 +30,10 @@ from ..transfer_queue import (
     UnknownSample,
 )
 from . import _schema as S
+from ._messages import GroupDropped
+
+log = logging.getLogger("asyncflow_actors.roles")
+TELL_TIMEOUT_S = 10.0
 
 
 @attrs.frozen
@@ -150,3 +155,29 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if not isinstance(inner, tuple):
         return [exc]
     return [leaf for e in inner for leaf in _leaves(e)]
+
+
+async def drop_group(
+    client: TransferQueueClient,
+    driver: Any,
+    gid: int,
+    worker: str,
+    reason: str,
+    *,
+    fatal: bool,
+    size: int,
+) -> None:
+    """A group whose reward failed is not written: shrink it to nothing (its slots in the
+    queue are freed) and tell the Driver (``GroupDropped``), which admits another prompt in
+    its place, or fails the run when ``fatal``."""
+    try:
+        await client.shrink_group(S.ROLLOUT, gid, size)
+    except Exception as exc:  # gone already (evicted, lost): nothing to free
+        log.info("%s: shrinking dropped group %d: %r", worker, gid, exc)
+    if driver is None:
+        return
+    try:
+        with trio.fail_after(TELL_TIMEOUT_S):
+            await driver.send(GroupDropped(gid, worker, reason, fatal))
+    except Exception as exc:
+        log.warning("%s: reporting dropped group %d failed: %r", worker, gid, exc)

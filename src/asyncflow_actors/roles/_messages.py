@@ -138,13 +138,55 @@ class StopRun(Request[Stopped]):
 
 @attrs.frozen
 class Scored:
+    """A group's rewards, each reward function's values per sample (``nan``: no score), and
+    ``dropped``: why the group is not to be trained (``reward.on_error = "drop"``), or
+    ``failed``: the one line that fails the run (``"raise"``)."""
+
     rewards: tuple[float, ...]
+    parts: tuple[tuple[float, ...], ...] = ()
+    dropped: str | None = None
+    failed: str | None = None
 
 
 @attrs.frozen
 class Score(Request[Scored]):
-    """Rollout → Reward: score ``responses`` to one prompt against its ``answer``."""
+    """Rollout → Reward: score ``responses`` to one prompt against its ``answer``; ``record``:
+    the prompt's columns as JSON (what reward functions get by name)."""
 
     prompt: str
     answer: str
     responses: tuple[str, ...]
+    record: str = "{}"
+
+
+@attrs.frozen
+class GroupDropped:
+    """Rollout → Driver (a tell): group ``group_id`` was not written because its reward failed
+    (``reward.on_error = "drop"``; the worker shrank it to nothing): the Driver frees its
+    slots and admits a new prompt in its place. ``fatal``: ``on_error = "raise"``; the Driver
+    fails the run with ``reason``."""
+
+    group_id: int
+    worker: str
+    reason: str
+    fatal: bool = False
+
+
+@attrs.frozen
+class Evaluated:
+    """An evaluation's figures (``eval/<name>``) and the weights' version it ran on."""
+
+    metrics: Mapping[str, float] = attrs.field(converter=_floats)
+    version: int
+
+
+@attrs.frozen
+class Evaluate(Request[Evaluated]):
+    """Driver → Rollout: generate the evaluation prompts (rendered texts, with their records as
+    JSON) ``n`` times each (1: greedy) and score them; ``threshold``: the total reward at which
+    a sample passes (pass@k)."""
+
+    prompts: tuple[str, ...]
+    records: tuple[str, ...]
+    n: int
+    threshold: float

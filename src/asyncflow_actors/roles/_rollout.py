@@ -35,11 +35,12 @@ from ..checkpoint import SYNC_MESSAGES, SyncMessage, SyncResume, WeightReceiver
 from ..observe import clock_ns, get_registry
 from . import _schema as S
 from ._batcher import _Batcher
+from ._evaluation import evaluate
 from ._generation import _Slot, group_request, group_rows, least_busy, oldest_version
-from ._group_writing import _put_outcome, _ToWrite, _vanished, write_groups
-from ._messages import AdoptVersion, GetRoleStats, GroupGone, Score
+from ._group_writing import _put_outcome, _ToWrite, _vanished, drop_group, write_groups
+from ._messages import AdoptVersion, Evaluate, GetRoleStats, GroupGone, Score, Scored
 from ._multi_engine import MultiEngine
-from ._reward import _score_groups, _ToScore
+from ._reward import reward_runner, score_groups, to_score
 from ._settings import RunSpec
 from ._shared import load_policy
 from ._weight_waits import TELL_TIMEOUT_S, WeightWaits
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncflow_actors.roles")
 
 
-class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
+class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluate]):
     """A rollout worker (see the module docstring)."""
 
     role = "rollout"
@@ -73,7 +74,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self._busy_since = 0
         self._paused = get_registry().gauge("afa_rollout_paused", worker=worker)
         settle = spec.rollout.group_size  # a checkpoint per sample (``_Batcher``)
-        self._scorer: _Batcher[_ToScore, list[float]] = _Batcher(self._score_many, settle)
+        self._scorer: _Batcher[Any, Any] = _Batcher(self._score_many, settle)
         # the groups scored together reach the writer together; a slow put (a storage unit
         # restarting) holds up no other group's
         self._writer: _Batcher[_ToWrite, tuple[int, ...]] = _Batcher(self._write_many, overlap=True)
@@ -81,6 +82,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
         self.task = await in_thread(spec.task.build)
+        # the reward functions (imported here, in this process) score inline and evaluations
+        self.runner = await in_thread(reward_runner, spec, self.task)
         count = 1 if spec.colocated else spec.rollout.engines
         await ctx.start(self._serve, count)
         self.target = MultiEngine(self.engines)
@@ -96,6 +99,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
     async def _serve(self, count: int, task_status: trio.TaskStatus[None]) -> None:
         """Own the engines (their decode tasks) for the life of this incarnation."""
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(self.runner.close)
             for i in range(count):
                 engine = await stack.enter_async_context(await self._open_engine(i))
                 self.engines.append(engine)
@@ -136,7 +140,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         spec = self.spec
         slots = max(1, spec.engine_rows * len(self.engines) // spec.rollout.group_size)
         free = trio.Semaphore(slots)
-        columns = (S.PROMPT_TEXT, S.ANSWER, S.GROUP, S.PROMPT_INDEX, S.MIN_VERSION)
+        columns = (S.PROMPT_TEXT, S.ANSWER, S.GROUP, S.PROMPT_INDEX, S.MIN_VERSION, S.RECORD)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._scorer.serve)
             nursery.start_soon(self._writer.serve)
@@ -172,12 +176,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         slot = _Slot(free)
         try:
             prompt, answer = batch[S.PROMPT_TEXT][k], batch[S.ANSWER][k]
+            record = batch[S.RECORD][k]
             gid = int(column(batch, S.GROUP)[k])
             index = int(column(batch, S.PROMPT_INDEX)[k])
             least = int(column(batch, S.MIN_VERSION)[k])
             attempt = 0
             while not await self._generate_and_write(
-                prompt, answer, gid, index, least, attempt, slot
+                (prompt, answer, record), gid, index, least, attempt, slot
             ):
                 attempt += 1
                 # Stale again: this worker's weights are behind the window (a sync is on its
@@ -191,8 +196,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def _generate_and_write(
         self,
-        prompt: str,
-        answer: str,
+        source: tuple[str, str, str],
         gid: int,
         index: int,
         least: int,
@@ -204,6 +208,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         from ..rollout import generate_samples
 
         assert self.client is not None
+        prompt, answer, record = source
         await self.weights.wait_for(least)
         engine = least_busy(self.engines)
         request = group_request(self.spec, self.tokenizer, prompt, index, attempt)
@@ -212,11 +217,23 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             try:
                 completions = await generate_samples(engine, request)
                 slot.release()  # the engines are done with it: the next prompt may start
-                rewards = await self._score(prompt, answer, completions)
+                scored = await self._score(prompt, answer, record, completions)
             finally:
                 self._generating(-1)
+            if scored.failed is not None or scored.dropped is not None:
+                # the reward failed (``reward.on_error``): the group is not trained; the
+                # Driver admits another prompt, or fails the run (``"raise"``)
+                reason = scored.failed if scored.failed is not None else scored.dropped
+                assert reason is not None
+                await drop_group(self.client, self.driver, gid, self.worker, reason,
+                                 fatal=scored.failed is not None,
+                                 size=len(completions))  # fmt: skip
+                extra = self.meter.extra
+                extra["dropped_groups"] = extra.get("dropped_groups", 0) + 1
+                return True
             oldest = oldest_version(completions, engine.version)
-            data = group_rows(completions, rewards)
+            parts = scored.parts if self.spec.task.reward else None
+            data = group_rows(completions, list(scored.rewards), parts)
             start = clock_ns()
             try:
                 indexes = await self._writer.submit(_ToWrite(gid, data, oldest))
@@ -239,6 +256,15 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self.meter.done(len(completions), tokens)
         return True
 
+    async def _evaluate(self, msg: Evaluate, reply: Any) -> None:
+        """Answer an ``Evaluate`` (generated on this worker's engines, scored by its runner)."""
+        try:
+            result = await evaluate(self.spec, self.engines, self.tokenizer, self.runner, msg)
+        except Exception as exc:  # the Driver logs it; the run goes on
+            reply.fail(exc)
+        else:
+            reply.send(result)
+
     async def _report_gone(self, gid: int) -> None:
         """Tell the Driver that group ``gid`` vanished before it was written: its prompt is
         injected again (once, however many report it)."""
@@ -259,20 +285,23 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
             self.meter.busy(self._busy_since)
 
     async def _score(
-        self, prompt: str, answer: str, completions: tuple[Completion, ...]
-    ) -> list[float]:
+        self, prompt: str, answer: str, record: str, completions: tuple[Completion, ...]
+    ) -> Scored:
+        from ..tasks import RewardFailed
+
         texts = tuple(self.tokenizer.decode(list(c.token_ids)) for c in completions)
         if self.reward is not None:
-            scored = await self.reward.ask(Score(prompt, answer, texts))
-            return list(scored.rewards)
-        return await self._scorer.submit(_ToScore(prompt, answer, texts))
+            scored: Scored = await self.reward.ask(Score(prompt, answer, texts, record))
+            return scored
+        try:
+            score = await self._scorer.submit(to_score(prompt, answer, record, texts))
+        except RewardFailed as exc:
+            return Scored((), failed=str(exc))
+        return Scored(score.rewards, score.parts, dropped=score.dropped)
 
-    async def _score_many(self, groups: list[_ToScore]) -> list[outcome.Outcome[list[float]]]:
-        """Score the groups that completed together, in one worker-thread call."""
-        results: list[outcome.Outcome[list[float]]] = await in_thread(
-            _score_groups, self.task, groups
-        )
-        return results
+    async def _score_many(self, groups: list[Any]) -> list[outcome.Outcome[Any]]:
+        """Score the groups that completed together: one call of each reward function."""
+        return await score_groups(self.runner, groups)
 
     async def _write_many(self, groups: list[_ToWrite]) -> list[outcome.Outcome[tuple[int, ...]]]:
         """Write the groups scored together (``write_groups``)."""
@@ -296,6 +325,11 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
                 self._paused.set(int(self.receiver.statistics().paused))
                 if isinstance(msg, SyncResume):  # a commit (pending, or loaded if eager)
                     self.weights.arrived()
+        if isinstance(msg, Evaluate):
+            # off the mailbox: a weight sync must not wait for an evaluation
+            reply = ctx.defer_reply()
+            ctx.start_soon(self._evaluate, msg, reply)
+            return None
         if isinstance(msg, AdoptVersion):
             try:
                 await self.target.load_weights({}, msg.version)

@@ -23,6 +23,7 @@ ANSWER: Final = "answer"
 GROUP: Final = "group"  # the rollout group id opened for this prompt
 PROMPT_INDEX: Final = "prompt_index"  # the prompt's position in the run's prompt stream
 MIN_VERSION: Final = "min_version"  # the version it was admitted for: its oldest token's, at least
+RECORD: Final = "record"  # the prompt's columns as JSON, for the reward functions
 
 # rollout
 PROMPT_IDS: Final = "prompt_ids"  # shared by the group
@@ -30,6 +31,7 @@ RESPONSE_IDS: Final = "response_ids"
 BEHAVIOUR: Final = "behaviour_logprobs"  # the engine's logprobs of its own tokens
 TOKEN_VERSIONS: Final = "token_versions"  # the policy version of each token
 REWARDS: Final = "rewards"
+REWARD_PARTS: Final = "reward_parts"  # each reward function's value (nan: no score)
 RESUMES: Final = "resumes"  # partial-rollout resubmissions of the sample
 OLD: Final = "old_logprobs"  # ActorForward: recomputed with the trainer's weights
 REF: Final = "ref_logprobs"  # RefForward
@@ -55,6 +57,7 @@ def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
                 GROUP: {"dtype": "int64", "shape": []},
                 PROMPT_INDEX: {"dtype": "int64", "shape": []},
                 MIN_VERSION: {"dtype": "int64", "shape": []},
+                RECORD: {},
             },
         },
         name=PROMPTS,
@@ -70,6 +73,7 @@ def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
                 BEHAVIOUR: {"dtype": "float32", "shape": [None]},
                 TOKEN_VERSIONS: {"dtype": "int64", "shape": [None]},
                 REWARDS: {"dtype": "float32", "shape": []},
+                REWARD_PARTS: {"dtype": "float32", "shape": [max(1, len(spec.task.reward))]},
                 RESUMES: {"dtype": "int64", "shape": []},
                 OLD: {"dtype": "float32", "shape": [None]},
                 REF: {"dtype": "float32", "shape": [None]},
@@ -101,6 +105,8 @@ def station_columns(spec: RunSpec) -> dict[str, tuple[str, ...]]:
     train += old + (() if spec.trainer_advantage else (ADVANTAGES,))
     if spec.use_ref:
         train += (REF,)
+    if spec.task.reward:  # per-function figures (``reward/<name>``)
+        train += (REWARD_PARTS,)
     if spec.fused_advantage:
         return {"actor_fwd": (*fwd, REWARDS), "ref_fwd": ref, "trainer": train}
     return {"actor_fwd": fwd, "ref_fwd": ref, "advantage": adv, "trainer": train}

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..tasks._settings import DatasetSettings, EvalSettings, RewardSettings
+
 if TYPE_CHECKING:
     from ..rl import Task
 
@@ -123,20 +125,71 @@ class ModelSettings:
             )
 
 
+def _reward_paths(value: Any) -> tuple[str, ...]:
+    """``task.reward``: one path or function, or a list of them, as import paths."""
+    from ..tasks._functions import function_path
+
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(function_path(item) for item in items)
+
+
+def _weights(value: Any) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) for w in value
+    ):
+        raise SettingsError(f"reward_weights must be a list of numbers, got {value!r}")
+    return tuple(float(w) for w in value)
+
+
 @attrs.frozen
 class TaskSettings:
     """The prompt source and verifier: ``kind`` ``"addition"`` (``rl.AdditionTask``),
-    ``"longtail"`` (``rl.LongTailTask``) or ``"jsonl"`` (``rl.load_jsonl_task``, option
-    ``path``); ``options`` are the task's constructor keywords. ``seed`` draws the prompts."""
+    ``"longtail"`` (``rl.LongTailTask``), ``"jsonl"`` (``rl.load_jsonl_task``, option
+    ``path``) or ``"dataset"`` (``dataset``: a jsonl, parquet or Hugging Face dataset, see
+    ``tasks.DatasetSettings``); ``options`` are the task's constructor keywords. ``seed`` draws
+    the prompts.
 
-    kind: str = attrs.field(default="addition", validator=_one_of("addition", "longtail", "jsonl"))
+    ``reward``: reward functions by import path (``"my_rewards:correct"`` or
+    ``"path/to/file.py:correct"``; function objects given from Python become their paths),
+    summed with ``reward_weights`` (default 1 each) into a sample's reward; without any, the
+    task's own ``score`` rewards. See ``docs/tasks.md``.
+    """
+
+    kind: str = attrs.field(
+        default="addition", validator=_one_of("addition", "longtail", "jsonl", "dataset")
+    )
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     seed: int = 0
+    dataset: DatasetSettings = attrs.field(factory=DatasetSettings)
+    reward: tuple[str, ...] = attrs.field(default=(), converter=_reward_paths)
+    reward_weights: tuple[float, ...] | None = attrs.field(default=None, converter=_weights)
+
+    def __attrs_post_init__(self) -> None:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise SettingsError(
+                f"reward_weights: {len(self.reward_weights)} weights for "
+                f"{len(self.reward)} reward functions"
+            )
+        if self.kind == "dataset" and not self.dataset.path:
+            raise SettingsError("dataset.path: a dataset task needs a path")
 
     def build(self) -> Task:
         """The task (imports ``rl``, hence torch). Raises ``SettingsError`` for bad options."""
         from .. import rl
 
+        if self.kind == "dataset":
+            from ..tasks import DatasetTask
+
+            try:
+                return DatasetTask.read(self.dataset)
+            except ValueError as exc:
+                raise SettingsError(f"task.dataset: {exc}") from exc
         try:
             if self.kind == "addition":
                 return rl.AdditionTask(**self.options)
@@ -153,7 +206,8 @@ class TaskSettings:
 
 @attrs.frozen
 class RolloutSettings:
-    """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each.
+    """Generation: ``group_size`` samples per prompt, ``max_new_tokens`` each, sampled with
+    ``temperature``, ``top_p`` and ``top_k`` (0: off).
 
     ``workers`` rollout actors, each serving ``engines`` engines (``max_batch`` rows each; by
     default as many as the FlowControl admits, see :attr:`RunSpec.engine_rows`) of kind
@@ -169,6 +223,7 @@ class RolloutSettings:
     max_new_tokens: int = attrs.field(default=8, validator=_positive)
     temperature: float = attrs.field(default=1.0, validator=_positive)
     top_p: float = attrs.field(default=1.0, validator=_fraction)
+    top_k: int = attrs.field(default=0, validator=_non_negative)
     workers: int = attrs.field(default=1, validator=_positive)
     engines: int = attrs.field(default=1, validator=_positive)
     max_batch: int | None = attrs.field(
@@ -280,6 +335,8 @@ class RunSpec:
     rollout: RolloutSettings = attrs.field(factory=RolloutSettings)
     algorithm: AlgorithmSettings = attrs.field(factory=AlgorithmSettings)
     train: TrainSettings = attrs.field(factory=TrainSettings)
+    reward: RewardSettings = attrs.field(factory=RewardSettings)
+    eval: EvalSettings = attrs.field(factory=EvalSettings)
     run_dir: str | None = None
     run_id: str = ""
     start_version: int = 0

@@ -46,6 +46,7 @@ from ._messages import (
     SyncWeights,
 )
 from ._rank_settings import uses_ranks
+from ._reward import reward_names, reward_part_metrics
 from ._settings import RunSpec
 from ._shared import shared_policy
 from ._worker import Station, column, columns, in_thread
@@ -361,6 +362,10 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         metrics["accuracy"] = float((rewards == 1.0).float().mean())
         metrics["response_length"] = sum(step.lengths) / len(rewards)
         metrics["partial_rollout_ratio"] = int((resumes > 0).sum()) / len(rewards)
+        names = reward_names(self.spec)
+        if names:  # ``reward/<name>``: each reward function's mean
+            parts = _cat([column(b, S.REWARD_PARTS) for b in step.batches])
+            metrics.update(reward_part_metrics(names, parts))
         return metrics
 
     def _lags(self, token_versions: list[Any], versions: tuple[int, ...]) -> list[int]:
