@@ -79,14 +79,24 @@ async def test_a_client_on_another_node_reaches_a_restarted_storage_unit() -> No
         producer = await a.spawn(Producer, name="producer")
         client = await queue.client("driver")
         assert len(await producer.ask(Produce(queue.controller, 2, seed=0))) == 2
+        unit = "unit-0"
         unit_node = system.whereis(f"{config.name}/{config.name}-unit-0")
         assert unit_node is not None
         node: afa.Node = await unit_node.ask(GetNode())
+        since = 0  # no event yet: nothing was lost before the first kill
         for i in range(1, 7):  # each restart drew a lower incarnation half the time
             with trio.fail_after(30):
                 await _killed(node)
                 # the controller reports the samples the dead process held: it knows the
-                # unit restarted (a put placed before that stores nothing, and says so)
-                while not any(e.kind == "lost" for e in (await client.events()).events):
-                    pass
+                # unit restarted (a put placed before that stores nothing, and says so); the
+                # events of this restart only (an earlier restart's "lost" says nothing here)
+                lost = False
+                while not lost:
+                    batch = await client.events(since)
+                    since = batch.cursor
+                    lost = any(e.kind == "lost" for e in batch.events)
+                # and it adopted the restarted process (a put placed in between meets the old
+                # incarnation's end: StorageUnavailable, nothing stored)
+                while (await client.statistics()).controller.incarnations.get(unit) is None:
+                    await trio.sleep(0.05)
                 assert len(await producer.ask(Produce(queue.controller, 2, seed=i))) == 2

@@ -81,9 +81,9 @@ def test_string_prompts_stay_as_they_are(tmp_path: Path) -> None:
 def test_an_overlong_prompt(tmp_path: Path, overlong: str) -> None:
     task = DatasetTask.read(settings(write_jsonl(tmp_path / "d.jsonl", RECORDS), overlong=overlong))
     tokenizer = chat_tokenizer()
-    limit = 12  # "u:100+200+300=\na:": 17 characters (this tokenizer adds no BOS)
+    limit = 12  # "u:100+200+300=\na:": 17 characters and the BOS the tokenizer prepends
     if overlong == "error":
-        with pytest.raises(TaskError, match="record 2: prompt of 17 tokens exceeds"):
+        with pytest.raises(TaskError, match="record 2: prompt of 18 tokens exceeds"):
             task.prepare(tokenizer, limit)
         return
     prepared = task.prepare(tokenizer, limit, shuffle=False)

@@ -43,7 +43,9 @@ def preflight(
                 f"{version} ({checkpoint}): give more steps, e.g. --steps {version * 2}"
             )
     task = _check_task(config)
-    if max_seq_len is not None:
+    # a dataset's prompts are held to its own max_prompt_length (filtered, truncated or
+    # refused when read, by task.dataset.overlong)
+    if max_seq_len is not None and config.task.kind != "dataset":
         _check_lengths(config, task, max_seq_len)
     return checkpoint
 
@@ -106,6 +108,14 @@ def _check_task(config: PipelineConfig) -> Any:
     from .. import rl
 
     settings = config.task
+    if settings.kind == "dataset":  # its own settings (task.dataset) were checked when read
+        try:
+            return settings.build()
+        except (SettingsError, ValueError, TypeError, OSError) as exc:
+            message = str(exc)
+            raise PipelineConfigError(
+                message if message.startswith("task.") else f"task.dataset: {message}"
+            ) from exc
     make: Any = {
         "addition": rl.AdditionTask,
         "longtail": rl.LongTailTask,
