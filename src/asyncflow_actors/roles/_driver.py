@@ -330,7 +330,6 @@ class Driver(Actor[_Msg]):
                 await self.save_checkpoint(trainer, final=True)
         elif every and spec.run_dir and steps_done % every == 0:
             await self.save_checkpoint(trainer)
-        stop = msg.version >= spec.train.steps
         if self.tasks.eval_due(steps_done):
             if stop:  # the last record carries it
                 await self.tasks.evaluate(self.hooks)
