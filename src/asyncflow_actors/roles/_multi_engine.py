@@ -54,17 +54,15 @@ class MultiEngine:
         await self._all(lambda e: e.resume())
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        two_phase = [hasattr(e, "prepare_weights") and hasattr(e, "load_prepared")
-                     for e in self.engines]  # fmt: skip
         # every check first: a refusal leaves every engine on its old weights
         prepared = await self._all(
-            lambda e: e.prepare_weights(weights) if hasattr(e, "prepare_weights") else _none()
+            lambda e: e.prepare_weights(weights) if _two_phase(e) else _none()
         )
         loaded = [False] * len(self.engines)
 
         async def load(i: int) -> None:
             engine = self.engines[i]
-            if two_phase[i]:
+            if _two_phase(engine):
                 await engine.load_prepared(prepared[i], version)  # type: ignore[attr-defined]
             else:
                 await engine.load_weights(weights, version)
@@ -82,6 +80,11 @@ class MultiEngine:
                     f"engines hold versions {held}"
                 ) from exc
             raise
+
+
+def _two_phase(engine: Any) -> bool:
+    """Whether ``engine`` loads in two halves (check, then swap) that ``load_weights`` joins."""
+    return hasattr(engine, "prepare_weights") and hasattr(engine, "load_prepared")
 
 
 async def _none() -> None:
