@@ -5,6 +5,8 @@ for that attempt is recorded ``trained``, once."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,14 @@ import asyncflow_actors as afa
 from asyncflow_actors.pipeline import check_samples, read_samples
 from asyncflow_actors.roles import Driver, DriverHooks, topic_specs
 from asyncflow_actors.roles import _schema as S
-from asyncflow_actors.roles._ledger import trained_samples
-from asyncflow_actors.roles._messages import SaveCheckpoint, StepDone, SyncReport, SyncWeights
+from asyncflow_actors.roles._ledger import _recover, _trained_lines, trained_samples
+from asyncflow_actors.roles._messages import (
+    SaveCheckpoint,
+    StepDone,
+    SyncReport,
+    SyncWeights,
+    TrainedSamples,
+)
 from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
 
 from .test_batching import SPEC
@@ -77,7 +85,7 @@ async def test_an_evicted_attempt_is_recorded_and_its_next_attempt_trained(
             columns = [S.PROMPT_KEY, S.TOKEN_VERSIONS, S.REWARDS]
             batch = await client.get(S.ROLLOUT, "trainer", columns, 4, min_count=4)
             assert batch is not None and set(batch.group_ids) == {new_gid}
-            trained = trained_samples([batch])
+            trained = trained_samples([batch], [2] * 4)
             await driver.ask(StepDone(3, 4, 8, (new_gid,), (4, 0), {}, trained))
             await driver.ask(StepDone(3, 4, 8, (new_gid,), (4, 0), {}, trained))  # again
             await client.ack(batch)
@@ -91,11 +99,62 @@ async def test_an_evicted_attempt_is_recorded_and_its_next_attempt_trained(
     )  # fmt: skip
     assert evicted.admitted_version == 0
     assert [r.sample_id for r in samples] == [f"{index}/1/{k}" for k in range(4)]
-    assert {(r.kind, r.attempt, r.admitted_version, r.step, r.trainer_version) for r in samples} == {
-        ("trained", 1, 2, 3, 2)
-    }
+    assert {
+        (r.kind, r.attempt, r.admitted_version, r.step, r.trainer_version) for r in samples
+    } == {("trained", 1, 2, 3, 2)}
     assert [r.reward for r in samples] == [0.0, 1.0, 0.0, 1.0]
     assert {(r.oldest_version, r.newest_version) for r in samples} == {(2, 2)}
     others = [r for r in records if r.prompt_id != str(index)]
     assert others and {(r.kind, r.reason) for r in others} == {("not_trained", "unfinished")}
     assert check_samples(records, group_size=4, staleness=1).ok
+
+
+def test_trained_lines_are_the_records_json() -> None:
+    t = TrainedSamples((12, 3), (0, 2), (1, 4), (3, 0), (1, 4), (2, 5), (0.25, math.nan))
+    expected = [
+        {"kind": "trained", "prompt_id": str(p), "sample_id": f"{p}/{a}/{i}", "attempt": a,
+         "admitted_version": adm, "oldest_version": old, "newest_version": new, "step": 7,
+         "trainer_version": 6, "reward": r}
+        for p, a, adm, i, old, new, r in zip(*attrs.astuple(t), strict=True)
+    ]  # fmt: skip
+    assert _trained_lines(7, t) == [json.dumps(r) + "\n" for r in expected]
+
+
+def test_a_resume_cuts_the_ledger_back_to_its_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "samples.jsonl"
+    records = [
+        {"kind": "not_trained", "prompt_id": str(p), "attempt": a, "admitted_version": 0,
+         "reason": "evicted", "reinjected": True}
+        for p, a in [(0, 0), (1, 0), (0, 1), (1, 1)]
+    ]  # fmt: skip
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    checkpoint = tmp_path / "step-000001"
+    checkpoint.mkdir()
+    (checkpoint / "ledger.json").write_text(json.dumps({"records": 3}))
+    path.write_text(text + '{"kind": "trai')  # the last line cut by a crash
+    assert _recover(str(path), str(checkpoint)) == (3, {0: 2, 1: 1})
+    assert path.read_text() == "".join(text.splitlines(keepends=True)[:3])
+    path.write_text(text + '{"kind": "trai')
+    assert _recover(str(path), str(tmp_path)) == (4, {0: 2, 1: 2})  # no mark: whole lines
+    assert path.read_text() == text
+    assert _recover(str(path), None) == (0, {}) and path.read_text() == ""  # a new run
+
+
+def test_a_trainer_step_reports_each_sample_it_trained() -> None:
+    from asyncflow_actors.roles._trainer import _Step
+
+    from .test_trainer_step import SPEC as TRAIN_SPEC
+    from .test_trainer_step import make_batch, make_trainer
+
+    trainer = make_trainer(TRAIN_SPEC)
+    trainer.version = 2
+    batch = make_batch(version=2, oldest=1)  # sample 5's first token is of version 1
+    data = {name: batch[name] for name in S.station_columns(TRAIN_SPEC)["trainer"]}
+    updates, lags, lengths = trainer._prepare(batch, data)
+    step = _Step(0, [batch], lags, lengths, updates=updates)
+    trainer._finish(step)
+    t = step.trained
+    assert t.prompt == tuple(k // 4 for k in range(16)) and t.attempt == (0,) * 16
+    assert t.admitted == (2,) * 16 and t.index == tuple(k % 4 for k in range(16))
+    assert t.oldest == tuple(1 if k == 5 else 2 for k in range(16)) and t.newest == (2,) * 16
+    assert t.reward == tuple(batch[S.REWARDS].tolist())
