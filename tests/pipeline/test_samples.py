@@ -179,3 +179,32 @@ def test_check_samples_finds_stale_samples(
     records = [sample, trained("0", 0, 1, oldest=version, version=version)]
     check = check_samples(records, group_size=2, staleness=staleness)
     assert check.stale == (("0/0/0",) if stale else ())
+
+
+async def test_a_stopped_run_and_its_resume_keep_the_ledger_exact(tmp_path: Path) -> None:
+    """``Pipeline.stop()`` mid-run: the ledger holds the steps the result reports (flushed at
+    the stop), and the prompts still in flight as ``unfinished``; resumed from ``final`` to two
+    more steps, those records go (their prompts are admitted again) and the whole is exact."""
+    import trio
+
+    import asyncflow_actors as afa
+    from asyncflow_actors.pipeline import open_pipeline
+
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": 1000})
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        while not run.records:
+            await trio.sleep(0.01)
+        run.stop()
+        with trio.fail_after(30):
+            result = await run.wait()
+    records = read_samples(str(tmp_path))
+    assert len(_trained(records)) == result.samples == len(result.records) * BATCH
+    assert {r.reason for r in records if r.kind == "not_trained"} == {"unfinished"}
+    assert check_samples(records, group_size=GROUP, staleness=1).ok
+    steps = result.version + 2
+    more = tiny("async", run_dir=str(tmp_path), train={"steps": steps})
+    await run_pipeline(more, resume=str(tmp_path))
+    records = read_samples(str(tmp_path))
+    assert len(_trained(records)) == steps * BATCH
+    check = check_samples(records, group_size=GROUP, staleness=1)
+    assert check.ok, check
