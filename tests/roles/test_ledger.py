@@ -19,7 +19,12 @@ import asyncflow_actors as afa
 from asyncflow_actors.pipeline import check_samples, read_samples
 from asyncflow_actors.roles import Driver, DriverHooks, topic_specs
 from asyncflow_actors.roles import _schema as S
-from asyncflow_actors.roles._ledger import _recover, _trained_lines, trained_samples
+from asyncflow_actors.roles._ledger import (
+    SampleLedger,
+    _recover,
+    _trained_lines,
+    trained_samples,
+)
 from asyncflow_actors.roles._messages import (
     SaveCheckpoint,
     StepDone,
@@ -158,3 +163,31 @@ def test_a_trainer_step_reports_each_sample_it_trained() -> None:
     assert t.admitted == (2,) * 16 and t.index == tuple(k % 4 for k in range(16))
     assert t.oldest == tuple(1 if k == 5 else 2 for k in range(16)) and t.newest == (2,) * 16
     assert t.reward == tuple(batch[S.REWARDS].tolist())
+
+
+async def test_a_ledger_writes_in_order_and_rewinds_to_a_checkpoint(tmp_path: Path) -> None:
+    ledger = await SampleLedger.open(str(tmp_path), None, 0)
+    ledger.admitted(0, 0, 0)
+    ledger.not_trained(0, "evicted", reinjected=True)
+    ledger.admitted(0, 1, 0)
+    t = TrainedSamples((0, 0), (1, 1), (0, 0), (0, 1), (0, 0), (0, 0), (1.0, 0.0))
+    ledger.trained(StepDone(1, 2, 4, (), (2,), {}, t))
+    ledger.trained(StepDone(1, 2, 4, (), (2,), {}, t))  # step 1 again: not recorded
+    checkpoint = tmp_path / "step-000001"
+    await ledger.save_mark(str(checkpoint), ledger.mark())
+    assert ledger.mark() == 3 and json.loads((checkpoint / "ledger.json").read_text()) == {
+        "records": 3
+    }
+    assert [r.kind for r in read_samples(str(tmp_path))] == ["not_trained", "trained", "trained"]
+    ledger.admitted(1, 0, 1)
+    ledger.not_trained(1, "dropped", reinjected=False)
+    await ledger.flush()
+    assert len(read_samples(str(tmp_path))) == 4
+    await ledger.rewind(str(checkpoint), 1)
+    assert len(read_samples(str(tmp_path))) == 3 and ledger.mark() == 3
+    assert (ledger.next_attempt(0), ledger.next_attempt(1)) == (2, 0)
+    await ledger.close([1])
+    ledger.not_trained(2, "lost", reinjected=True)  # closed: not recorded
+    await ledger.flush()
+    records = read_samples(str(tmp_path))
+    assert [(r.prompt_id, r.reason) for r in records[3:]] == [("1", "unfinished")]

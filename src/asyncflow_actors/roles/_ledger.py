@@ -206,6 +206,19 @@ class SampleLedger:
             await trio.sleep(FLUSH_EVERY_S)
             await self.flush()
 
+    async def rewind(self, checkpoint: str, version: int) -> None:
+        """Back to checkpoint ``checkpoint`` (of ``version``) without a new Driver: what was
+        buffered is dropped, the file cut back to the checkpoint's mark, the attempts relearnt
+        from it (for a Driver that restores a checkpoint's state in place)."""
+        async with self._lock:
+            self._buffer = []
+            if self.path is not None:
+                self.count, self._next = await trio.to_thread.run_sync(
+                    _recover, self.path, checkpoint
+                )
+        self._current = {}
+        self.step = self.start_version = version
+
     async def close(self, unfinished: Iterable[int]) -> None:
         """The end of the run: record the prompts in flight, flush, record nothing more."""
         if not self.closed:
@@ -261,7 +274,7 @@ def read_mark(directory: str) -> int | None:
 def _recover(path: str, resume_from: str | None) -> tuple[int, dict[int, int]]:
     """The ledger file as a run finds it: a new run starts it empty; a resume cuts it back to
     its checkpoint's mark (or, without one, to its last whole line). Its length in records and
-    each prompt's next attempt."""
+    each prompt's next attempt (read line by line: a long run's ledger is large)."""
     if resume_from is None:
         with open(path, "w", encoding="utf-8"):
             return 0, {}
@@ -272,19 +285,19 @@ def _recover(path: str, resume_from: str | None) -> tuple[int, dict[int, int]]:
         if mark:
             log.warning("sample ledger: %s is missing; it starts again here", path)
         return 0, {}
-    with f:
-        lines = f.read().splitlines(keepends=True)
-        whole = len(lines) if not lines or lines[-1].endswith(b"\n") else len(lines) - 1
-        if mark is not None and mark > whole:
-            log.warning(
-                "sample ledger: %s holds %d records, its checkpoint recorded %d", path, whole, mark
-            )
-        keep = whole if mark is None else min(mark, whole)  # a line cut by a crash goes
-        f.truncate(sum(len(line) for line in lines[:keep]))
     attempts: dict[int, int] = {}
-    for line in lines[:keep]:
-        if line.strip():
-            record = json.loads(line)
-            index = int(record["prompt_id"])
-            attempts[index] = max(attempts.get(index, 0), int(record["attempt"]) + 1)
-    return keep, attempts
+    kept = end = 0
+    with f:
+        for line in f:
+            if (mark is not None and kept == mark) or not line.endswith(b"\n"):
+                break  # past the checkpoint, or a line cut by a crash
+            if line.strip():
+                record = json.loads(line)
+                index = int(record["prompt_id"])
+                attempts[index] = max(attempts.get(index, 0), int(record["attempt"]) + 1)
+            kept += 1
+            end += len(line)
+        if mark is not None and kept < mark:
+            log.warning("sample ledger: %s holds %d records, its checkpoint %d", path, kept, mark)
+        f.truncate(end)
+    return kept, attempts
