@@ -9,6 +9,7 @@ timeout, never hangs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from ._rank_host import RankHost, encode_batch, spec_to_wire
 from ._rank_learner import RankLearner
 from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import RankGroup, backend_for
-from ._ray_ranks import RayRanks
+from ._ray_ranks import RayRanks, ray_host, start_ray_ranks
 from ._settings import RunSpec
 
 
@@ -60,13 +61,15 @@ class DistributedLearner:
         """Start ``parallel.ranks`` ranks (this process is rank 0; the others child processes
         or, with ``parallel.launcher == "ray"``, Ray actors) and build the policy on each (from
         ``path``, a checkpoint's policy, when given)."""
+        placement = ray_ranks(parallel)
         group = RankGroup.open(
             parallel.ranks,
+            host="127.0.0.1" if placement is None else ray_host(placement),
             backend=backend_for(spec.model.device),
             timeout_s=parallel.timeout_s,
             env=env,
             threads=spec.train.torch_threads,
-            ray=ray_ranks(parallel),
+            spawn=None if placement is None else functools.partial(start_ray_ranks, placement),
         )
         learner = cls(group)
         try:

@@ -21,16 +21,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-if TYPE_CHECKING:
-    from ._ray_ranks import RayRanks
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -169,6 +166,14 @@ def receive_command() -> tuple[dict[str, Any], list[torch.Tensor]]:
 # -- the group, from the leader's side ----------------------------------------------------------
 
 
+# starts ranks 1..N-1 pointed at a rendezvous, with extra environment and torch threads: the
+# ranks, and what frees their placement (or None)
+SpawnRanks = Callable[
+    [Rendezvous, Mapping[str, str], int],
+    tuple[Sequence[RankProcess], Callable[[], None] | None],
+]
+
+
 class RankGroup:
     """Rank 0 of a group: ``command`` runs a command on every rank (this one included, through
     ``local``); ``close`` stops the others and leaves the group. Use ``open`` (children started
@@ -200,27 +205,19 @@ class RankGroup:
         timeout_s: float = 300.0,
         env: Mapping[str, str] | None = None,
         threads: int = 1,
-        ray: RayRanks | None = None,
+        spawn: SpawnRanks | None = None,
     ) -> RankGroup:
-        """Start ranks 1..``world_size``-1 as child processes of this one (or as Ray actors
-        in a placement group, with ``ray``) and join them as rank 0. ``env``: extra
+        """Start ranks 1..``world_size``-1 as child processes of this one (or with ``spawn``,
+        e.g. as Ray actors in a placement group) and join them as rank 0. ``env``: extra
         environment of the others."""
         release: Callable[[], None] | None = None
         children: list[RankProcess] = []
-        if ray is not None and world_size > 1:
-            from ._ray_ranks import ray_host, start_ray_ranks
-
-            host = ray_host() if host == "127.0.0.1" else host
-            store = open_store(host, world_size, timeout_s)
-            rdv = Rendezvous(host, int(store.port), world_size, backend, timeout_s)
-            placed, release = start_ray_ranks(
-                ray, host=host, port=rdv.port, world_size=world_size, backend=backend,
-                timeout_s=timeout_s, threads=threads, env=env or {},
-            )  # fmt: skip
+        store = open_store(host, world_size, timeout_s)
+        rdv = Rendezvous(host, int(store.port), world_size, backend, timeout_s)
+        if spawn is not None and world_size > 1:
+            placed, release = spawn(rdv, env or {}, threads)
             children.extend(placed)
         else:
-            store = open_store(host, world_size, timeout_s)
-            rdv = Rendezvous(host, int(store.port), world_size, backend, timeout_s)
             child_env = {**os.environ, **(env or {})}
             for rank in range(1, world_size):
                 args = [sys.executable, "-m", "asyncflow_actors.roles._rank_main", rdv.host,

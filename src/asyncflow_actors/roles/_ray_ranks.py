@@ -20,6 +20,9 @@ from typing import Any
 
 import attrs
 
+from ._rank_main import main as rank_main
+from ._ranks import Rendezvous
+
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # seconds Ray may take to confirm removing an actor or the group before we stop waiting
 KILL_TIMEOUT = 5.0
@@ -101,25 +104,18 @@ class RayRank:
 
 
 def start_ray_ranks(
-    placement: RayRanks,
-    *,
-    host: str,
-    port: int,
-    world_size: int,
-    backend: str,
-    timeout_s: float,
-    threads: int,
-    env: Mapping[str, str],
+    placement: RayRanks, rdv: Rendezvous, env: Mapping[str, str], threads: int
 ) -> tuple[list[RayRank], Callable[[], None]]:
     """Place a group of ``world_size - 1`` bundles and start ranks 1..N-1 in them, pointed at
-    rank 0's store on ``host:port``; the ranks and the function that removes the group.
-    Raises ``RuntimeError`` naming the bundle if Ray cannot place the group in time."""
+    rank 0's store (``rdv``); the ranks and the function that removes the group (a
+    ``SpawnRanks`` for ``RankGroup.open``). Raises ``RuntimeError`` naming the bundle if Ray
+    cannot place the group in time."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if not ray.is_initialized():
-        ray.init(address=placement.address, log_to_driver=False)
+    ray_init(placement)
+    world_size = rdv.world_size
     bundle = placement.bundle()
     group = placement_group([bundle] * (world_size - 1), strategy=placement.strategy)
 
@@ -152,7 +148,9 @@ def start_ray_ranks(
                 "runtime_env": {"env_vars": dict(env)},
             }
             handle = _remote_rank_class().options(**options).remote()
-            done = handle.run.remote(host, port, rank, world_size, backend, timeout_s, threads)
+            done = handle.run.remote(
+                rdv.host, rdv.port, rank, world_size, rdv.backend, rdv.timeout_s, threads
+            )
             ranks.append(RayRank(rank, handle, done))
     except BaseException:
         for started in ranks:
@@ -162,9 +160,19 @@ def start_ray_ranks(
     return ranks, remove
 
 
-def ray_host() -> str:
+def ray_init(placement: RayRanks) -> None:
+    """Join the Ray cluster at ``placement.address`` unless this process already joined one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=placement.address, log_to_driver=False)
+
+
+def ray_host(placement: RayRanks) -> str:
     """This process's address on the Ray cluster (where its ranks reach rank 0's store)."""
     import ray.util
+
+    ray_init(placement)
 
     ray_util: Any = ray.util  # (not fully typed)
     return str(ray_util.get_node_ip_address())
@@ -197,6 +205,6 @@ class _RayRankActor:
         self, host: str, port: int, rank: int, world: int, backend: str, timeout: float,
         threads: int,
     ) -> int:  # fmt: skip
-        from ._rank_main import main
-
-        return main([host, str(port), str(rank), str(world), backend, str(timeout), str(threads)])
+        return rank_main(
+            [host, str(port), str(rank), str(world), backend, str(timeout), str(threads)]
+        )
