@@ -21,6 +21,9 @@ from ._config import PlacementConfig as PlacementConfig
 
 if TYPE_CHECKING:
     from ._placement import RunFailed as RunFailed
+    from ._watchdog import Diagnosis as Diagnosis
+    from ._watchdog import RunStalled as RunStalled
+    from ._watchdog import WatchdogConfig as WatchdogConfig
     from ._plot import plot_run as plot_run
     from ._preflight import preflight as preflight
     from ._report import StepRecord as StepRecord
@@ -33,6 +36,9 @@ if TYPE_CHECKING:
 # Lazy: the configuration loads (and fails) without torch, which the run itself imports.
 _LAZY = {
     "RunFailed": "._placement",
+    "RunStalled": "._watchdog",
+    "Diagnosis": "._watchdog",
+    "WatchdogConfig": "._watchdog",
     "preflight": "._preflight",
     "StepRecord": "._report",
     "plot_run": "._plot",
