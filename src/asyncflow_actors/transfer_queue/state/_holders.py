@@ -100,7 +100,7 @@ def holder_statistics(
             c.claimed,
             c.uncommitted,
             c.open_groups,
-            tuple(c.group_ids),
+            tuple(sorted(c.group_ids)),
             c.puts,
         )
         for (holder, topic, consumer), c in sorted(out.items())
