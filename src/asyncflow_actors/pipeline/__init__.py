@@ -21,9 +21,6 @@ from ._config import PlacementConfig as PlacementConfig
 
 if TYPE_CHECKING:
     from ._placement import RunFailed as RunFailed
-    from ._watchdog import Diagnosis as Diagnosis
-    from ._watchdog import RunStalled as RunStalled
-    from ._watchdog import WatchdogConfig as WatchdogConfig
     from ._plot import plot_run as plot_run
     from ._preflight import preflight as preflight
     from ._report import StepRecord as StepRecord
@@ -32,6 +29,9 @@ if TYPE_CHECKING:
     from ._run import PipelineResult as PipelineResult
     from ._run import open_pipeline as open_pipeline
     from ._run import run_pipeline as run_pipeline
+    from ._watchdog import Diagnosis as Diagnosis
+    from ._watchdog import RunStalled as RunStalled
+    from ._watchdog import WatchdogConfig as WatchdogConfig
 
 # Lazy: the configuration loads (and fails) without torch, which the run itself imports.
 _LAZY = {

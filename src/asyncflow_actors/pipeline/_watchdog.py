@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ..actors import ActorRef
-from ..roles._messages import GetRoleStats
 from ..roles._settings import SettingsError, _non_negative, _positive
 
-if TYPE_CHECKING:  # the configuration loads without the queue (numpy)
+if TYPE_CHECKING:  # the configuration loads without the actor runtime and the queue
+    from ..actors import ActorRef
     from ..transfer_queue import FlowControlStatistics, HolderStatistics
 
 log = logging.getLogger("asyncflow_actors.pipeline")
@@ -266,6 +265,7 @@ async def gather_diagnosis(
     """Ask every source at once, each under ``answer_s``: the TransferQueue controller, every
     role (but the Driver, read from ``hooks`` in this process, and the reward actor, which
     keeps no statistics). Never raises for a source that fails or is silent."""
+    from ..roles._messages import GetRoleStats
     from ..transfer_queue._messages import GetControllerStatistics
 
     answers: dict[str, Any] = {}
