@@ -127,11 +127,11 @@ class _Progress:
 
     version: int
     phase: str = "prepare"
-    since: float = attrs.Factory(time.monotonic)
+    since: float = attrs.Factory(trio.current_time)  # the loop's clock (virtual in tests)
     waiting: set[str] = attrs.Factory(set)
 
     def enter(self, phase: str) -> None:
-        self.phase, self.since = phase, time.monotonic()
+        self.phase, self.since = phase, trio.current_time()
         self.waiting.clear()
 
 
@@ -240,7 +240,7 @@ class CheckpointEngine:
             targets=len(self._targets),
             version=at.version if at is not None else None,
             phase=at.phase if at is not None else None,
-            phase_s=time.monotonic() - at.since if at is not None else 0.0,
+            phase_s=trio.current_time() - at.since if at is not None else 0.0,
             waiting_for=tuple(sorted(at.waiting)) if at is not None else (),
         )
 
