@@ -402,7 +402,9 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         engine = getattr(self, "sync_engine", None)
         stats = engine.statistics() if engine is not None else None
         if stats is not None and stats.phase is not None:
-            who = ", ".join(repr(name) for name in stats.waiting_for) or "the transport"
+            # "actor_fwd-0.<run>/actor_fwd-0.<run>" (an actor on a node): the worker's name
+            names = [name.rpartition("/")[2].partition(".")[0] for name in stats.waiting_for]
+            who = ", ".join(repr(name) for name in names) or "the transport"
             out.append(
                 f"weight sync of version {stats.version} in phase {stats.phase} for "
                 f"{stats.phase_s:.1f} s, waiting for {who}"
