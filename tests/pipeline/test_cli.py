@@ -191,6 +191,9 @@ def _train(
         ("group_size = 4", "top_p = 1.5", (), "rollout.top_p: expected a number in (0, 1]"),
         ("[train]", "[algorithm]\nagg = 'token_mean'\n[train]", (), "algorithm.agg: expected"),
         ("n_heads = 2", "n_heads = 2\ninit = 'nope.safetensors'", (), "model.init: no such file"),
+        ("[train]", "[train]\nrank_launcher = 'slurm'", (), "train.rank_launcher: expected"),
+        ("[train]", "[train]\nray_strategy = 'pack'", (), "train.ray_strategy: expected one"),
+        ("[train]", "[train]\nray_rank_resources = {GPU = -1}", (), "train.ray_rank_resources"),
     ],
 )
 def test_a_bad_input_is_one_line_and_exit_2(
@@ -263,3 +266,20 @@ def test_runtime_errors_show_the_exception_inside_a_group_of_one() -> None:
     assert str(failed).splitlines()[1:] == ["  - ValueError: boom"] * 2
     assert "ValueError: boom" in str(ActorCrashed("a", group))
     assert root_error(ActorCrashed("outer", failed)) is boom
+
+
+def test_ray_ranks_without_ray_name_the_extra(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    toml = BAD.replace("[train]", "[train]\nranks = 2\nrank_launcher = 'ray'")
+    code, lines = _train(capsys, tmp_path, toml)
+    assert (code, lines) == (2, [
+        "asyncflow train: train.rank_launcher: 'ray' needs ray, which is not installed (the "
+        "'ray' extra)"
+    ])  # fmt: skip

@@ -32,6 +32,7 @@ def preflight(
     must not hold a run unless ``overwrite``."""
     checkpoint = resolve_resume(resume) if resume else None
     check_run_dir(config, resume=checkpoint, overwrite=overwrite)
+    _check_extras(config)
     max_seq_len = _check_model(config)
     if checkpoint is not None:
         check_model(config, checkpoint)
@@ -48,6 +49,17 @@ def preflight(
     if max_seq_len is not None and config.task.kind != "dataset":
         _check_lengths(config, task, max_seq_len)
     return checkpoint
+
+
+def _check_extras(config: PipelineConfig) -> None:
+    """The optional packages the settings need are installed (found, not imported)."""
+    import importlib.util
+
+    train = config.train
+    if train.ranks > 1 and train.rank_launcher == "ray" and importlib.util.find_spec("ray") is None:
+        raise PipelineConfigError(
+            "train.rank_launcher: 'ray' needs ray, which is not installed (the 'ray' extra)"
+        )
 
 
 def _check_model(config: PipelineConfig) -> int | None:

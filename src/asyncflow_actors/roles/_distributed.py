@@ -20,7 +20,23 @@ from ._rank_host import RankHost, encode_batch, spec_to_wire
 from ._rank_learner import RankLearner
 from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import RankGroup, backend_for
+from ._ray_ranks import RayRanks
 from ._settings import RunSpec
+
+
+def ray_ranks(parallel: ParallelSettings) -> RayRanks | None:
+    """The Ray placement of a group's ranks, if they go to Ray."""
+    if parallel.launcher != "ray":
+        return None
+    resources = dict(parallel.ray_rank_resources)
+    return RayRanks(
+        strategy=parallel.ray_strategy,
+        num_cpus=resources.pop("CPU", 0.0),
+        num_gpus=resources.pop("GPU", 0.0),
+        resources=resources,
+        address=parallel.ray_address,
+        start_timeout=parallel.timeout_s,
+    )
 
 
 class DistributedLearner:
@@ -41,14 +57,16 @@ class DistributedLearner:
         path: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> DistributedLearner:
-        """Start ``parallel.ranks`` ranks (this process is rank 0) and build the policy on
-        each (from ``path``, a checkpoint's policy, when given)."""
+        """Start ``parallel.ranks`` ranks (this process is rank 0; the others child processes
+        or, with ``parallel.launcher == "ray"``, Ray actors) and build the policy on each (from
+        ``path``, a checkpoint's policy, when given)."""
         group = RankGroup.open(
             parallel.ranks,
             backend=backend_for(spec.model.device),
             timeout_s=parallel.timeout_s,
             env=env,
             threads=spec.train.torch_threads,
+            ray=ray_ranks(parallel),
         )
         learner = cls(group)
         try:

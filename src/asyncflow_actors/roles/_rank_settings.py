@@ -32,7 +32,10 @@ class ParallelSettings:
     parameters, gradients and optimizer state sharded) or ``"ddp"`` (replicated; small models),
     ``dtype`` ``"fp32"`` or ``"bf16"`` (compute in bf16, fp32 master weights and gradient
     reductions), ``gradient_checkpointing`` (HF policies), ``micro_batch_size`` (rows per
-    forward within a rank: gradient accumulation), ``timeout_s`` for every collective."""
+    forward within a rank: gradient accumulation), ``timeout_s`` for every collective;
+    ``launcher`` ``"process"`` (ranks 1..N-1 are child processes of rank 0's) or ``"ray"``
+    (Ray actors in a placement group: ``ray_strategy``, one bundle of ``ray_rank_resources``
+    per rank, the cluster at ``ray_address``)."""
 
     ranks: int = 1
     sharding: str = attrs.field(default="fsdp", validator=_one_of("fsdp", "ddp"))
@@ -40,6 +43,10 @@ class ParallelSettings:
     gradient_checkpointing: bool = False
     micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
     timeout_s: float = 300.0
+    launcher: str = attrs.field(default="process", validator=_one_of("process", "ray"))
+    ray_strategy: str = "PACK"
+    ray_rank_resources: dict[str, float] = attrs.field(factory=lambda: {"CPU": 1.0})
+    ray_address: str = "auto"
 
 
 def parallel_of(train: Any) -> ParallelSettings:
@@ -51,6 +58,10 @@ def parallel_of(train: Any) -> ParallelSettings:
         gradient_checkpointing=train.gradient_checkpointing,
         micro_batch_size=train.micro_batch_size,
         timeout_s=train.collective_timeout,
+        launcher=train.rank_launcher,
+        ray_strategy=train.ray_strategy,
+        ray_rank_resources=dict(train.ray_rank_resources),
+        ray_address=train.ray_address,
     )
 
 

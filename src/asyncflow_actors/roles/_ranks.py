@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import msgspec
@@ -29,7 +29,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+if TYPE_CHECKING:
+    from ._ray_ranks import RayRanks
+
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class RankProcess(Protocol):
+    """A rank > 0 as the leader sees it: a child process (``subprocess.Popen``) or a Ray
+    actor (``_ray_ranks.RayRank``)."""
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
 
 
 class RankFailed(RuntimeError):
@@ -161,10 +175,14 @@ class RankGroup:
     here) or ``attach`` (ranks started by torchrun / SLURM)."""
 
     def __init__(
-        self, rendezvous: Rendezvous, children: Sequence[subprocess.Popen[bytes]] = ()
+        self,
+        rendezvous: Rendezvous,
+        children: Sequence[RankProcess] = (),
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.rendezvous = rendezvous
         self.children = list(children)
+        self.release = release  # frees what placed the children (a Ray placement group)
         self.closed = False
         self.left = False
 
@@ -182,23 +200,40 @@ class RankGroup:
         timeout_s: float = 300.0,
         env: Mapping[str, str] | None = None,
         threads: int = 1,
+        ray: RayRanks | None = None,
     ) -> RankGroup:
-        """Start ranks 1..``world_size``-1 as child processes of this one and join them as
-        rank 0. ``env``: extra environment of the children."""
-        store = open_store(host, world_size, timeout_s)
-        rdv = Rendezvous(host, int(store.port), world_size, backend, timeout_s)
-        child_env = {**os.environ, **(env or {})}
-        children = []
-        for rank in range(1, world_size):
-            args = [sys.executable, "-m", "asyncflow_actors.roles._rank_main", rdv.host,
-                    str(rdv.port), str(rank), str(world_size), backend, str(timeout_s),
-                    str(threads)]  # fmt: skip
-            children.append(subprocess.Popen(args, env=child_env))
-        group = cls(rdv, children)
+        """Start ranks 1..``world_size``-1 as child processes of this one (or as Ray actors
+        in a placement group, with ``ray``) and join them as rank 0. ``env``: extra
+        environment of the others."""
+        release: Callable[[], None] | None = None
+        children: list[RankProcess] = []
+        if ray is not None and world_size > 1:
+            from ._ray_ranks import ray_host, start_ray_ranks
+
+            host = ray_host() if host == "127.0.0.1" else host
+            store = open_store(host, world_size, timeout_s)
+            rdv = Rendezvous(host, int(store.port), world_size, backend, timeout_s)
+            placed, release = start_ray_ranks(
+                ray, host=host, port=rdv.port, world_size=world_size, backend=backend,
+                timeout_s=timeout_s, threads=threads, env=env or {},
+            )  # fmt: skip
+            children.extend(placed)
+        else:
+            store = open_store(host, world_size, timeout_s)
+            rdv = Rendezvous(host, int(store.port), world_size, backend, timeout_s)
+            child_env = {**os.environ, **(env or {})}
+            for rank in range(1, world_size):
+                args = [sys.executable, "-m", "asyncflow_actors.roles._rank_main", rdv.host,
+                        str(rdv.port), str(rank), str(world_size), backend, str(timeout_s),
+                        str(threads)]  # fmt: skip
+                children.append(subprocess.Popen(args, env=child_env))
+        group = cls(rdv, children, release)
         try:
             rdv.join(0, store)
         except BaseException:
             group._kill()
+            if release is not None:
+                release()
             raise
         return group
 
@@ -245,6 +280,8 @@ class RankGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         _CONTROL.clear()
+        if self.release is not None:
+            self.release()
 
     def _failure(self, exc: BaseException) -> RankFailed | None:
         """Which rank failed: a child that exited (waited for briefly: its death is what broke
@@ -278,13 +315,19 @@ class RankGroup:
                 child.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.kill()
-                child.wait()
+                child.wait(5.0)
+        for child in self.children:  # a Ray actor lives on after its rank loop: remove it
+            if not isinstance(child, subprocess.Popen):
+                child.kill()
         self._leave()
 
     def _kill(self) -> None:
         for child in self.children:
             child.kill()
-            child.wait()
+            try:
+                child.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
 
     def __enter__(self) -> RankGroup:
         return self

@@ -54,6 +54,13 @@ def _below_one(inst: object, attribute: attrs.Attribute[Any], value: Any) -> Non
         raise SettingsError(f"{attribute.name}: expected a number in [0, 1), got {value!r}")
 
 
+def _resources(inst: object, attribute: attrs.Attribute[Any], value: Mapping[str, Any]) -> None:
+    bad = {k: v for k, v in value.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0}  # fmt: skip
+    if bad:
+        raise SettingsError(f"{attribute.name}: amounts must be numbers >= 0, got {bad}")
+
+
 def _one_of(*choices: str) -> Any:
     def check(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value not in choices:
@@ -307,6 +314,16 @@ class TrainSettings:
         default=None, validator=attrs.validators.optional(_positive)
     )
     collective_timeout: float = attrs.field(default=300.0, validator=_positive)
+    # where ranks 1..N-1 run: child processes of the Trainer's, or Ray actors in a placement
+    # group (one bundle of ``ray_rank_resources`` per rank, ``ray_strategy``; docs/training.md)
+    rank_launcher: str = attrs.field(default="process", validator=_one_of("process", "ray"))
+    ray_strategy: str = attrs.field(
+        default="PACK", validator=_one_of("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+    )
+    ray_rank_resources: Mapping[str, float] = attrs.field(
+        factory=lambda: {"CPU": 1.0}, converter=dict, validator=_resources
+    )
+    ray_address: str = "auto"
 
 
 @attrs.frozen
