@@ -215,7 +215,9 @@ def test_the_diagnosis_reads_as_who_waits_on_what() -> None:
         ),
         ready=(("rollout", "trainer", 0), ("rollout", "actor_fwd", 12)),
         roles=(
-            RoleWaits("rollout-0", True, 3, 0, ("paused by weight sync 3-ab12 (its engines hold)",)),
+            RoleWaits("rollout-0", True, 3, 0, (
+                "paused by weight sync 3-ab12 (its engines hold)",
+            )),
             RoleWaits("actor_fwd-0", False),
             RoleWaits("trainer-0", True, 3, 2, (
                 "weight sync of version 3 in phase broadcast for 10.0 s, waiting for 'actor_fwd-0'",

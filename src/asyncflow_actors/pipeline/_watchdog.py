@@ -103,10 +103,12 @@ class Diagnosis:
                     return f"{role.worker}: {wait}"
         for h in self.holders:
             if h.uncommitted:
-                return f"{h.holder!r} allocated {h.uncommitted} sample(s) of {h.topic!r} and did not commit them"
+                what = f"{h.uncommitted} sample(s) of {h.topic!r}"
+                return f"{h.holder!r} allocated {what} and did not commit them"
         for h in self.holders:
             if h.leases:
-                return f"{h.holder!r} holds {h.leased} sample(s) of {h.topic!r} unacked (consumer {h.consumer!r})"
+                what = f"{h.leased} sample(s) of {h.topic!r}"
+                return f"{h.holder!r} holds {what} unacked (consumer {h.consumer!r})"
         silent = [r.worker for r in self.roles if not r.answered]
         if silent:
             return f"{', '.join(silent)} did not answer within {self.answer_s:.1f} s"
@@ -130,7 +132,7 @@ def format_diagnosis(d: Diagnosis) -> str:
             driver += f", {s.waiters} admission(s) waiting for {s.waiting_slots} slot(s)"
     if d.driver is not None:
         driver += f"; waits for {d.driver}"
-    lines.append("  " + driver)
+    lines.append("  " + (driver if driver != "driver:" else "driver: not started"))
     if not d.queue_answered:
         lines.append(f"  queue: the controller did not answer within {d.answer_s:.1f} s")
     topics = sorted({h.topic for h in d.holders} | {t for t, _, _ in d.ready})
