@@ -362,9 +362,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not config:
             where += _failed_role(exc)
         hint = "" if config else " (--debug: the full trace)"
+        if _stalled_log(root):  # the line names the stall; the file holds its diagnosis
+            hint = f" (the diagnosis: {_stalled_log(root)}; --debug: the full trace)"
         print(f"{where}{_one_line(root)}{hint}", file=sys.stderr, flush=True)
         code = 2 if config else 1
     sys.exit(code)
+
+
+def _stalled_log(error: BaseException) -> str | None:
+    """The file holding a stalled run's diagnosis (``RunStalled``), if any."""
+    from .pipeline import RunStalled
+
+    return error.log if isinstance(error, RunStalled) else None
 
 
 def _failed_role(error: BaseException) -> str:

@@ -435,3 +435,27 @@ def test_a_lease_ends_exactly_after_its_rows_moved_or_died(
         assert update.missing == held[:1]
         again = state.claim(T, "train", ALL, 10, holder="h", now=0, min_count=1)
         assert again is not None and again.indexes == held[1:]
+
+
+def test_holders_say_who_holds_and_waits_for_what() -> None:
+    """``holders()``: leases per holder and consumer, samples allocated and not committed,
+    groups opened and not complete, the claims and puts the controller says are waiting."""
+    from asyncflow_actors.transfer_queue import HolderStatistics
+
+    state = make()
+    assert state.holders() == ()
+    a = state.open_group(T, 2, holder="driver", now=0.0)
+    b = state.open_group(T, 2, holder="driver", now=0.0)
+    state.allocate(T, 2, 0, group=a.group_id, holder="gen-0", now=0.0)  # never committed
+    done = state.allocate(T, 2, 0, group=b.group_id, holder="gen-0", now=0.0)
+    state.commit_write(T, done.indexes, {"resp": 10})
+    lease = state.claim(T, "fwd", RESP, 2, holder="fwd-0", now=0.0)
+    assert lease is not None and lease.indexes == done.indexes
+    got = state.holders(claims=[("train-0", T, "train", 4)], puts=[("gen-1", T), (None, T)])
+    assert got == (
+        HolderStatistics("driver", T, open_groups=1, group_ids=(a.group_id,)),
+        HolderStatistics("fwd-0", T, "fwd", leases=1, leased=2),
+        HolderStatistics("gen-0", T, uncommitted=2, group_ids=(a.group_id,)),
+        HolderStatistics("gen-1", T, puts=1),
+        HolderStatistics("train-0", T, "train", claims=1, claimed=4),
+    )

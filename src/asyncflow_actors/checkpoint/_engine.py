@@ -105,7 +105,9 @@ class SyncResult:
 @attrs.frozen
 class CheckpointEngineStatistics:
     """Counters of a ``CheckpointEngine``: ``syncs`` committed, ``failed`` syncs that raised
-    (``SyncFailed`` or a cancellation), whether one is ``syncing`` now."""
+    (``SyncFailed`` or a cancellation), whether one is ``syncing`` now. The sync under way:
+    its ``version``, ``phase``, seconds in it (``phase_s``) and the receivers that have not
+    answered the phase's request yet (``waiting_for``; empty while the transport moves data)."""
 
     syncs: int
     failed: int
@@ -113,6 +115,24 @@ class CheckpointEngineStatistics:
     last_version: int | None
     bytes_moved: int
     targets: int
+    version: int | None = None
+    phase: str | None = None
+    phase_s: float = 0.0
+    waiting_for: tuple[str, ...] = ()
+
+
+@attrs.define
+class _Progress:
+    """Where the sync under way is: for ``statistics()`` (a diagnosis of a stalled sync)."""
+
+    version: int
+    phase: str = "prepare"
+    since: float = attrs.Factory(trio.current_time)  # the loop's clock (virtual in tests)
+    waiting: set[str] = attrs.Factory(set)
+
+    def enter(self, phase: str) -> None:
+        self.phase, self.since = phase, trio.current_time()
+        self.waiting.clear()
 
 
 def make_transport(config: CheckpointConfig) -> Transport:
@@ -199,6 +219,7 @@ class CheckpointEngine:
         self._syncs = self._failed = self._bytes = 0
         self._last_version: int | None = None
         self._layout: tuple[Any, Manifest] | None = None  # the last plan and what it was of
+        self._progress: _Progress | None = None
 
     @property
     def targets(self) -> tuple[ActorRef[Any], ...]:
@@ -209,6 +230,7 @@ class CheckpointEngine:
         self._targets = tuple(targets)
 
     def statistics(self) -> CheckpointEngineStatistics:
+        at = self._progress
         return CheckpointEngineStatistics(
             syncs=self._syncs,
             failed=self._failed,
@@ -216,7 +238,14 @@ class CheckpointEngine:
             last_version=self._last_version,
             bytes_moved=self._bytes,
             targets=len(self._targets),
+            version=at.version if at is not None else None,
+            phase=at.phase if at is not None else None,
+            phase_s=trio.current_time() - at.since if at is not None else 0.0,
+            waiting_for=tuple(sorted(at.waiting)) if at is not None else (),
         )
+
+    def _waiting(self) -> set[str] | None:
+        return self._progress.waiting if self._progress is not None else None
 
     async def sync(
         self,
@@ -235,7 +264,11 @@ class CheckpointEngine:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ManifestError(f"version must be an int >= 0, got {version!r}")
         async with self._lock:
-            return await self._sync(version, weights)
+            self._progress = _Progress(version)
+            try:
+                return await self._sync(version, weights)
+            finally:
+                self._progress = None
 
     async def _phase(
         self,
@@ -245,6 +278,8 @@ class CheckpointEngine:
         *args: Any,
     ) -> T:
         started = time.perf_counter()
+        if self._progress is not None:
+            self._progress.enter(name)
         try:
             with trio.fail_after(getattr(self.config.deadlines, name)):
                 return await fn(*args)
@@ -289,18 +324,20 @@ class CheckpointEngine:
         checksum = config.checksum == "crc32"
         pause = SyncPause(sync_id, config.pause_mode, config.lease)
         acks: list[PauseAck] = await self._phase(
-            "pause", timings, ask_all, targets, lambda _: pause
+            "pause", timings, ask_all, targets, lambda _: pause, self._waiting()
         )
         progress[0] = "prepare"
         prepare = SyncPrepare(sync_id, session.version, session.manifest, PROCESS_TOKEN, checksum)
-        await self._phase("prepare", timings, ask_all, targets, lambda _: prepare)
+        await self._phase("prepare", timings, ask_all, targets, lambda _: prepare, self._waiting())
         progress[0] = "topology"
         await self._phase("topology", timings, self.transport.open, session)
         progress[0] = "broadcast"
         await self._phase("broadcast", timings, self.transport.broadcast, session)
         progress[0] = "finalize"
         finalize = SyncFinalize(sync_id, tuple(session.checksums) if checksum else ())
-        await self._phase("finalize", timings, ask_all, targets, lambda _: finalize)
+        await self._phase(
+            "finalize", timings, ask_all, targets, lambda _: finalize, self._waiting()
+        )
         return acks
 
     def _fusable(self, session: SyncSession) -> bool:
@@ -325,6 +362,8 @@ class CheckpointEngine:
         buffers = self.transport.buffers
         started = time.perf_counter()
         progress[0] = "broadcast"
+        if self._progress is not None:
+            self._progress.enter("broadcast")
         completed = False
         try:
             with trio.fail_after(self._fused_deadline()):
@@ -340,7 +379,7 @@ class CheckpointEngine:
                     data,
                     tuple(session.checksums) if config.checksum == "crc32" else (),
                 )
-                answers: list[FusedAck] = await ask_all(targets, lambda _: fused)
+                answers: list[FusedAck] = await ask_all(targets, lambda _: fused, self._waiting())
             completed = True
         except BaseException as exc:
             if not _cancelled(exc) and isinstance(exc, Exception):
@@ -470,6 +509,9 @@ class CheckpointEngine:
         resume deadline."""
         started = time.perf_counter()
         targets = session.receivers
+        if self._progress is not None:
+            self._progress.enter("resume")
+            self._progress.waiting.update(t.name for t in targets if t.name != skip)
         resumed: list[Resumed | None] = [None] * len(targets)
         errors: list[tuple[str, BaseException]] = []
         end = SyncResume(session.sync_id, committed, self.config.eager)
@@ -487,6 +529,8 @@ class CheckpointEngine:
                 resumed[i] = await targets[i].ask(end)
             except Exception as exc:
                 errors.append((targets[i].name, exc))
+            if self._progress is not None:
+                self._progress.waiting.discard(targets[i].name)
 
         with trio.CancelScope(shield=True), trio.move_on_after(self.config.deadlines.resume):
             async with trio.open_nursery() as nursery:

@@ -53,13 +53,22 @@ async def ask(ref: ActorRef[Any], request: Request[R]) -> R:
         raise ReceiverFailed(ref.name) from exc
 
 
-async def ask_all(refs: Sequence[ActorRef[Any]], make: Callable[[int], Request[Any]]) -> list[Any]:
+async def ask_all(
+    refs: Sequence[ActorRef[Any]],
+    make: Callable[[int], Request[Any]],
+    waiting: set[str] | None = None,
+) -> list[Any]:
     """Ask every ref concurrently (``make(i)`` builds the i-th request); the first failure
-    cancels the others and is raised (inside trio's exception group)."""
+    cancels the others and is raised (inside trio's exception group). ``waiting``: the names
+    of the refs not answered yet (for a diagnosis of a sync that stalls)."""
     results: list[Any] = [None] * len(refs)
+    if waiting is not None:
+        waiting.update(ref.name for ref in refs)
 
     async def one(i: int) -> None:
         results[i] = await ask(refs[i], make(i))
+        if waiting is not None:
+            waiting.discard(refs[i].name)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(refs)):

@@ -34,10 +34,16 @@ if TYPE_CHECKING:
     from ._samples import SamplesFileError as SamplesFileError
     from ._samples import check_samples as check_samples
     from ._samples import read_samples as read_samples
+    from ._watchdog import Diagnosis as Diagnosis
+    from ._watchdog import RunStalled as RunStalled
+    from ._watchdog import WatchdogConfig as WatchdogConfig
 
 # Lazy: the configuration loads (and fails) without torch, which the run itself imports.
 _LAZY = {
     "RunFailed": "._placement",
+    "RunStalled": "._watchdog",
+    "Diagnosis": "._watchdog",
+    "WatchdogConfig": "._watchdog",
     "preflight": "._preflight",
     "StepRecord": "._report",
     "plot_run": "._plot",

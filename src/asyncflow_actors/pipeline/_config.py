@@ -15,6 +15,7 @@ run_dir = "runs/exp1"
 [algorithm]             # advantage, clip_low/high, kl_coef, is_level ...
 [train]                 # steps, prompts_per_step, mini_batches, lr, checkpoint_every ...
 [placement]             # default = "local" | "process"; [placement.roles]; [placement.nodes]
+[watchdog]              # enabled, warn_s, fail_s, first_step_s: a stalled run's diagnosis
 ```
 
 Every problem raises ``PipelineConfigError`` naming the dotted key: an unknown key, a value of
@@ -47,6 +48,7 @@ from ..roles._settings import (
     _positive,
 )
 from ..tasks._settings import EvalSettings, RewardSettings
+from ._watchdog import WatchdogConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -121,6 +123,7 @@ class PipelineConfig:
     reward: RewardSettings = attrs.field(factory=RewardSettings)
     eval: EvalSettings = attrs.field(factory=EvalSettings)
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
+    watchdog: WatchdogConfig = attrs.field(factory=WatchdogConfig)
 
     def __attrs_post_init__(self) -> None:
         _check(self)

@@ -10,7 +10,8 @@ torch preloaded in a thread), the Driver, the Reward actor, rollout workers, for
 the Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
-(``RunFailed``); stations that crash are restarted by their supervisors meanwhile.
+(``RunFailed``); stations that crash are restarted by their supervisors meanwhile. A run that
+makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a diagnosis (``_watchdog``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from ._report import (
     third_party_bars_off,
 )
 from ._rundir import clear_run_dir, trim_steps
+from ._watchdog import RunStalled, Watchdog, gather_diagnosis
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -162,6 +164,7 @@ class Pipeline:
         self._stop = trio.Event()
         self._stopped: Stopped | None = None
         self._record_added = trio.Event()
+        self.watchdog = Watchdog(config.watchdog, config.run_dir)
 
     def stop(self) -> None:
         """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
@@ -184,7 +187,8 @@ class Pipeline:
             await self._record_added.wait()
 
     async def wait(self) -> PipelineResult:
-        """Until the last step is recorded; raises ``RunFailed`` if a role terminated."""
+        """Until the last step is recorded; raises ``RunFailed`` if a role terminated,
+        ``RunStalled`` if the run made no step for ``watchdog.fail_s``."""
         async with trio.open_nursery() as nursery:
 
             async def watch_failure() -> None:
@@ -257,7 +261,7 @@ async def open_pipeline(
         await trio.to_thread.run_sync(_write_config, config)
     progress = Progress(config.progress, config.train.steps, start=spec.start_version)
     run = Pipeline(config, progress)
-    run.version = spec.start_version
+    run.version = run.watchdog.version = spec.start_version
     run.seconds_before = float(earlier[-1].get("seconds", 0.0)) if earlier else 0.0
     run.resumed_from = resume
     bars = ExitStack()  # third parties' progress bars off while the display is live
@@ -293,6 +297,7 @@ async def open_pipeline(
                     )
 
                     async def step_done(msg: StepDone, report: SyncReport, seconds: float) -> None:
+                        run.watchdog.step(msg.version)
                         send.send_nowait((msg, report, seconds))
 
                     run.hooks.on_step = step_done
@@ -306,6 +311,7 @@ async def open_pipeline(
                     nursery.start_soon(
                         _report_steps, run, receive, client, total, steps_jsonl, on_step
                     )
+                    nursery.start_soon(_watch, run, queue.controller)
                     if total <= 0:
                         run._recorded.set()
                     yield run
@@ -387,6 +393,27 @@ async def _spawn_roles(
             hooks.trainer = ref
         if role == "rollout":
             hooks.rollouts.append(ref)
+
+
+async def _watch(run: Pipeline, controller: ActorRef[Any]) -> None:
+    """The run's watchdog: its diagnosis from the queue, the roles and the Driver's hooks; a
+    stall fails the run as a role's termination does (``wait`` raises it)."""
+
+    async def gather(stalled_s: float) -> Any:
+        return await gather_diagnosis(
+            stalled_s,
+            step=run.watchdog.version,
+            answer_s=run.config.watchdog.answer_s,
+            controller=controller,
+            roles=run.refs,
+            hooks=run.hooks,
+        )
+
+    def fail(error: RunStalled) -> None:
+        run.errors.append(error)
+        run.failed.set()
+
+    await run.watchdog.run(gather, fail)
 
 
 async def role_statistics(refs: dict[str, ActorRef[Any]]) -> list[RoleStatistics]:

@@ -109,6 +109,8 @@ class DriverHooks:
     checkpoints: list[str] = attrs.Factory(list)
     reinjected: int = 0
     rollouts: list[ActorRef[Any]] = attrs.Factory(list)  # for evaluations
+    flow: FlowControl | None = None  # the Driver's slots, read by the watchdog (same process)
+    waiting: str | None = None  # what the Driver's step handling waits on now, in words
 
 
 _Msg = StepDone | GetRoleStats | NeedWeights | GroupGone | GroupDropped | StopRun
@@ -129,6 +131,7 @@ class Driver(Actor[_Msg]):
         self.hooks = hooks
         self.meter = Meter("driver", "driver-0")
         self.flow = FlowControl(spec.staleness, spec.batch_size)
+        hooks.flow = self.flow
         self.version = resume.version if resume else spec.start_version
         self.cursor = resume.cursor if resume else 0
         self.backlog = list(resume.pending) if resume else []
@@ -335,7 +338,9 @@ class Driver(Actor[_Msg]):
             # instead put the injection (a TQ put and a group per prompt) on every step's
             # critical path.
             self.flow.release(msg.samples)
+            self.hooks.waiting = f"the trainer's answer to the weight sync of version {msg.version}"
             report = await trainer.ask(SyncWeights(msg.version))
+            self.hooks.waiting = None
         now = trio.current_time()
         seconds, self._step_started = now - self._step_started, now
         self.meter.done(msg.samples, msg.tokens)

@@ -19,6 +19,8 @@ class RoleStatistics:
 
     ``version``: the policy version it holds (``None``: a role without a policy, such as the
     advantage). ``extra`` holds role-specific counters (e.g. ``partial_samples`` for rollout).
+    ``waits``: what it waits on now, in words (a claim, a weight sync's phase and receivers, a
+    pause): the watchdog's diagnosis quotes them.
     """
 
     role: str
@@ -30,6 +32,7 @@ class RoleStatistics:
     busy_s: float
     wait_s: float
     extra: Mapping[str, float] = attrs.field(factory=dict, converter=_floats)
+    waits: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -172,6 +172,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         self._reward = registry.gauge("afa_reward_mean", role=self.role)
         self._model_lock = trio.Lock()
         self._early: _EarlySync | None = None
+        self._answer_wait: int | None = None  # the version whose answer a step waits for
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
@@ -225,7 +226,9 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             batches = step.batches
             histogram = self._count_staleness(step.lags)
             if previous is not None:
+                self._answer_wait = previous.done.version
                 await previous.wait()  # the sync of the last version finished
+                self._answer_wait = None
             start = clock_ns()
             async with self._model_lock:  # no sync or checkpoint reads them meanwhile
                 metrics = await in_thread(self._finish, step)
@@ -398,14 +401,34 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         self._offpolicy.inc(sum(counts[1:]))
         return tuple(counts)
 
+    def waits(self) -> list[str]:
+        out = super().waits()
+        if self._answer_wait is not None:
+            out.append(f"waiting for the Driver's answer to step {self._answer_wait} (its sync)")
+        engine = getattr(self, "sync_engine", None)
+        stats = engine.statistics() if engine is not None else None
+        if stats is not None and stats.phase is not None:
+            # "actor_fwd-0.<run>/actor_fwd-0.<run>" (an actor on a node): the worker's name
+            names = [name.rpartition("/")[2].partition(".")[0] for name in stats.waiting_for]
+            who = ", ".join(repr(name) for name in names) or "the transport"
+            out.append(
+                f"weight sync of version {stats.version} in phase {stats.phase} for "
+                f"{stats.phase_s:.1f} s, waiting for {who}"
+            )
+        return out
+
     async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
-        if isinstance(msg, SyncWeights):
-            early, self._early = self._early, None
-            if early is not None and early.version == msg.version:
-                return await early.result()
-            return await self._sync(msg.version)
-        if isinstance(msg, ResendWeights):
-            return await self._sync(None)
+        if isinstance(msg, (SyncWeights, ResendWeights)):
+            # Answered off the mailbox: while a sync runs, this trainer still answers
+            # ``GetRoleStats`` (a stalled sync's phase and receivers, for the watchdog). A sync
+            # that fails crashes the trainer as before (``ctx.fail``: its error as raised).
+            early: _EarlySync | None = None
+            if isinstance(msg, SyncWeights):  # taken now: the next step's may follow
+                early, self._early = self._early, None
+                if early is not None and early.version != msg.version:
+                    early = None
+            ctx.start_soon(self._answer_sync, msg, early, ctx.defer_reply(), ctx)
+            return None
         if isinstance(msg, SaveCheckpoint):
             async with self._model_lock:
                 if msg.version is not None and msg.version != self.version:
@@ -414,6 +437,24 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 await in_thread(self.learner.save, msg.directory, meta)
             return msg.directory
         return await super().handle(msg, ctx)
+
+    async def _answer_sync(
+        self,
+        msg: SyncWeights | ResendWeights,
+        early: _EarlySync | None,
+        reply: Any,
+        ctx: ActorContext[Any],
+    ) -> None:
+        """Answer ``msg`` with its sync's report (``early``: the one under way already)."""
+        try:
+            if early is not None:
+                report = await early.result()
+            else:
+                report = await self._sync(msg.version if isinstance(msg, SyncWeights) else None)
+        except Exception as exc:
+            ctx.fail(exc)
+            return
+        reply.send(report)
 
     async def _sync_with_retries(self, version: int, weights: Any) -> tuple[Any, int]:
         """Sync, and sync again after a failure: a receiver whose node died is restarted by its

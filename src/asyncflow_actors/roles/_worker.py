@@ -240,6 +240,7 @@ class Station(Actor[Any]):
         self.compute: Any = None
         self.client: TransferQueueClient | None = None
         self._step_no = 0
+        self._claiming: tuple[str, int, float] | None = None  # topic, count, since (a fetch)
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
         self.compute = await load_compute(self.spec.train.torch_threads)
@@ -267,16 +268,20 @@ class Station(Actor[Any]):
         assert self.client is not None
         start = clock_ns()
         shared = self.dp.size > 1
-        batch = await self.client.get(
-            topic,
-            self.consumer,
-            columns,
-            count,
-            sampler=self.dp.sampler(whole_groups),
-            min_count=min_count,
-            share_key=f"{self.consumer}:{self._step_no}" if shared else None,
-            share_count=self.dp.size,
-        )
+        self._claiming = (topic, count, trio.current_time())
+        try:
+            batch = await self.client.get(
+                topic,
+                self.consumer,
+                columns,
+                count,
+                sampler=self.dp.sampler(whole_groups),
+                min_count=min_count,
+                share_key=f"{self.consumer}:{self._step_no}" if shared else None,
+                share_count=self.dp.size,
+            )
+        finally:
+            self._claiming = None
         assert batch is not None  # wait=True
         self._step_no += 1
         self.meter.waited("get", start, samples=batch.indexes)
@@ -309,8 +314,29 @@ class Station(Actor[Any]):
     async def receive(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, GetRoleStats):
             await trio.lowlevel.checkpoint()
-            return self.meter.statistics()
+            return attrs.evolve(self.meter.statistics(), waits=tuple(self.waits()))
         return await self.handle(msg, ctx)
+
+    def waits(self) -> list[str]:
+        """What this worker waits on now, in words (``RoleStatistics.waits``): its claim in
+        the queue, the weight sync that paused it, weights waiting to load."""
+        out = []
+        if self._claiming is not None:
+            topic, count, since = self._claiming
+            out.append(
+                f"claiming {count} sample(s) of {topic!r} as consumer {self.consumer!r} "
+                f"for {trio.current_time() - since:.1f} s"
+            )
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            stats = receiver.statistics()
+            if stats.paused:
+                out.append(f"paused by weight sync {stats.sync_id} (its engines hold)")
+            elif stats.sync_id is not None:
+                out.append(f"in weight sync {stats.sync_id}")
+            if stats.pending_version is not None:
+                out.append(f"weights of version {stats.pending_version} wait to load")
+        return out
 
     async def handle(self, msg: Any, ctx: ActorContext[Any]) -> Any:
         raise TypeError(f"{self.role} {self.worker!r} does not handle {type(msg).__name__}")

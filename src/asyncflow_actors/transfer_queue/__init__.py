@@ -53,6 +53,7 @@ from ._spec import ColumnSpec as ColumnSpec
 from ._spec import TopicSpec as TopicSpec
 from ._spec import topic_specs_from_dict as topic_specs_from_dict
 from ._stats import ConsumerStatistics as ConsumerStatistics
+from ._stats import HolderStatistics as HolderStatistics
 from ._stats import StateStatistics as StateStatistics
 from ._stats import TopicStatistics as TopicStatistics
 from ._stats import ViewStatistics as ViewStatistics

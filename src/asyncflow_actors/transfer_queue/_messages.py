@@ -13,7 +13,7 @@ from ._results import Allocation, GroupSlot, Lease
 from ._runtime import ActorRef, Request
 from ._samplers import FIFO, Sampler
 from ._spec import TopicSpec
-from ._stats import StateStatistics
+from ._stats import HolderStatistics, StateStatistics
 from ._unit_messages import FreeSegment, ShmBody, Store
 
 
@@ -57,6 +57,7 @@ class ControllerStatistics(Checked):
     abandoned_samples: int = 0
     outbox: int = 0  # bookkeeping items not yet taken by their unit
     incarnations: dict[str, str | None] = attrs.Factory(dict)
+    holders: tuple[HolderStatistics, ...] = ()  # who holds and waits for what, per holder
 
 
 @attrs.frozen

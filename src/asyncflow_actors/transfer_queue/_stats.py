@@ -68,6 +68,35 @@ class TopicStatistics:
 
 
 @attrs.frozen
+class HolderStatistics:
+    """What one holder (a client, e.g. a worker's name) has outstanding in one topic: who
+    waits on whom when a run stalls (``docs/pipeline.md``, Watchdog).
+
+    ``consumer``: the consumer its leases and claims are for (``""``: none). ``leases`` /
+    ``leased``: leases it holds and their samples; ``claims`` / ``claimed``: claims of it
+    waiting in the queue and the samples they ask for; ``uncommitted``: samples it allocated
+    and has not committed; ``open_groups``: groups it opened whose members are not all
+    committed (``group_ids``: the first ``GROUP_IDS`` of those and of the groups of its
+    uncommitted samples); ``puts``: its puts waiting for capacity.
+    """
+
+    holder: str
+    topic: str
+    consumer: str = ""
+    leases: int = 0
+    leased: int = 0
+    claims: int = 0
+    claimed: int = 0
+    uncommitted: int = 0
+    open_groups: int = 0
+    group_ids: tuple[int, ...] = ()
+    puts: int = 0
+
+
+GROUP_IDS = 16  # group ids a ``HolderStatistics`` names at most
+
+
+@attrs.frozen
 class StateStatistics:
     """Snapshot of the whole controller state: per topic, occupied slots per unit, leases."""
 

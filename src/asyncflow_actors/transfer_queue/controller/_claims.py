@@ -47,6 +47,12 @@ class ClaimQueues:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def waiting(self) -> list[tuple[str, str, str, int]]:
+        """``(holder, topic, consumer, count)`` of every claim waiting."""
+        return [
+            (w.msg.holder, w.msg.topic, w.msg.consumer, w.msg.count) for w in self._by_id.values()
+        ]
+
     def add(self, waiting: WaitingClaim, changes: int) -> None:
         msg = waiting.msg
         kind = _kind(msg)

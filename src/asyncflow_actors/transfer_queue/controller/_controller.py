@@ -267,6 +267,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
             abandoned_samples=self.abandoned_samples,
             outbox=len(self.shared.outbox),
             incarnations=dict(self.shared.known),
+            holders=state.holders(self.claims.waiting(), self.puts.waiting_holders()),
         )
 
     def check_invariants(self) -> list[str]:

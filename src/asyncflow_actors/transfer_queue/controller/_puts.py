@@ -47,6 +47,10 @@ class PutQueues:
         self.waiting: dict[str, deque[WaitingPut]] = {}  # topic -> puts, oldest first
         self._granted: OrderedDict[int, Any] = OrderedDict()  # put id -> Allocated | slots
 
+    def waiting_holders(self) -> list[tuple[str | None, str]]:
+        """``(holder, topic)`` of every put waiting for capacity."""
+        return [(w.msg.holder, topic) for topic, queue in self.waiting.items() for w in queue]
+
     def __len__(self) -> int:
         return sum(len(w) for w in self.waiting.values())
 

@@ -27,10 +27,11 @@ from .._errors import (
 from .._results import Lease, Loss, Update
 from .._samplers import FIFO, Balanced, Fifo, Sampler, WholeGroups, uses_groups
 from .._spec import TopicSpec
-from .._stats import StateStatistics
+from .._stats import HolderStatistics, StateStatistics
 from ._audit import topic_problems
 from ._check import finite_time, holder_name, int_at_least
 from ._effects import Effects
+from ._holders import holder_statistics
 from ._inventory import GroupRecord, Inventory, TopicRecord
 from ._leases import LeaseTable
 from ._rebuild import Parts, export_inventory, group_records, rebuild, storage_lost
@@ -376,6 +377,16 @@ class ControllerState(Writing):
                 f"occupied slots per unit {self._load.tolist()}, counted {occupied.tolist()}"
             )
         return out
+
+    def holders(
+        self,
+        claims: Iterable[tuple[str, str, str, int]] = (),
+        puts: Iterable[tuple[str | None, str]] = (),
+    ) -> tuple[HolderStatistics, ...]:
+        """What each holder has outstanding (leases, uncommitted samples, open groups), with
+        the waiting ``claims`` (``(holder, topic, consumer, count)``) and ``puts`` (``(holder,
+        topic)``) the caller keeps: who waits on whom, for a diagnosis."""
+        return holder_statistics(self._topics, self._lease_table, self._writes, claims, puts)
 
     def statistics(self) -> StateStatistics:
         """A frozen snapshot: per-topic counts, occupied slots per unit, outstanding leases."""
