@@ -23,7 +23,7 @@ from ._config import PipelineConfig, PipelineConfigError
 STEPS = "steps.jsonl"
 RUN_FILES = (
     "config.json", STEPS, "curves.png", FINAL, FINAL + ".partial", FINAL + ".old", CHECKPOINTS,
-    "metrics.jsonl", "trace.json", "observe.json",
+    "metrics.jsonl", "trace.json", "observe.json", "completions.jsonl", "tensorboard",
 )  # fmt: skip
 """What a run writes in its ``run_dir`` (``--overwrite`` removes these, and only these)."""
 
