@@ -67,9 +67,7 @@ async def test_log_completions_every_zero_reports_none(tmp_path: Path) -> None:
 
 def test_json_round_trip_and_a_resume_trims_later_steps(tmp_path: Path) -> None:
     path = tmp_path / "completions.jsonl"
-    samples = [
-        SampleCompletion(s, s - 1, s, "1+1=", "2", 1.0, {"f": math.nan}) for s in (1, 2, 3)
-    ]
+    samples = [SampleCompletion(s, s - 1, s, "1+1=", "2", 1.0, {"f": math.nan}) for s in (1, 2, 3)]
     path.write_text("".join(json.dumps(s.to_json()) + "\n" for s in samples))
     assert json.loads(path.read_text().splitlines()[0])["rewards"] == {"f": None}
     trim_completions(str(path), 2)
