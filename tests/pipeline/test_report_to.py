@@ -24,8 +24,13 @@ import pytest
 import trio
 
 from asyncflow_actors import cli
-from asyncflow_actors.pipeline import PipelineConfigError, preflight, run_pipeline
-from asyncflow_actors.pipeline import _reports, _trackers
+from asyncflow_actors.pipeline import (
+    PipelineConfigError,
+    _reports,
+    _trackers,
+    preflight,
+    run_pipeline,
+)
 from asyncflow_actors.pipeline._report import StepRecord, read_steps
 from asyncflow_actors.pipeline._trackers import TrackerThread, step_scalars
 from asyncflow_actors.roles._report_settings import ReportSettings
