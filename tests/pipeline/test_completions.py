@@ -81,3 +81,21 @@ def test_a_display_line_is_short_and_on_one_line() -> None:
     line = describe_completion(long)
     assert "\n" not in line and len(line) < 160
     assert line.startswith("  sample v2 reward 0.50 | …") and "What is 2+2?" in line
+
+
+def test_a_step_done_with_its_completions_crosses_the_wire() -> None:
+    """The Trainer (a node process) sends them inside its ``StepDone``: msgpack, no pickle."""
+    from asyncflow_actors.actors.remote._wire import MessageRegistry, decode, encode
+    from asyncflow_actors.roles._messages import StepDone
+
+    registry = MessageRegistry()
+    registry.register(StepDone)
+    registry.register(SampleCompletion)
+    sample = SampleCompletion(2, 1, 5, "1+1=", "2⏎", 1.0, {"exact": 1.0, "length": math.nan})
+    done = StepDone(2, 16, 40, (4, 5), (12, 4), {"loss": 0.5}, (sample,))
+    frames = encode({}, done, registry=registry)
+    _, back = decode(frames, registry=registry, max_message_bytes=1 << 20)
+    assert isinstance(back, StepDone)
+    (got,) = back.completions
+    assert isinstance(got, SampleCompletion) and got.prompt == "1+1=" and got.completion == "2⏎"
+    assert got.rewards["exact"] == 1.0 and math.isnan(got.rewards["length"])
