@@ -99,3 +99,16 @@ def test_a_step_done_with_its_completions_crosses_the_wire() -> None:
     (got,) = back.completions
     assert isinstance(got, SampleCompletion) and got.prompt == "1+1=" and got.completion == "2⏎"
     assert got.rewards["exact"] == 1.0 and math.isnan(got.rewards["length"])
+
+
+def test_the_rich_display_prints_them_above_its_bar() -> None:
+    import io
+
+    from asyncflow_actors.pipeline._report import Progress
+
+    pytest.importorskip("rich", reason="the pipeline extra")
+    out = io.StringIO()
+    progress = Progress("rich", 3, out)
+    progress.completions([SampleCompletion(1, 0, 0, "1+2=", "3", 1.0)])
+    progress.close()
+    assert "  sample v0 reward 1.00 | 1+2= → 3" in out.getvalue()

@@ -269,3 +269,31 @@ def test_report_settings_are_checked() -> None:
         preflight(tiny(report={"report_to": "tensorboard"}))
     assert tiny(report={"report_to": "none"}).report.report_to == ()
     assert _reports.config_json(tiny())["report"]["plot_every"] == 25
+
+
+async def test_a_stopped_run_closes_its_trackers_as_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncflow_actors.actors.remote import open_actor_system
+    from asyncflow_actors.pipeline import open_pipeline
+
+    calls: list[Any] = []
+
+    class Recording(_Failing):
+        def log(self, step: int, scalars: Mapping[str, float]) -> None:
+            calls.append(step)
+
+        def close(self, ok: bool) -> None:
+            calls.append(("closed", ok))
+
+    monkeypatch.setitem(_trackers.OPENERS, "tensorboard", Recording)
+    config = tiny(
+        run_dir=str(tmp_path / "run"), train={"steps": 20}, report={"report_to": ["tensorboard"]}
+    )
+    runs: list[Any] = []
+    async with open_actor_system() as system:
+        async with open_pipeline(system, config, on_step=lambda r: runs[0].stop()) as run:
+            runs.append(run)
+            result = await run.wait()
+        assert result.stopped and calls[-1] == ("closed", True)
+        assert calls[:-1] == [r.step for r in result.records]

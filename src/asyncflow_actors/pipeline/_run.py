@@ -456,10 +456,6 @@ async def _report_steps(
             queues=queues,
         )
         previous, last = stats, now
-        run.records.append(record)
-        run.version = msg.version
-        run._record_added.set()
-        run._record_added = trio.Event()
         if path is not None:
             line = json.dumps(record.to_json()) + "\n"
             async with await trio.open_file(path, "a", encoding="utf-8") as f:
@@ -467,6 +463,12 @@ async def _report_steps(
         run.progress.update(record)
         if run.reports is not None:
             await run.reports.step(record, msg.completions)
+        # recorded once reported everywhere: a stop waiting for this step ends the run only
+        # then (its line in steps.jsonl, its trackers' scalars)
+        run.records.append(record)
+        run.version = msg.version
+        run._record_added.set()
+        run._record_added = trio.Event()
         if on_step is not None:
             maybe = on_step(record)
             if maybe is not None:
