@@ -15,7 +15,6 @@ from typing import Any
 
 import attrs
 
-from . import _schema as S
 from ._report_settings import ReportSettings
 
 
@@ -88,6 +87,8 @@ def pick_completions(
     """``report.log_completions_n`` samples of a step's ``batches`` (TQ batches with the
     trainer's columns) decoded with ``tokenizer``; ``names``: the reward functions, in the
     order of the ``reward_parts`` column. Runs in a compute thread (it decodes)."""
+    from . import _schema as S  # the queue's modules: not for a CLI that only reads messages
+
     rows = [(b, k) for b in batches for k in range(len(b))]
     groups = [b.group_ids[k] for b, k in rows]
     out = []
