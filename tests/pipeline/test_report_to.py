@@ -297,3 +297,24 @@ async def test_a_stopped_run_closes_its_trackers_as_finished(
             result = await run.wait()
         assert result.stopped and calls[-1] == ("closed", True)
         assert calls[:-1] == [r.step for r in result.records]
+
+
+def test_wandb_online_without_credentials_warns_instead_of_prompting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("wandb", reason="the wandb extra")
+    import wandb
+
+    wandb.teardown()  # a fresh W&B session reads the environment below
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    settings = ReportSettings(report_to=["wandb"])
+    with caplog.at_level(logging.WARNING, logger="asyncflow_actors.pipeline"):
+        thread = TrackerThread(["wandb"], settings, str(tmp_path), CONFIG)
+        thread.log(1, step_scalars(record(1)))
+        thread.close(True)
+    assert thread.failures == {"wandb": 1}
+    assert "report_to wandb could not start (RuntimeError: not logged in" in caplog.text
+    wandb.teardown()

@@ -152,6 +152,17 @@ class _WandB:
     def __init__(self, settings: ReportSettings, run_dir: str | None, config: Mapping[str, Any]):
         import wandb
 
+        if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+            # online: W&B would ask for a key on the terminal, from this thread, under the
+            # run's display; without credentials it is a warning instead
+            try:
+                logged_in = wandb.login(prompt=False, verify=False)
+            except TypeError:  # a W&B without ``prompt``: its own init decides
+                logged_in = True
+            if not logged_in:
+                raise RuntimeError(
+                    "not logged in: run `wandb login`, set WANDB_API_KEY or WANDB_MODE=offline"
+                )
         self.run: Any = wandb.init(
             project=settings.project,
             name=settings.run_name or _default_name(run_dir),
