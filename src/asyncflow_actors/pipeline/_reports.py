@@ -75,7 +75,6 @@ class Reports:
         self.progress = progress
         self.records: list[StepRecord] = list(earlier)  # the whole run's, for the plot
         self.trackers = trackers
-        self.completions: list[SampleCompletion] = []
         self.plots = 0  # drawn while the run ran
         self._plot_send, self._plot_receive = trio.open_memory_channel[None](1)
         self._plot_warned = False
@@ -87,7 +86,6 @@ class Reports:
         if self.trackers is not None:
             self.trackers.log(record.step, step_scalars(record))
         if completions:
-            self.completions.extend(completions)
             run_dir = self.config.run_dir
             if run_dir is not None:
                 lines = "".join(json.dumps(c.to_json()) + "\n" for c in completions)
