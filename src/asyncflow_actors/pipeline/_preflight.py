@@ -21,7 +21,6 @@ from typing import Any
 from ..roles._settings import SettingsError
 from ._config import PipelineConfig, PipelineConfigError
 from ._rundir import check_model, check_run_dir, checkpoint_version, resolve_resume
-from ._trackers import check_trackers
 
 _SAMPLED_PROMPTS = 1024  # prompts drawn to bound a task's prompt length
 
@@ -34,7 +33,10 @@ def preflight(
     must not hold a run unless ``overwrite``."""
     checkpoint = resolve_resume(resume) if resume else None
     check_run_dir(config, resume=checkpoint, overwrite=overwrite)
-    check_trackers(config)
+    if config.report.report_to:
+        from ._trackers import check_trackers
+
+        check_trackers(config)
     max_seq_len = _check_model(config)
     if checkpoint is not None:
         check_model(config, checkpoint)
