@@ -318,4 +318,6 @@ class TrackerThread:
         self._warned.add(name)
         first = str(exc).strip().splitlines()
         detail = f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
+        if len(detail) > 240:  # a tracker's advice can run long: the gist, on one line
+            detail = detail[:239] + "…"
         log.warning("report_to %s %s (%s); training goes on without it", name, what, detail)
