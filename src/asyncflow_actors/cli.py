@@ -4,8 +4,9 @@
   (``docs/pipeline.md``); ``--resume DIR`` continues from a checkpoint of a run (or a run
   directory: its newest checkpoint). The first Ctrl-C / SIGTERM stops the run cleanly (the last
   step saved, one line naming the command that resumes it, exit 130 / 143); a second aborts.
-- ``asyncflow dashboard RUN_DIR_OR_JSONL``: serve the live dashboard of a run from its
-  ``metrics.jsonl`` (written by an observer with a ``run_dir``), following the file as it grows.
+- ``asyncflow dashboard RUN_DIR_OR_JSONL``: serve the dashboard of a run from its files, during
+  the run or after it: ``metrics.jsonl`` (written by an observer with a ``run_dir``), followed
+  as it grows, ``trace.json``, ``steps.jsonl`` and ``completions.jsonl``.
 - ``asyncflow demo``: run the scripted pipeline of ``asyncflow_actors.observe.demo`` with an
   observer and the dashboard, to see what observing a run looks like.
 
@@ -81,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     d = sub.add_parser(
-        "dashboard", help="serve the dashboard of a run's metrics.jsonl", parents=[common]
+        "dashboard",
+        help="serve the dashboard of a run (its metrics, trace, steps, samples)",
+        parents=[common],
     )
     d.add_argument("path", help="a run directory or its metrics.jsonl")
     d.add_argument("--poll", type=float, default=0.5, help="seconds between reads of the file")
@@ -136,12 +139,14 @@ async def _follow(path: str, feed: SnapshotFeed, poll: float) -> None:
 
 
 async def _dashboard(args: argparse.Namespace) -> None:
-    from .observe import SnapshotFeed, serve
+    from .observe import RunFiles, SnapshotFeed, serve
 
     path = args.path
     if await trio.Path(path).is_dir():
         path = os.path.join(path, "metrics.jsonl")
     feed = SnapshotFeed(_graph_beside(path))
+    files = RunFiles(os.path.dirname(path) or ".")  # the run's trace, steps and completions
+    feed.trace, feed.steps, feed.completions = files.trace, files.steps, files.completions
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_follow, path, feed, args.poll)
         address = await nursery.start(

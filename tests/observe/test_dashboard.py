@@ -213,6 +213,35 @@ return {seq: document.body.dataset.seq || "0", roles: roles, edges: edges,
 """
 
 
+def read_panels(url: str) -> dict[str, Any]:
+    """The steps and completions panels of the page at ``url``, once filled."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="afa-chromium-")
+    options.add_argument(f"--user-data-dir={profile}")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        driver.get(url)
+        deadline = time.monotonic() + 30
+        while not driver.execute_script("return document.body.dataset.completions"):
+            assert time.monotonic() < deadline, "the completions panel stayed empty"
+            time.sleep(0.05)
+        return driver.execute_script(  # type: ignore[no-any-return]
+            "const d = document.body.dataset;"
+            "const step = (id) => document.querySelector(id + ' tbody tr').cells[0].textContent;"
+            "return {steps: d.steps, completions: d.completions,"
+            "        first: [step('#completions'), step('#steps')]};"
+        )
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
 def drive_browser(url: str, shots: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Load the page, read it twice a few updates apart, then the trace view; screenshots."""
     from selenium import webdriver
@@ -306,3 +335,67 @@ async def test_dashboard_in_headless_chromium_shows_the_metrics_live(
         keep = os.environ.get("AFA_SCREENSHOT_DIR")  # refreshes the docs' pictures
         if keep:
             shutil.copy(tmp_path / name, Path(keep) / name)
+
+
+async def test_cli_dashboard_serves_a_finished_runs_files(tmp_path: Path) -> None:
+    """After a run: its trace (all of it, or its last seconds), its step records and its
+    sample completions, read from the run directory, through the dashboard's HTTP routes."""
+    from asyncflow_actors.pipeline import run_pipeline
+
+    from ..pipeline.kit import tiny
+
+    run_dir = tmp_path / "run"
+    config = tiny(run_dir=str(run_dir), observe=True, report={"log_completions_every": 1})
+    await run_pipeline(config)
+    trace = json.loads((run_dir / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert spans
+    cmd = [sys.executable, "-m", "asyncflow_actors.cli", "dashboard", str(run_dir), "--port", "0"]
+    process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        with trio.fail_after(30):
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(4096)
+        url = json.loads(line)["url"]
+
+        async def read(route: str) -> Any:
+            status, body = await trio.to_thread.run_sync(get, url + route)
+            assert status == 200, (route, body)
+            return json.loads(body)
+
+        assert await read("api/trace") == trace
+        end = max(e["ts"] + e["dur"] for e in spans)
+        recent = [e for e in (await read("api/trace?last=0.5"))["traceEvents"] if e["ph"] == "X"]
+        assert recent and all(e["ts"] + e["dur"] >= end - 0.5e6 for e in recent)
+        assert len(recent) < len(spans)
+        steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines()]
+        assert await read("api/steps") == steps and len(steps) == 3
+        assert await read("api/steps?last=2") == steps[-2:]
+        samples = (run_dir / "completions.jsonl").read_text().splitlines()
+        assert await read("api/completions?last=2") == [json.loads(x) for x in samples[-2:]]
+        assert [c["step"] for c in await read("api/completions")] == [1, 1, 2, 2, 3, 3]
+        with trio.fail_after(10):  # the run's metrics.jsonl, followed
+            while (view := await read("api/view")) is None:
+                await trio.sleep(0.05)
+        assert view["seq"] >= 1
+        if browser_missing() is None:  # the page's panels show them
+            shown = await trio.to_thread.run_sync(read_panels, url)
+            assert shown["steps"] == "3" and shown["completions"] == "6"
+            assert shown["first"] == ["3", "3"]  # the latest first, in both
+    finally:
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+def test_run_files_skip_a_line_being_written_and_a_trace_not_yet_there(tmp_path: Path) -> None:
+    files = observe.RunFiles(tmp_path)
+    assert files.trace() == {"traceEvents": []} and files.steps() == []
+    (tmp_path / "steps.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    assert files.steps() == [{"step": 1}, {"step": 2}] and files.steps(1) == [{"step": 2}]
+    (tmp_path / "trace.json").write_text('{"traceEvents": [')  # being written
+    assert files.trace() == {"traceEvents": []}
+    (tmp_path / "trace.json").write_text('{"traceEvents": [{"ph": "M"}]}')
+    assert files.trace(5.0) == {"traceEvents": [{"ph": "M"}]}

@@ -3,6 +3,8 @@ example (``examples/vllm_grpo.py``) except vLLM itself, on a tiny Llama exported
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,11 +38,16 @@ async def test_a_hugging_face_policy_trains_through_the_hf_engine(tmp_path: Path
         model={"hf": str(tmp_path / "hf")},
         rollout={"engine": "hf"},
         train={"steps": 2, "checkpoint_every": 2},
+        report={"log_completions_every": 2},
     )
     result = await run_pipeline(config)
     assert [r.version for r in result.records] == [1, 2]
     assert result.records[-1].sync["sync_bytes"] > 0  # HF tensor names, loaded by the engine
     # the engine's and the trainer's log-probs of the same tokens agree
     assert abs(result.records[-1].metrics["mismatch_kl_k1"]) < 1e-3
+    # sample completions decoded by the HF tokenizer, as the rewards saw them
+    samples = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
+    assert [json.loads(s)["step"] for s in samples] == [2, 2]
+    assert all(re.fullmatch(r"\d+\+\d+=", json.loads(s)["prompt"]) for s in samples)
     saved = Path(result.checkpoints[-1]) / "policy"
     assert (saved / "config.json").exists() and (saved / "model.safetensors").exists()

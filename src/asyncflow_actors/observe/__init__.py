@@ -52,6 +52,7 @@ from ._metrics import merge_snapshots as merge_snapshots
 from ._observer import Observer as Observer
 from ._observer import ObserverStatistics as ObserverStatistics
 from ._observer import open_observer as open_observer
+from ._run_files import RunFiles as RunFiles
 from ._trace_json import chrome_trace as chrome_trace
 from ._tracer import NO_SPAN as NO_SPAN
 from ._tracer import Span as Span

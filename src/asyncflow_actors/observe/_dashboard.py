@@ -2,8 +2,9 @@
 
 ``serve(feed)`` runs two listeners on the same host: hypercorn (its trio worker) serves the page,
 ``/trace`` (a timeline of the last seconds of spans, with the samples' flows), ``/api/view`` (the
-current view as JSON), ``/api/trace[?last=SECONDS]`` (the trace as Chrome JSON) and ``/metrics``
-(Prometheus text); trio-websocket pushes each new view to every open page. Both bind to loopback
+current view as JSON), ``/api/trace[?last=SECONDS]`` (the trace as Chrome JSON),
+``/api/steps[?last=N]`` and ``/api/completions[?last=N]`` (a run's step records and sample
+completions, when the feed has them) and ``/metrics`` (Prometheus text); trio-websocket pushes each new view to every open page. Both bind to loopback
 unless told otherwise; bound elsewhere they require an access token (``?token=`` on every URL,
 or ``Authorization: Bearer``), generated when not given. Without a token, a request must name a
 loopback host in its ``Host`` header, and a websocket's ``Origin`` (browsers always send one)
@@ -124,6 +125,8 @@ class DashboardApp:
             await self._respond(send, 200, self.trace_page, "text/html; charset=utf-8")
         elif path == "/api/trace":
             await self._json(send, await self._trace(query))
+        elif path in ("/api/steps", "/api/completions"):
+            await self._json(send, await self._records(path.rpartition("/")[2], query))
         elif path == "/metrics":
             await self._metrics(scope, receive, send)
         else:
@@ -148,6 +151,17 @@ class DashboardApp:
             seconds = None
         # Building a long trace takes a while: off the event loop.
         return await trio.to_thread.run_sync(self.feed.trace, seconds)
+
+    async def _records(self, kind: str, query: str) -> list[dict[str, Any]]:
+        read = self.feed.steps if kind == "steps" else self.feed.completions
+        if read is None:
+            return []
+        last = urllib.parse.parse_qs(query).get("last")
+        try:
+            count = int(last[0]) if last else None
+        except ValueError:
+            count = None
+        return await trio.to_thread.run_sync(read, count)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._prometheus is None:

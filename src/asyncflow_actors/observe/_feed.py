@@ -19,7 +19,9 @@ class SnapshotFeed:
     An observer publishes after each collection; ``asyncflow dashboard`` publishes what it reads
     from a JSONL file. Readers call ``await wait_after(seq)`` to get the next one. ``trace``, when
     set, returns the run's trace so far, or of its last ``seconds`` (the dashboard serves it at
-    ``/api/trace``); it is called in a worker thread.
+    ``/api/trace``); it is called in a worker thread. ``steps`` and ``completions``, when set,
+    return a run's latest step records and sample completions (``/api/steps``,
+    ``/api/completions``; ``RunFiles`` reads them from a run directory), also in a thread.
     """
 
     def __init__(self, graph: Sequence[GraphEdge] = (), *, keep: int = 64) -> None:
@@ -30,6 +32,8 @@ class SnapshotFeed:
         )
         self._changed = trio.Event()
         self.trace: Callable[[float | None], dict[str, Any]] | None = None
+        self.steps: Callable[[int | None], list[dict[str, Any]]] | None = None
+        self.completions: Callable[[int | None], list[dict[str, Any]]] | None = None
 
     @property
     def seq(self) -> int:

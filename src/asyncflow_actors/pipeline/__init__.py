@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ._preflight import preflight as preflight
     from ._report import StepRecord as StepRecord
     from ._report import read_steps as read_steps
+    from ._reports import read_completions as read_completions
     from ._run import Pipeline as Pipeline
     from ._run import PipelineResult as PipelineResult
     from ._run import open_pipeline as open_pipeline
@@ -48,6 +49,7 @@ _LAZY = {
     "StepRecord": "._report",
     "plot_run": "._plot",
     "read_steps": "._report",
+    "read_completions": "._reports",
     "Pipeline": "._run",
     "PipelineResult": "._run",
     "open_pipeline": "._run",

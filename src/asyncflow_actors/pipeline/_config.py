@@ -14,6 +14,7 @@ run_dir = "runs/exp1"
 [rollout]               # group_size, max_new_tokens, workers, engines, pause_mode, reward ...
 [algorithm]             # advantage, clip_low/high, kl_coef, is_level ...
 [train]                 # steps, prompts_per_step, mini_batches, lr, checkpoint_every ...
+[report]                # report_to = ["tensorboard", "wandb", ...], log_completions_every ...
 [placement]             # default = "local" | "process"; [placement.roles]; [placement.nodes]
 [watchdog]              # enabled, warn_s, fail_s, first_step_s: a stalled run's diagnosis
 ```
@@ -36,6 +37,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ..roles._report_settings import ReportSettings
 from ..roles._settings import (
     AlgorithmSettings,
     ModelSettings,
@@ -102,9 +104,10 @@ class PlacementConfig:
 class PipelineConfig:
     """A whole run (see the module docstring and ``docs/pipeline.md``).
 
-    ``progress``: ``"auto"`` (a rich display on a terminal, plain lines otherwise), ``"rich"``,
-    ``"plain"`` or ``"none"``. ``observe``: trace spans and metrics of every process into
-    ``run_dir`` (``docs/observability.md``); ``plot``: write ``run_dir/curves.png`` at the end.
+        ``progress``: ``"auto"`` (a rich display on a terminal, plain lines otherwise), ``"rich"``,
+        ``"plain"`` or ``"none"``. ``observe``: trace spans and metrics of every process into
+        ``run_dir`` (``docs/observability.md``); ``plot``: write ``run_dir/curves.png`` at the end (and
+    every ``report.plot_every`` steps); ``report``: trackers and sample completions.
     """
 
     mode: Literal["sync", "colocated", "one_step_off", "async"] = "async"
@@ -122,6 +125,7 @@ class PipelineConfig:
     train: TrainSettings = attrs.field(factory=TrainSettings)
     reward: RewardSettings = attrs.field(factory=RewardSettings)
     eval: EvalSettings = attrs.field(factory=EvalSettings)
+    report: ReportSettings = attrs.field(factory=ReportSettings)
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
     watchdog: WatchdogConfig = attrs.field(factory=WatchdogConfig)
 
@@ -153,6 +157,7 @@ class PipelineConfig:
             train=self.train,
             reward=self.reward,
             eval=self.eval,
+            report=self.report,
             run_dir=self.run_dir,
             run_id=uuid.uuid4().hex,
             start_version=start_version,

@@ -3,7 +3,8 @@
 ``PipelineConfig`` checks its own values (types, ranges, choices, consistency); ``preflight``
 adds what needs the filesystem or the task: the model's files exist and load their config, the
 task's options match its signature and build it, prompts plus ``max_new_tokens`` fit the
-model's ``max_seq_len``, the checkpoint to resume exists, lies before ``train.steps`` and
+model's ``max_seq_len``, the trackers of ``report.report_to`` are installed, the checkpoint
+to resume exists, lies before ``train.steps`` and
 holds the same ``[model]``, a new run's ``run_dir`` holds no run.
 Each problem raises ``PipelineConfigError`` naming the key, within a second or two: the
 cheapest checks (paths) come first, those that import torch (the task) last.
@@ -33,6 +34,10 @@ def preflight(
     checkpoint = resolve_resume(resume) if resume else None
     check_run_dir(config, resume=checkpoint, overwrite=overwrite)
     _check_extras(config)
+    if config.report.report_to:
+        from ._trackers import check_trackers
+
+        check_trackers(config)
     max_seq_len = _check_model(config)
     if checkpoint is not None:
         check_model(config, checkpoint)

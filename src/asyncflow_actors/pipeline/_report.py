@@ -122,6 +122,16 @@ class Progress:
         elif self._rich is not None:
             self._rich.update(self._task, completed=record.step, description=text)
 
+    def completions(self, samples: Sequence[Any]) -> None:
+        """A few sample completions (``SampleCompletion``), one short line each."""
+        lines = [describe_completion(c) for c in samples]
+        if self.mode == "plain":
+            for line in lines:
+                print(line, file=self.stream, flush=True)
+        elif self._rich is not None:
+            for line in lines:  # printed above the live bar
+                self._rich.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
     def close(self) -> None:
         if self._rich is not None:
             self._rich.stop()
@@ -166,6 +176,25 @@ def _has_rich() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _short(text: str, width: int, *, tail: bool = False) -> str:
+    """``text`` on one line (newlines shown as ``⏎``), cut to ``width`` characters (its end
+    kept with ``tail``: a templated prompt ends with the question)."""
+    flat = text.replace("\r", "").replace("\n", "⏎")
+    if len(flat) <= width:
+        return flat
+    return "…" + flat[1 - width :] if tail else flat[: width - 1] + "…"
+
+
+def describe_completion(sample: Any, width: int = 60) -> str:
+    """One line of a ``SampleCompletion``: version, rewards, prompt and completion, cut."""
+    parts = " ".join(f"{k} {v:.2f}" for k, v in sample.rewards.items())
+    rewards = f"reward {sample.reward:.2f}" + (f" ({parts})" if parts else "")
+    return (
+        f"  sample v{sample.version} {rewards} | {_short(sample.prompt, width, tail=True)} "
+        f"→ {_short(sample.completion, width)}"
+    )
 
 
 def describe(record: StepRecord) -> str:

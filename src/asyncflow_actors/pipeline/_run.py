@@ -62,6 +62,7 @@ from ._report import (
     read_steps,
     third_party_bars_off,
 )
+from ._reports import Reports, open_reports
 from ._rundir import clear_run_dir, trim_steps
 from ._watchdog import RunStalled, Watchdog, gather_diagnosis
 
@@ -165,6 +166,7 @@ class Pipeline:
         self._stopped: Stopped | None = None
         self._record_added = trio.Event()
         self.watchdog = Watchdog(config.watchdog, config.run_dir)
+        self.reports: Reports | None = None
 
     def stop(self) -> None:
         """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
@@ -280,9 +282,13 @@ async def open_pipeline(
     steps_jsonl = os.path.join(config.run_dir, "steps.jsonl") if config.run_dir else None
     try:
         async with (
+            open_reports(
+                config, progress, [StepRecord.from_json(r) for r in earlier], spec.start_version
+            ) as reports,
             open_transfer_queue(system, tq_config) as queue,
             _observer(system, config) as observer,
         ):
+            run.reports = reports
             try:
                 async with trio.open_nursery() as nursery:
                     client = await queue.client(f"pipeline.{suffix}")
@@ -477,15 +483,19 @@ async def _report_steps(
             queues=queues,
         )
         previous, last = stats, now
-        run.records.append(record)
-        run.version = msg.version
-        run._record_added.set()
-        run._record_added = trio.Event()
         if path is not None:
             line = json.dumps(record.to_json()) + "\n"
             async with await trio.open_file(path, "a", encoding="utf-8") as f:
                 await f.write(line)
         run.progress.update(record)
+        if run.reports is not None:
+            await run.reports.step(record, msg.completions)
+        # recorded once reported everywhere: a stop waiting for this step ends the run only
+        # then (its line in steps.jsonl, its trackers' scalars)
+        run.records.append(record)
+        run.version = msg.version
+        run._record_added.set()
+        run._record_added = trio.Event()
         if on_step is not None:
             maybe = on_step(record)
             if maybe is not None:

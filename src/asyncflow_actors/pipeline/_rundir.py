@@ -25,6 +25,7 @@ STEPS = "steps.jsonl"
 RUN_FILES = (
     "config.json", STEPS, "samples.jsonl", "curves.png", FINAL, FINAL + ".partial",
     FINAL + ".old", CHECKPOINTS, "metrics.jsonl", "trace.json", "observe.json",
+    "completions.jsonl", "tensorboard",
 )  # fmt: skip
 """What a run writes in its ``run_dir`` (``--overwrite`` removes these, and only these)."""
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._advantage import Advantage as Advantage
+    from ._completions import SampleCompletion as SampleCompletion
     from ._distributed import DistributedLearner as DistributedLearner
     from ._driver import Driver as Driver
     from ._driver import DriverHooks as DriverHooks
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._rank_sync import ShardedSyncEngine as ShardedSyncEngine
     from ._ranks import RankFailed as RankFailed
     from ._ranks import Rendezvous as Rendezvous
+    from ._report_settings import ReportSettings as ReportSettings
     from ._reward import Reward as Reward
     from ._rollout import Rollout as Rollout
     from ._schema import PROMPTS as PROMPTS
@@ -100,6 +102,8 @@ _LAZY = {
     "SettingsError": "._settings",
     "TaskSettings": "._settings",
     "TrainSettings": "._settings",
+    "ReportSettings": "._report_settings",
+    "SampleCompletion": "._completions",
     "StalenessViolation": "._trainer",
     "Trainer": "._trainer",
     "DataParallel": "._worker",

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import attrs
 
 from ..actors import Request
+from ._completions import SampleCompletion
 
 
 def _floats(value: Mapping[str, float]) -> dict[str, float]:
@@ -73,7 +74,8 @@ class StepDone(Request[StepAck]):
     ``groups``: the rollout groups it trained (the Driver retires their prompts);
     ``staleness``: how many trained samples lagged by 0, 1, 2, ... versions (oldest token);
     ``metrics``: loss and reward figures of the step (plain floats); ``trained``: each sample
-    trained, for the sample ledger.
+    trained, for the sample ledger; ``completions``: a few samples as text, on the steps that
+    report them (``report.log_completions_every``).
     """
 
     version: int
@@ -83,6 +85,7 @@ class StepDone(Request[StepAck]):
     staleness: tuple[int, ...]
     metrics: Mapping[str, float] = attrs.field(converter=_floats)
     trained: TrainedSamples = attrs.field(factory=TrainedSamples)
+    completions: tuple[SampleCompletion, ...] = ()
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..tasks._settings import DatasetSettings, EvalSettings, RewardSettings
+from ._report_settings import ReportSettings
 
 if TYPE_CHECKING:
     from ..rl import Task
@@ -354,6 +355,7 @@ class RunSpec:
     train: TrainSettings = attrs.field(factory=TrainSettings)
     reward: RewardSettings = attrs.field(factory=RewardSettings)
     eval: EvalSettings = attrs.field(factory=EvalSettings)
+    report: ReportSettings = attrs.field(factory=ReportSettings)
     run_dir: str | None = None
     run_id: str = ""
     start_version: int = 0

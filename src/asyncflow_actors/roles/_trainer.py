@@ -36,6 +36,7 @@ from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFail
 from ..observe import MetricInfo, clock_ns, get_registry
 from . import _schema as S
 from ._advantage import Advantages
+from ._completions import completions_due, pick_completions
 from ._ledger import trained_samples
 from ._messages import (
     AdoptVersion,
@@ -246,13 +247,19 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 # and a round trip to the Driver; the Driver's SyncWeights takes its report.
                 self._early = _EarlySync(self.version)
                 nursery.start_soon(self._early.run, self._sync)
+            shown = (
+                await self._completions(batches)
+                if completions_due(spec.report, self.version)
+                else ()
+            )
             await self._ack(batches)
             samples = len(indexes)
             tokens = sum(step.lengths)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(samples, tokens)
             groups = tuple(sorted({g for b in batches for g in b.group_ids}))
-            done = StepDone(self.version, samples, tokens, groups, histogram, metrics, step.trained)
+            done = StepDone(self.version, samples, tokens, groups, histogram, metrics,
+                            step.trained, shown)  # fmt: skip
             if spec.colocated or last:
                 ack = await self.driver.ask(done)  # the Driver syncs the weights first
                 if ack.stop or last:
@@ -263,6 +270,20 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             previous = _Answer(self.driver, done)
             nursery.start_soon(previous.run)
             await self.client.set_version(S.ROLLOUT, self.version)
+
+    async def _completions(self, batches: list[Any]) -> tuple[Any, ...]:
+        """A few of the step's samples as text (``_completions.py``), decoded in a thread;
+        none (and a warning) if that fails: showing samples never stops training."""
+        tokenizer = self.learner.tokenizer
+        names = reward_names(self.spec)
+        try:
+            shown: tuple[Any, ...] = await in_thread(
+                pick_completions, self.spec.report, tokenizer, batches, self.version, names
+            )
+        except Exception as exc:
+            log.warning("%s: sample completions of step %d: %r", self.worker, self.version, exc)
+            return ()
+        return shown
 
     async def _ack(self, batches: list[Any]) -> None:
         """Ack a step's leases (the pieces of a streamed step) all at once: one round trip."""
