@@ -94,3 +94,35 @@ async def test_out_of_retries_the_run_fails_naming_the_trainer(tmp_path: Path) -
     assert len(killed) == 2
     assert info.value.role == "trainer-0"
     assert isinstance(info.value.__cause__, afa.NodeLost)
+
+
+async def test_a_trainer_that_raises_resumes_from_the_start_without_checkpoints(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every role in this process, no ``run_dir``: the Trainer's third optimizer step raises once.
+    Without a checkpoint the new Trainer starts on the initial model, tagged with the version
+    the receivers hold; the two steps before are lost, their prompts trained again."""
+    from asyncflow_actors.roles import Trainer
+
+    finish = Trainer._finish
+    calls: list[int] = []
+
+    def failing(self: Trainer, step: Any) -> Any:
+        calls.append(self.version)
+        if len(calls) == 3:
+            raise ValueError("the loss is not a number (test)")
+        return finish(self, step)
+
+    monkeypatch.setattr(Trainer, "_finish", failing)
+    config = tiny("async", train={"steps": 4})
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        with trio.fail_after(60):
+            result = await run.wait()
+    (resume,) = result.resumes
+    assert resume.cause == "ValueError: the loss is not a number (test)"
+    assert (resume.checkpoint, resume.version, resume.skipped) == (0, 2, 2)
+    assert (resume.lost_steps, resume.lost_prompts) == (2, 2 * config.train.prompts_per_step)
+    assert result.reinjected == resume.lost_prompts
+    assert result.version == 4 + 2
+    assert [r.step for r in result.records] == list(range(1, len(result.records) + 1))
+    assert calls[3] == 2  # the new Trainer trains on from the version it took

@@ -190,8 +190,6 @@ async def test_a_sync_that_fails_for_good_fails_the_run(monkeypatch: Any) -> Non
     monkeypatch.setattr(_trainer, "SYNC_ATTEMPTS", 2)
     failed = fail_syncs(monkeypatch, 2, times=2)
     with trio.fail_after(60), pytest.raises(ExceptionGroup) as info:
-        await run_pipeline(
-            tiny("async", staleness=0, train={"steps": 4, "auto_resume": False})
-        )
+        await run_pipeline(tiny("async", staleness=0, train={"steps": 4, "auto_resume": False}))
     assert info.group_contains(RunFailed)
     assert failed == [2, 2]

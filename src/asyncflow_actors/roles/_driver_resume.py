@@ -78,9 +78,11 @@ class UnsavedSteps:
         self.steps[msg.version] = _Step(prompts, tuple(msg.samples))
 
     def released(self, version: int) -> None:
+        """The step's ``StepDone`` came: its slots are free, and its samples acked (the
+        Trainer acks before it reports), so only its prompts are kept."""
         step = self.steps.get(version)
         if step is not None:
-            self.steps[version] = attrs.evolve(step, released=True)
+            self.steps[version] = _Step(step.prompts, (), released=True)
 
     def saved(self, version: int) -> None:
         for v in [v for v in self.steps if v <= version]:
