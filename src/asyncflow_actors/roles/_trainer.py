@@ -36,6 +36,7 @@ from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFail
 from ..observe import MetricInfo, clock_ns, get_registry
 from . import _schema as S
 from ._advantage import Advantages
+from ._ledger import trained_samples
 from ._messages import (
     AdoptVersion,
     GetRoleStats,
@@ -45,6 +46,7 @@ from ._messages import (
     StepTrained,
     SyncReport,
     SyncWeights,
+    TrainedSamples,
 )
 from ._rank_settings import uses_ranks
 from ._reward import reward_names, reward_part_metrics
@@ -76,6 +78,7 @@ class _Step:
     lengths: list[int]
     updates: Generator[None, None, dict[str, float]] | None = None
     pieces: list[Any] = attrs.field(factory=list)
+    trained: TrainedSamples = attrs.field(factory=TrainedSamples)  # for the sample ledger
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -251,7 +254,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             tokens = sum(step.lengths)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(samples, tokens)
-            done = StepDone(self.version, samples, tokens, groups, histogram, metrics)
+            done = StepDone(self.version, samples, tokens, groups, histogram, metrics, step.trained)
             if spec.colocated or last:
                 ack = await self.driver.ask(done)  # the Driver syncs the weights first
                 if ack.stop or last:
@@ -356,7 +359,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         return updates, lags, lengths
 
     def _finish(self, step: _Step) -> dict[str, float]:
-        """The optimizer step(s) and the batch's figures, in a compute thread."""
+        """The optimizer step(s) and the batch's figures (its samples for the ledger in
+        ``step.trained``), in a compute thread."""
         if step.updates is not None:
             metrics: dict[str, float] = self.compute.finish(step.updates)
         else:
@@ -371,6 +375,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         if names:  # ``reward/<name>``: each reward function's mean
             parts = _cat([column(b, S.REWARD_PARTS) for b in step.batches])
             metrics.update(reward_part_metrics(names, parts))
+        oldest = [self.version - lag for lag in step.lags]
+        step.trained = trained_samples(step.batches, oldest)
         return metrics
 
     def _lags(self, token_versions: list[Any], versions: tuple[int, ...]) -> list[int]:
