@@ -14,7 +14,15 @@ import pytest
 import trio
 
 import asyncflow_actors as afa
-from asyncflow_actors.pipeline import Pipeline, RunFailed, open_pipeline
+from asyncflow_actors.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    PipelineResult,
+    RunFailed,
+    check_samples,
+    open_pipeline,
+    read_samples,
+)
 
 from .kit import tiny
 
@@ -28,6 +36,24 @@ def _config(run_dir: Path, **train: Any) -> Any:
         train={"steps": STEPS, **train},
         placement={"default": "local", "roles": {"trainer": "tr"}},
     )
+
+
+def _check_ledger(run_dir: Path, config: PipelineConfig, result: PipelineResult) -> None:
+    """The sample ledger: every admitted prompt trained once in a step the final model holds
+    (or still in flight at the end), within the staleness bound; the attempts the resume
+    lost (and only those) reported lost and injected again."""
+    records = read_samples(str(run_dir))
+    check = check_samples(
+        records, group_size=config.rollout.group_size, staleness=config.effective_staleness
+    )
+    assert check.ok, check
+    assert (
+        check.trained
+        == config.train.steps * config.train.prompts_per_step * config.rollout.group_size
+    )
+    lost = [r for r in records if r.kind == "not_trained" and r.reason == "lost"]
+    assert len(lost) == sum(r.lost_prompts for r in result.resumes) == result.reinjected
+    assert all(r.reinjected for r in lost)
 
 
 def _kill_trainer_at(run: Pipeline, *versions: int) -> list[int]:
@@ -83,6 +109,7 @@ async def test_a_killed_trainer_resumes_from_its_checkpoint_and_the_run_finishes
     assert resume.lost_prompts == resume.lost_steps * config.train.prompts_per_step
     driver = json.loads((tmp_path / "final" / "driver.json").read_text())
     assert driver["version"] == result.version
+    _check_ledger(tmp_path, config, result)
 
 
 async def test_out_of_retries_the_run_fails_naming_the_trainer(tmp_path: Path) -> None:
@@ -97,9 +124,9 @@ async def test_out_of_retries_the_run_fails_naming_the_trainer(tmp_path: Path) -
 
 
 async def test_a_trainer_that_raises_resumes_from_the_start_without_checkpoints(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Every role in this process, no ``run_dir``: the Trainer's third optimizer step raises once.
+    """Every role in this process, no checkpoint: the Trainer's third optimizer step raises once.
     Without a checkpoint the new Trainer starts on the initial model, tagged with the version
     the receivers hold; the two steps before are lost, their prompts trained again."""
     from asyncflow_actors.roles import Trainer
@@ -114,7 +141,7 @@ async def test_a_trainer_that_raises_resumes_from_the_start_without_checkpoints(
         return finish(self, step)
 
     monkeypatch.setattr(Trainer, "_finish", failing)
-    config = tiny("async", train={"steps": 4})
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": 4})
     async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
         with trio.fail_after(60):
             result = await run.wait()
@@ -126,3 +153,4 @@ async def test_a_trainer_that_raises_resumes_from_the_start_without_checkpoints(
     assert result.version == 4 + 2
     assert [r.step for r in result.records] == list(range(1, len(result.records) + 1))
     assert calls[3] == 2  # the new Trainer trains on from the version it took
+    _check_ledger(tmp_path, config, result)

@@ -7,7 +7,8 @@ When the Trainer dies, ``roll_back`` turns the steps no checkpoint holds into lo
 
 - their samples still in the TransferQueue (a Trainer that died between its report and its
   acks) are discarded, and their prompts are injected again (new groups, new samples): their
-  optimizer step is gone, so they are trained again, once;
+  optimizer step is gone, so they are trained again, once; the sample ledger takes back their
+  ``trained`` records and records those attempts ``not_trained`` ("lost", injected again);
 - every other sample in the TransferQueue stays: the Trainer's leases go back to the queue when
   its successor starts (its holder name is stable), and it trains them;
 - versions only grow (the queue's window, the receivers' weights, the samples' tags depend on
@@ -104,6 +105,10 @@ async def roll_back(driver: Driver, floor: int) -> ResumePoint:
     held = sum(len(step.samples) for step in lost.values() if not step.released)
     if held:  # their StepDone never came to release their slots (as it would have): now
         driver.flow.release(held)
+    # the ledger takes back what the lost steps trained: their attempts end "lost"
+    released = [v for v, step in lost.items() if step.released]
+    unreported = [p for step in lost.values() if not step.released for p in step.prompts]
+    await driver.ledger.lose_steps(released, unreported, directory or None)
     prompts = tuple(p for v in sorted(lost) for p in lost[v].prompts)
     driver.backlog[:0] = list(prompts)  # first in line (each takes its slots again)
     driver.hooks.reinjected += len(prompts)
