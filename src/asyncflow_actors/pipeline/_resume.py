@@ -131,9 +131,14 @@ class TrainerResumer:
         attempt = len(self.resumes) + 2
         error = root_error(msg.error) if msg.error is not None else None
         cause = "stopped" if error is None else f"{type(error).__name__}: {error}"
+        where = (
+            f"checkpoint step {point.checkpoint_version}"
+            if point.directory
+            else f"the run's start (step {point.checkpoint_version}: no checkpoint)"
+        )
         log.warning(
-            "trainer died (%s); resuming from checkpoint step %d, attempt %d/%d",
-            cause, point.checkpoint_version, attempt, self.retries + 1,
+            "trainer died (%s); resuming from %s, attempt %d/%d",
+            cause, where, attempt, self.retries + 1,
         )  # fmt: skip
         old = self.kwargs["spec"]
         spec = attrs.evolve(
