@@ -26,8 +26,16 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import Actor, ActorContext, ActorRef, Restart, Terminated, root_error
-from ..actors.remote import NodeSystem
+from ..actors import (
+    Actor,
+    ActorContext,
+    ActorCrashed,
+    ActorRef,
+    Restart,
+    Terminated,
+    root_error,
+)
+from ..actors.remote import NodeLost, NodeSystem
 from ..checkpoint import GetReceiverStatistics
 from ..roles import ROLLOUT, Trainer
 from ..roles._driver_resume import TrainerLost
@@ -38,6 +46,8 @@ from ._placement import Placement, RunFailed
 log = logging.getLogger("asyncflow_actors.pipeline")
 
 ASK_S = 5.0  # a receiver or the queue that does not say its version within this is skipped
+SPAWN_ATTEMPTS = 5  # a spawn that meets the dead node: again after 0.5, 1, 2, 4 s
+SPAWN_RETRY_S = 0.5
 
 
 @attrs.frozen
@@ -147,13 +157,7 @@ class TrainerResumer:
             resume_from=point.directory,
             train=attrs.evolve(old.train, steps=point.end_version),
         )
-        ref = await self.place.spawn(
-            Trainer,
-            role="trainer",
-            worker=self.worker,
-            kwargs={**self.kwargs, "spec": spec},
-            restart=Restart.TEMPORARY,
-        )
+        ref = await self._spawn({**self.kwargs, "spec": spec})
         dead = run.refs[self.worker]
         self.spawned[:] = [ref if r is dead else r for r in self.spawned]
         run.refs[self.worker] = ref
@@ -170,6 +174,25 @@ class TrainerResumer:
                 await ref.ask(ResendWeights())
             except Exception as exc:  # its next step's sync reaches them anyway
                 log.warning("resending the resumed trainer's weights failed: %r", exc)
+
+    async def _spawn(self, kwargs: dict[str, Any]) -> ActorRef[Any]:
+        """The new Trainer, where the first one ran. The spawn may race the loss of the node
+        it died with (the Trainer's death can be heard before its node's): a spawn that meets
+        a lost node is tried again once the node's supervisor has had time to restart it."""
+        delay = SPAWN_RETRY_S
+        for attempt in range(SPAWN_ATTEMPTS):
+            try:
+                return await self.place.spawn(
+                    Trainer, role="trainer", worker=self.worker, kwargs=kwargs,
+                    restart=Restart.TEMPORARY,
+                )  # fmt: skip
+            except (ActorCrashed, NodeLost) as exc:
+                if attempt == SPAWN_ATTEMPTS - 1 or not isinstance(root_error(exc), NodeLost):
+                    raise
+                log.info("the trainer's node is restarting (%s); spawning again", exc)
+            await trio.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
 
     async def _newest_version(self) -> int:
         """The newest version a weight receiver holds (or has pending) or the queue has."""
