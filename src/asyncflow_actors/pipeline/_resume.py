@@ -9,10 +9,11 @@ supervisor restarts the process, not the ``TEMPORARY`` Trainer) it
    steps no checkpoint holds are lost, their prompts injected again; ``roles._driver_resume``);
 2. logs one line (``trainer died (<cause>); resuming from checkpoint step K, attempt 2/4``);
 3. spawns a Trainer where the first one ran, on the checkpoint's weights, tagged with the
-   version the rollback chose, for a run that ends as many versions later as steps were lost;
-   its TQ holder name is the dead one's, so the samples it held go back to the queue at once
-   and it trains them (nothing in the queue is generated again);
-4. sends its weights to every receiver if steps were lost (they may hold the lost ones).
+   version the rollback chose, for a run that ends as many versions later as it skipped (the
+   spawn is tried again while the node it died with is restarting); its TQ holder name is the
+   dead one's, so the samples it held go back to the queue at once and it trains them
+   (nothing in the queue is generated again);
+4. sends its weights to every receiver if versions were skipped (they hold a lost step's).
 
 After ``train.auto_resume_retries`` resumes the next death fails the run with ``RunFailed``
 naming the root cause, as without auto-resume.
