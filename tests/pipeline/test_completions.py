@@ -86,10 +86,11 @@ def test_a_display_line_is_short_and_on_one_line() -> None:
 def test_a_step_done_with_its_completions_crosses_the_wire() -> None:
     """The Trainer (a node process) sends them inside its ``StepDone``: msgpack, no pickle."""
     from asyncflow_actors.actors.remote._wire import MessageRegistry, decode, encode
-    from asyncflow_actors.roles._messages import StepDone
+    from asyncflow_actors.roles._messages import StepDone, TrainedSamples
 
     registry = MessageRegistry()
     registry.register(StepDone)
+    registry.register(TrainedSamples)
     registry.register(SampleCompletion)
     sample = SampleCompletion(2, 1, 5, "1+1=", "2⏎", 1.0, {"exact": 1.0, "length": math.nan})
     done = StepDone(2, 16, 40, (4, 5), (12, 4), {"loss": 0.5}, completions=(sample,))

@@ -10,8 +10,10 @@ torch preloaded in a thread), the Driver, the Reward actor, rollout workers, for
 the Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
-(``RunFailed``); stations that crash are restarted by their supervisors meanwhile. A run that
-makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a diagnosis (``_watchdog``).
+(``RunFailed``); stations that crash are restarted by their supervisors meanwhile, and a
+Trainer that dies is resumed from the newest checkpoint (``train.auto_resume``: ``_resume``).
+A run that makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a diagnosis
+(``_watchdog``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from ._report import (
     third_party_bars_off,
 )
 from ._reports import Reports, open_reports
+from ._resume import Resume, TrainerResumer
 from ._rundir import clear_run_dir, trim_steps
 from ._watchdog import RunStalled, Watchdog, gather_diagnosis
 
@@ -104,6 +107,7 @@ class PipelineResult:
     run_dir: str | None
     stopped: bool = False
     latest_checkpoint: str | None = None
+    resumes: tuple[Resume, ...] = ()  # the Trainer's automatic resumes (``train.auto_resume``)
 
     @property
     def samples_per_s(self) -> float:
@@ -167,6 +171,8 @@ class Pipeline:
         self._record_added = trio.Event()
         self.watchdog = Watchdog(config.watchdog, config.run_dir)
         self.reports: Reports | None = None
+        self.trainer: tuple[str, dict[str, Any]] | None = None  # its worker name and kwargs
+        self.resumer: TrainerResumer | None = None
 
     def stop(self) -> None:
         """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
@@ -228,6 +234,7 @@ class Pipeline:
             latest_checkpoint=(
                 self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
             ),
+            resumes=tuple(self.resumer.resumes) if self.resumer else (),
         )
 
 
@@ -308,8 +315,14 @@ async def open_pipeline(
 
                     run.hooks.on_step = step_done
                     await _spawn_roles(place, spec, queue.controller, run, spawned)
+                    watched = dict(run.refs)
+                    if config.train.auto_resume and run.trainer is not None:
+                        worker, kwargs = run.trainer  # watched by its resumer instead
+                        run.resumer = TrainerResumer(run, place, client, worker, kwargs, spawned)
+                        await run.resumer.watch(watched.pop(worker))
+                        nursery.start_soon(run.resumer.serve)
                     watcher = await system.spawn(
-                        lambda: Watcher(list(run.refs.values()), run.failed, run.errors),
+                        lambda: Watcher(list(watched.values()), run.failed, run.errors),
                         name=f"watcher.{suffix}",
                     )
                     spawned.insert(0, watcher)
@@ -397,6 +410,7 @@ async def _spawn_roles(
             targets.append(ref)
         if role == "trainer":
             hooks.trainer = ref
+            run.trainer = (worker, kwargs)
         if role == "rollout":
             hooks.rollouts.append(ref)
 
@@ -500,7 +514,7 @@ async def _report_steps(
             maybe = on_step(record)
             if maybe is not None:
                 await maybe
-        if count >= total:
+        if msg.version >= run.hooks.end_version:  # later by the steps a resume lost
             run._recorded.set()
 
 
