@@ -21,7 +21,8 @@ Invariants of the bookkeeping maps (hold between any two messages; ``check_invar
    granted, never both (``PutQueues.problems``); the granted puts and the remembered replies
    (``shared.done``) stay bounded.
 5. ``shared.known`` names every unit, and the units the state places nothing on are exactly
-   those whose incarnation is unknown (``known[unit] is None``: down, or not adopted yet).
+   those whose incarnation is unknown (``known[unit] is None``: down, or not adopted yet) and
+   the unsettled ones (known, silent since a restart: ``recovery.unsettled``).
 6. A unit being adopted (``recovery.adopting``) is one of the units, and the fresh incarnation
    it waits for is not the one ``known`` holds (5 and 6: ``Recovery.problems``).
 7. The state's own bookkeeping is consistent (``ControllerState.check_invariants``).
