@@ -23,7 +23,10 @@ def validate_trace(trace: dict[str, Any]) -> None:
     slices: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for e in events:
         if e["ph"] == "X":
-            slices.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+            # in whole nanoseconds, as Perfetto reads them: ``ts + dur`` in float microseconds
+            # can land an ulp past the next slice's ``ts`` (back-to-back sync phases)
+            start, end = round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000)
+            slices.setdefault((e["pid"], e["tid"]), []).append((start / 1000, end / 1000))
     for track, spans in slices.items():
         stack: list[float] = []
         for start, end in sorted(spans, key=lambda s: (s[0], -s[1])):

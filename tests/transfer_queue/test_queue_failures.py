@@ -252,6 +252,74 @@ async def test_a_restarted_controller_does_not_wait_twice_on_a_dead_unit(
         assert trio.current_time() - start < SLOW_WATCH.unit_timeout + 1.0
 
 
+async def test_a_restarted_controller_serves_the_healthy_units_while_a_dead_one_settles(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A unit silent (its node died) while the controller restarted: the restarted controller
+    answers puts and claims on the other unit well before ``unit_timeout``, places nothing on
+    the silent one, and reports its samples lost within ``unit_timeout`` (issue #27 §1.10)."""
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        kept = await client.put("plain", rows(2), version=0)
+        gone = await client.put("plain", rows(2, 2), version=0)
+        dead = await unit_of(client, gone)
+        assert await unit_of(client, kept) != dead
+
+        async def hang(msg: Any) -> None:
+            await trio.sleep_forever()
+
+        q.shared.units[dead] = Tap(q.shared.units[dead], hang)
+        timeout = SLOW_WATCH.unit_timeout
+        start = trio.current_time()
+        await crash(q.controller)
+        batch = await client.get("plain", "trainer", ["x"], 2)
+        assert batch.indexes == kept  # served from the healthy unit...
+        assert trio.current_time() - start < timeout / 2  # ...long before the dead one settles
+        assert torch.equal(batch["x"], rows(2)["x"])
+        await client.ack(batch)
+        fresh = await client.put("plain", rows(2, 10), version=0)  # placed on the healthy unit
+        assert trio.current_time() - start < timeout / 2
+        assert await q.controller.ask(M.CheckInvariants()) == ()
+        stats = await client.statistics()
+        assert stats.controller.units_down == (dead,)  # placed nothing until it settles
+        assert await lost_indexes(client) == set(gone)
+        assert trio.current_time() - start < timeout + 1.0
+        assert await q.controller.ask(M.CheckInvariants()) == ()
+        again = await client.get("plain", "trainer", ["x"], 2)
+        assert again.indexes == fresh
+
+
+async def test_a_unit_slow_to_answer_a_restarted_controller_is_kept(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Busy is not dead: a unit that answers the restarted controller after the grace but within
+    ``unit_timeout`` keeps its samples (served once it answered) and is placed on again."""
+    async with (
+        afa.open_actor_system() as system,
+        tq.open_transfer_queue(system, SLOW_WATCH) as q,
+    ):
+        client = await q.client()
+        indexes = await client.put("plain", rows(2), version=0)
+        busy = await unit_of(client, indexes)
+        delay = SLOW_WATCH.unit_timeout / 2  # past the grace, within unit_timeout
+
+        async def late(msg: Any) -> None:
+            await trio.sleep(delay)
+
+        q.shared.units[busy] = Tap(q.shared.units[busy], late)
+        await crash(q.controller)
+        await trio.sleep(2 * SLOW_WATCH.unit_timeout)
+        stats = await client.statistics()
+        assert (stats.controller.lost_samples, stats.controller.units_down) == (0, ())
+        assert await q.controller.ask(M.CheckInvariants()) == ()
+        batch = await client.get("plain", "trainer", ["x"], 2)
+        assert batch.indexes == indexes
+        assert torch.equal(batch["x"], rows(2)["x"])
+
+
 async def test_a_unit_slow_to_answer_the_watcher_is_not_presumed_lost(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

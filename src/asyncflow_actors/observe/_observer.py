@@ -173,7 +173,10 @@ class Observer:
     async def _pull(self, label: str, ref: ActorRef[Collect]) -> None:
         start = clock_ns()
         try:
-            with trio.fail_after(self.config.collect_timeout):
+            # Shielded (bounded by collect_timeout): the agent hands its spans over as it
+            # answers, so an answer cancelled in flight (the observer closing mid-pull) would
+            # lose them for good.
+            with trio.CancelScope(shield=True), trio.fail_after(self.config.collect_timeout):
                 got = await ref.ask(Collect(self.config.trace_capacity))
         except (ActorCrashed, trio.TooSlowError, WireError) as exc:
             # WireError: the node could not encode its answer (a span argument that is not
@@ -285,6 +288,34 @@ class Observer:
 
         await trio.to_thread.run_sync(build_and_write)
 
+    async def finish(self) -> None:
+        """The last pull from every attached agent, then stop them: call it before the nodes
+        stop (a run stops its roles, calls this, then stops its nodes), or their last spans and
+        metrics are lost. Bounded by ``2 * collect_timeout`` (a pull that does not answer by
+        then is counted in ``pull_failures``); shielded; later collections pull this process
+        only. Closing the observer still writes the trace."""
+        with trio.CancelScope(shield=True):
+            try:
+                with trio.move_on_after(self.config.collect_timeout * 2):
+                    await self.collect()
+            finally:
+                await self._stop_agents()
+
+    async def _stop_agents(self) -> None:
+        async with self._lock:  # not while a collection pulls them
+            agents, self._agents = self._agents, {}
+
+        async def stop(label: str, ref: ActorRef[Collect]) -> None:
+            with trio.move_on_after(self.config.collect_timeout):
+                try:
+                    await ref.stop()
+                except ActorCrashed as exc:
+                    log.debug("observe: agent %r already gone: %r", label, exc)
+
+        async with trio.open_nursery() as nursery:
+            for label, ref in agents.items():
+                nursery.start_soon(stop, label, ref)
+
     async def _run(self) -> None:
         while True:
             await trio.sleep(self.config.interval)
@@ -298,12 +329,7 @@ class Observer:
             if self.config.run_dir is not None and self.config.trace:
                 await self.write_trace(os.path.join(self.config.run_dir, "trace.json"))
         finally:
-            for label, ref in self._agents.items():
-                with trio.move_on_after(self.config.collect_timeout):
-                    try:
-                        await ref.stop()
-                    except ActorCrashed as exc:
-                        log.debug("observe: agent %r already gone: %r", label, exc)
+            await self._stop_agents()
             for exporter in self._exporters:
                 try:
                     exporter.close()

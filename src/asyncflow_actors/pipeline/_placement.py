@@ -10,7 +10,7 @@ the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
@@ -144,9 +144,14 @@ class Placement:
         target = f"{cls.__module__}:{cls.__qualname__}"
         return await self.nodes[where].spawn(target, name=name, kwargs=kwargs, restart=restart)
 
-    async def stop(self, refs: list[ActorRef[Any]]) -> None:
-        """Stop the roles (in reverse start order), then the nodes (together: each takes a
-        second or more to exit); shielded, bounded."""
+    async def stop(
+        self,
+        refs: list[ActorRef[Any]],
+        before_nodes: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Stop the roles (in reverse start order), await ``before_nodes`` (the observer's last
+        pull: the nodes' agents answer only while their processes live), then stop the nodes
+        (together: each takes a second or more to exit); shielded, bounded."""
 
         async def stop_node(node: Node) -> None:
             with trio.move_on_after(15):
@@ -162,6 +167,8 @@ class Placement:
                         await ref.stop()
                     except ActorCrashed:
                         pass  # gone already
+            if before_nodes is not None:
+                await before_nodes()
             async with trio.open_nursery() as nursery:
                 for node in self.nodes.values():
                     nursery.start_soon(stop_node, node)

@@ -336,7 +336,9 @@ async def open_pipeline(
                     yield run
                     nursery.cancel_scope.cancel()
             finally:
-                await place.stop(spawned)  # roles and nodes go before the queue they use
+                # roles and nodes go before the queue they use; the observer's last pull
+                # comes between the two, while the nodes' agents can still answer
+                await place.stop(spawned, before_nodes=observer.finish if observer else None)
                 with trio.CancelScope(shield=True):
                     await wait_for_threads(10)
     finally:

@@ -21,7 +21,8 @@ Invariants of the bookkeeping maps (hold between any two messages; ``check_invar
    granted, never both (``PutQueues.problems``); the granted puts and the remembered replies
    (``shared.done``) stay bounded.
 5. ``shared.known`` names every unit, and the units the state places nothing on are exactly
-   those whose incarnation is unknown (``known[unit] is None``: down, or not adopted yet).
+   those whose incarnation is unknown (``known[unit] is None``: down, or not adopted yet) and
+   the unsettled ones (known, silent since a restart: ``recovery.unsettled``).
 6. A unit being adopted (``recovery.adopting``) is one of the units, and the fresh incarnation
    it waits for is not the one ``known`` holds (5 and 6: ``Recovery.problems``).
 7. The state's own bookkeeping is consistent (``ControllerState.check_invariants``).
@@ -47,7 +48,7 @@ from ._events import EventWaiters
 from ._grants import Grants
 from ._locations import Locations
 from ._puts import Allocated, PutQueues, WaitingPut, slots_of
-from ._recovery import Recovery, UnitSeen, unit_tokens
+from ._recovery import Recovery, UnitSeen, UnitSettled, unit_tokens
 from ._shared import REMEMBERED, ControllerShared
 from ._timer import Tick, Timer
 
@@ -57,7 +58,7 @@ Ctx = ActorContext[Any]
 Handler = Callable[[Any, Ctx, ControllerState], Any]
 
 
-class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
+class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen | UnitSettled]):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
@@ -104,6 +105,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
             Delivered: self._on_delivered,
             Tick: self._on_tick,
             UnitSeen: lambda msg, ctx, state: self.recovery.unit_seen(state, msg, self._lost),
+            UnitSettled: self._on_unit_settled,
         }
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -112,15 +114,15 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         shared = self.shared
         self.epoch = shared.incarnations
         shared.incarnations += 1
-        tokens = await unit_tokens(shared.units, shared.unit_timeout)
         if shared.state is None:
+            tokens = await unit_tokens(shared.units, shared.unit_timeout)
             self.state = ControllerState(shared.specs.values(), list(shared.units), epoch=0)
             shared.state = self.state
             shared.known.update(tokens)
             for unit, token in tokens.items():
                 self.state.set_unit_up(unit, token is not None)
         else:
-            rebuilt = await self.recovery.rebuild(tokens, self.epoch)
+            rebuilt = await self.recovery.rebuild(self.epoch)  # serves before a silent unit
             self.state = rebuilt.state
             self._apply(rebuilt.update)
             for loss in rebuilt.losses:
@@ -128,6 +130,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         ctx.start_soon(self.timer.run, ctx)
         ctx.start_soon(self.recovery.watch, ctx)
         ctx.start_soon(self.delivery.run, ctx)
+        ctx.start_soon(self.recovery.settle, ctx)  # the units silent at the rebuild
 
     def _check_units(self) -> None:
         self.recovery.check()
@@ -227,6 +230,10 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
         for topic in self.puts.topics():
             self._retry_puts(topic)
 
+    def _on_unit_settled(self, msg: UnitSettled, ctx: Ctx, state: ControllerState) -> None:
+        self.recovery.unit_settled(state, msg, self._lost)
+        self._kick_all()  # kept: puts may be placed there again
+
     def _on_tick(self, msg: Tick, ctx: Ctx, state: ControllerState) -> None:
         self._apply(state.expire(trio.current_time()))
         self._kick_all()
@@ -262,7 +269,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen]):
             self.lost_samples,
             self.shared.log.seq,
             self.epoch,
-            tuple(u for u, t in self.shared.known.items() if t is None),
+            tuple(sorted(state.units_down())),  # unknown incarnation, or unsettled
             event_waiters=len(self.waiters),
             abandoned_samples=self.abandoned_samples,
             outbox=len(self.shared.outbox),

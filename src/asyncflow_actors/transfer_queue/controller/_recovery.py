@@ -6,6 +6,12 @@ it still holds (``Reset``), so nothing it reported lost can come back. A restart
 first delivers the bookkeeping its last incarnation queued, then reads the inventories of the
 units still on the incarnations it knew and rebuilds its state from them; the units that
 changed meanwhile are reported lost from the last state it had (kept in ``ControllerShared``).
+
+A restarted controller serves at once: a unit that has not answered its token within
+``RESTART_GRACE * unit_timeout`` (busy, or its node died) is *unsettled*: rebuilt from the last
+state's records of it, placed nothing new, and settled in the background: kept if it answers
+its known incarnation within ``unit_timeout`` of the restart, otherwise reported lost then
+(``UnitSettled``), as a unit silent for the whole ``unit_timeout`` always was.
 """
 
 from __future__ import annotations
@@ -36,6 +42,20 @@ class UnitSeen:
 
     unit: str
     token: str | None
+
+
+@attrs.frozen
+class UnitSettled:
+    """Self-message from the settle task: an unsettled unit's token within ``unit_timeout`` of
+    the restart (None: it crashed or stayed silent)."""
+
+    unit: str
+    token: str | None
+
+
+RESTART_GRACE = 0.2
+"""The fraction of ``unit_timeout`` a restarted controller waits for the units' tokens before it
+rebuilds from those that answered (the others are settled in the background)."""
 
 
 @attrs.frozen
@@ -72,27 +92,48 @@ class Recovery:
         self.locations = locations
         self.adopting: dict[str, str] = {}  # unit -> fresh token sent to receive, not yet seen
         self.silent: dict[str, float] = {}  # unit -> since when it has not answered the watcher
+        self.unsettled: set[str] = set()  # units a restarted controller has not heard from yet
+        self.settle_by = 0.0  # when their time to answer runs out
         self.check_now = trio.Event()
 
     def check(self) -> None:
         """Look at the units now, not at the next interval."""
         self.check_now.set()
 
-    async def rebuild(self, tokens: dict[str, str | None], epoch: int) -> Rebuilt:
+    async def rebuild(self, epoch: int) -> Rebuilt:
         """Deliver what the last incarnation decided, read the inventories of the units still
         on the incarnations it knew, and rebuild; the others are dropped and adopted afresh,
-        and what they held is returned as losses."""
+        and what they held is returned as losses. The units silent past the grace are
+        unsettled (the module docstring): ``settle`` decides their fate."""
         shared = self.shared
         timeout = shared.unit_timeout
+        self.settle_by = trio.current_time() + timeout
+        tokens = await unit_tokens(shared.units, timeout * RESTART_GRACE, silent=SILENT)
+        old = shared.state
+        unsettled = [
+            u
+            for u, token in tokens.items()
+            if token == SILENT and shared.known.get(u) is not None and old is not None
+        ]
+        for unit, token in tokens.items():
+            if token == SILENT and unit not in unsettled:
+                tokens[unit] = None  # down before and still silent: nothing to wait for
         # only the units still on the incarnation the state knew: one that did not answer its
         # token, or changed it, is lost whatever else it says (no second wait on a dead unit)
         same = {u: ref for u, ref in shared.units.items() if tokens[u] == shared.known.get(u)}
         stale = set(await shared.outbox.flush(same, shared.known, timeout))
-        lost = [u for u in shared.units if u in stale or tokens[u] != shared.known.get(u)]
+        lost = [
+            u
+            for u in shared.units
+            if u in stale or (tokens[u] != shared.known.get(u) and u not in unsettled)
+        ]
         parts = [Inventory(topics=tuple(_record(m) for m in shared.watermarks.values()))]
+        for unit in unsettled:  # as the last state had it: its own report may never come
+            assert old is not None
+            parts.append(old.export_inventory(unit))
         for unit in shared.units:
-            if unit in lost or tokens[unit] is None:  # lost, or down before and still silent
-                continue
+            if unit in lost or unit in unsettled or tokens[unit] is None:
+                continue  # lost, unsettled, or down before and still silent
             try:
                 with trio.fail_after(timeout):
                     inv: U.UnitInventory = await shared.units[unit].ask(U.GetInventory())
@@ -104,7 +145,6 @@ class Recovery:
                 continue
             parts.append(inventory_of(unit, inv))
         # From here on nothing awaits: a crash cannot split the losses from their report.
-        old = shared.state
         losses = tuple(
             old.storage_lost(u) for u in lost if old is not None and shared.known.get(u) is not None
         )
@@ -119,10 +159,45 @@ class Recovery:
         for unit in lost:  # down until the watcher has reset the unit (whatever it holds now
             self.dropped(unit)  # is not what the state knew) and adopts it: in the background,
             self.adopt(state, unit, None)  # so that a dead unit never delays serving the others
+        for unit in unsettled:  # nothing new goes there until it answers
+            state.set_unit_up(unit, False)
+            self.unsettled.add(unit)
         if lost:
             self.check()
-        log.info("controller rebuilt (epoch %d); units lost meanwhile: %s", epoch, lost)
+        log.info(
+            "controller rebuilt (epoch %d); units lost meanwhile: %s; unsettled: %s",
+            epoch,
+            lost,
+            unsettled,
+        )
         return Rebuilt(state, update, losses)
+
+    async def settle(self, ctx: ActorContext[Any]) -> None:
+        """The settle task: each unsettled unit's token, awaited until ``settle_by``, sent to
+        the controller (``UnitSettled``) to keep the unit or report it lost."""
+        units = {u: self.shared.units[u] for u in self.unsettled}
+        if not units:
+            return
+        left = max(self.settle_by - trio.current_time(), 0.0)
+        tokens = await unit_tokens(units, left)  # None: crashed, or silent until settle_by
+        for unit, token in tokens.items():
+            await ctx.self.send(UnitSettled(unit, token))
+
+    def unit_settled(
+        self, state: ControllerState, msg: UnitSettled, lost: Callable[[Loss], None]
+    ) -> None:
+        """An unsettled unit answered its known incarnation in time (kept, placed on again),
+        or not: what it held is dropped and ``lost`` is called with it; the watcher then
+        resets and adopts it if it is back."""
+        if msg.unit not in self.unsettled:
+            return  # the watcher saw it change meanwhile: settled there
+        self.unsettled.discard(msg.unit)
+        if msg.token is not None and msg.token == self.shared.known.get(msg.unit):
+            state.set_unit_up(msg.unit, True)
+            log.info("storage unit %s answered the restarted controller: kept", msg.unit)
+            return
+        self.unit_seen(state, UnitSeen(msg.unit, None), lost)
+        self.check()
 
     async def reset(self, unit: str) -> str | None:
         """Have ``unit`` drop everything it holds; its new token (``None``: it did not answer)."""
@@ -162,6 +237,7 @@ class Recovery:
             del self.adopting[msg.unit]
         if old == msg.token:
             return
+        self.unsettled.discard(msg.unit)  # its fate is settled here
         if old is not None:
             loss = state.storage_lost(msg.unit)
             self.dropped(msg.unit)
@@ -195,15 +271,21 @@ class Recovery:
 
     def problems(self, state: ControllerState) -> list[str]:
         """What is inconsistent, in words (empty: nothing): ``known`` names every unit, the
-        state avoids exactly the units of unknown incarnation, and a unit being adopted waits
-        for another incarnation than the one known."""
+        state avoids exactly the units of unknown incarnation and the unsettled ones (whose
+        incarnation is known), and a unit being adopted waits for another incarnation than the
+        one known."""
         out = []
         known = self.shared.known
         if set(known) != set(self.shared.units):
             out.append(f"5: known units {sorted(known)}, units {sorted(self.shared.units)}")
         unknown = {u for u, token in known.items() if token is None}
-        if state.units_down() != unknown:
-            out.append(f"5: units down {sorted(state.units_down())}, unknown {sorted(unknown)}")
+        if unknown & self.unsettled:
+            out.append(
+                f"5: unsettled units of unknown incarnation {sorted(unknown & self.unsettled)}"
+            )
+        avoided = unknown | self.unsettled
+        if state.units_down() != avoided:
+            out.append(f"5: units down {sorted(state.units_down())}, avoided {sorted(avoided)}")
         for unit, token in self.adopting.items():
             if unit not in self.shared.units or token == known.get(unit):
                 out.append(f"6: unit {unit!r} is adopted as an incarnation it is known as")
