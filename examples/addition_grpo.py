@@ -27,16 +27,9 @@ import time
 import torch
 import trio
 
-from asyncflow_actors.models import (
-    CharTokenizer,
-    SamplingParams,
-    TinyConfig,
-    TinyDecoder,
-    load_model,
-    save_model,
-)
+from asyncflow_actors.models import CharTokenizer, SamplingParams, TinyDecoder, load_model
 from asyncflow_actors.pipeline import PipelineConfig, PlacementConfig, run_pipeline
-from asyncflow_actors.rl import AdditionTask, evaluate, sft_warmup
+from asyncflow_actors.rl import AdditionTask, evaluate
 from asyncflow_actors.roles import (
     ModelSettings,
     RolloutSettings,
@@ -46,25 +39,6 @@ from asyncflow_actors.roles import (
 
 TASK = AdditionTask(min_digits=2, max_digits=2)
 SEED = 2
-
-
-def warm_up(path: str) -> TinyDecoder:
-    tokenizer = CharTokenizer(TASK.alphabet)
-    torch.manual_seed(SEED)
-    config = TinyConfig(
-        vocab_size=tokenizer.vocab_size, d_model=64, n_layers=2, n_heads=4, max_seq_len=16
-    )
-    model = TinyDecoder(config)
-    started = time.perf_counter()
-    result = sft_warmup(
-        model, TASK, tokenizer, target_accuracy=0.3, max_steps=1500, eval_every=10, seed=SEED
-    )
-    print(
-        f"SFT warm-up: {result.steps} steps in {time.perf_counter() - started:.0f} s, "
-        f"held-out greedy accuracy {result.accuracy:.0%}"
-    )
-    save_model(path, model, tokenizer=tokenizer)
-    return model
 
 
 def held_out(model: TinyDecoder) -> tuple[float, float, float]:
@@ -83,29 +57,36 @@ def main() -> None:
     parser.add_argument("--mode", default="async", help="sync | colocated | one_step_off | async")
     parser.add_argument("--staleness", type=int, default=None, help="async only (default 1)")
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--seed", type=int, default=SEED, help="model, warm-up, prompts, sampling")
     parser.add_argument("--placement", default="process", help="process | local")
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny kernels on shared cores: one thread is fastest
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="addition-grpo-")
-    os.makedirs(run_dir, exist_ok=True)
-    init = os.path.join(run_dir, "sft.safetensors")
-    warm = warm_up(init)
-    before = held_out(warm)
-
     config = PipelineConfig(
         mode=args.mode,
         staleness=args.staleness,
         run_dir=run_dir,
-        model=ModelSettings(init=init),
-        task=TaskSettings("addition", {"min_digits": 2, "max_digits": 2}, seed=SEED),
+        model=ModelSettings(max_seq_len=16, seed=args.seed),
+        task=TaskSettings("addition", {"min_digits": 2, "max_digits": 2}, seed=args.seed),
         rollout=RolloutSettings(group_size=8, max_new_tokens=5),
-        train=TrainSettings(steps=args.steps, prompts_per_step=16, lr=5e-4),
+        train=TrainSettings(
+            steps=args.steps,
+            prompts_per_step=16,
+            lr=args.lr,
+            seed=args.seed,
+            # the supervised warm-up, in the trainer's process before the first rollout
+            sft_warmup_steps=1500,
+            sft_warmup_accuracy=0.3,
+        ),
         placement=PlacementConfig(default=args.placement),
     )
     started = time.perf_counter()
     result = trio.run(run_pipeline, config)
     seconds = time.perf_counter() - started
+    assert result.warmup is not None
+    before = held_out(load_model(result.warmup.path))  # the warmed-up policy, as GRPO found it
     trained = load_model(os.path.join(run_dir, "final", "policy.safetensors"))  # always saved
     after = held_out(trained)
 
@@ -113,8 +94,9 @@ def main() -> None:
     k = max(1, len(rewards) // 4)
     print(
         f"\nGRPO ({result.mode}, staleness {result.staleness}): {result.samples} samples in "
-        f"{seconds:.0f} s ({result.samples_per_s:.0f} samples/s while training), "
-        f"{result.offpolicy_samples} trained samples one or more versions old"
+        f"{result.seconds:.0f} s ({result.samples_per_s:.0f} samples/s), "
+        f"{result.offpolicy_samples} trained samples one or more versions old; "
+        f"{seconds:.0f} s in all, warm-up and start included"
     )
     print(
         f"batch reward: first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} steps "

@@ -122,6 +122,13 @@ class Progress:
         elif self._rich is not None:
             self._rich.update(self._task, completed=record.step, description=text)
 
+    def note(self, text: str) -> None:
+        """A line about the run outside its steps (the warm-up), in either display."""
+        if self.mode == "plain":
+            print(text, file=self.stream, flush=True)
+        elif self._rich is not None:
+            self._rich.console.print(text, markup=False, highlight=False)
+
     def close(self) -> None:
         if self._rich is not None:
             self._rich.stop()

@@ -48,6 +48,7 @@ from ..roles import (
     topic_specs,
 )
 from ..roles._shared import forget_shared_policy
+from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
 from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
 from ._config import PipelineConfig
@@ -62,6 +63,7 @@ from ._report import (
     third_party_bars_off,
 )
 from ._rundir import clear_run_dir, trim_steps
+from ._warmup import roles_spec, warm_up
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -87,7 +89,8 @@ class PipelineResult:
     """What a run did: ``records`` per step, trained ``samples`` over ``seconds`` (from the start
     of training to the last step), the final ``version``, checkpoints written. ``stopped``: the
     run was stopped (``Pipeline.stop``) before its last step; ``latest_checkpoint``: the newest
-    checkpoint of the run (``final``, or the one it resumed from), ``None`` if none."""
+    checkpoint of the run (``final``, or the one it resumed from), ``None`` if none;
+    ``warmup``: its supervised warm-up (``train.sft_warmup_steps``; a resume's is the run's)."""
 
     mode: str
     staleness: int
@@ -101,6 +104,7 @@ class PipelineResult:
     run_dir: str | None
     stopped: bool = False
     latest_checkpoint: str | None = None
+    warmup: WarmedUp | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -158,6 +162,7 @@ class Pipeline:
         self.version = 0
         self.resumed_from: str | None = None
         self.seconds_before = 0.0  # a resumed run: the seconds of the steps before it
+        self.warmup: WarmedUp | None = None
         self._recorded = trio.Event()
         self._stop = trio.Event()
         self._stopped: Stopped | None = None
@@ -222,6 +227,7 @@ class Pipeline:
             latest_checkpoint=(
                 self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
             ),
+            warmup=self.warmup,
         )
 
 
@@ -296,6 +302,7 @@ async def open_pipeline(
                         send.send_nowait((msg, report, seconds))
 
                     run.hooks.on_step = step_done
+                    run.warmup = await warm_up(place, config, spec, progress)
                     await _spawn_roles(place, spec, queue.controller, run, spawned)
                     watcher = await system.spawn(
                         lambda: Watcher(list(run.refs.values()), run.failed, run.errors),
@@ -345,8 +352,11 @@ async def _spawn_roles(
     config = place.config
     resume = DriverState.read(spec.resume_from) if spec.resume_from else None
     hooks = run.hooks
+    # The Driver keeps the run's own [model] (what a checkpoint records, a resume compares);
+    # the roles start from the warmed-up policy of a run that warms up.
+    driver_spec, spec = spec, roles_spec(config, spec)
     driver = await place.system.spawn(
-        lambda: Driver(spec, controller, hooks, resume),
+        lambda: Driver(driver_spec, controller, hooks, resume),
         name=f"driver.{place.suffix}",
         restart=Restart.TEMPORARY,
     )
