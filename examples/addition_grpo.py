@@ -20,6 +20,7 @@ into the run directory, and ends with what the policy learned.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -28,7 +29,7 @@ import torch
 import trio
 
 from asyncflow_actors.models import CharTokenizer, SamplingParams, TinyDecoder, load_model
-from asyncflow_actors.pipeline import PipelineConfig, PlacementConfig, run_pipeline
+from asyncflow_actors.pipeline import PipelineConfig, PlacementConfig, StepRecord, run_pipeline
 from asyncflow_actors.rl import AdditionTask, evaluate
 from asyncflow_actors.roles import (
     ModelSettings,
@@ -36,6 +37,7 @@ from asyncflow_actors.roles import (
     TaskSettings,
     TrainSettings,
 )
+from asyncflow_actors.tasks import EvalSettings
 
 TASK = AdditionTask(min_digits=2, max_digits=2)
 SEED = 2
@@ -50,6 +52,13 @@ def held_out(model: TinyDecoder) -> tuple[float, float, float]:
     sampled = evaluate(model, TASK, tokenizer, problems, SamplingParams(5), generator=generator)
     greedy = evaluate(model, TASK, tokenizer, problems, SamplingParams(5, temperature=0.0))
     return sampled.mean_reward, sampled.accuracy, greedy.accuracy
+
+
+def show_eval(record: StepRecord) -> None:
+    """The in-training evaluation, when a step has one: the curve a newcomer should watch."""
+    exact = record.metrics.get("eval/pass@1")
+    if exact is not None:
+        print(f"  eval after step {record.step}: greedy exact {exact:.1%} of 256 problems")
 
 
 def main() -> None:
@@ -80,10 +89,12 @@ def main() -> None:
             sft_warmup_steps=1500,
             sft_warmup_accuracy=0.3,
         ),
+        # greedy answers to 256 problems every 10 steps: curves.png's evaluation panel
+        eval=EvalSettings(every=10, samples=256, greedy=True),
         placement=PlacementConfig(default=args.placement),
     )
     started = time.perf_counter()
-    result = trio.run(run_pipeline, config)
+    result = trio.run(functools.partial(run_pipeline, config, on_step=show_eval))
     seconds = time.perf_counter() - started
     assert result.warmup is not None
     before = held_out(load_model(result.warmup.path))  # the warmed-up policy, as GRPO found it

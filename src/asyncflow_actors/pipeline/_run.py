@@ -6,8 +6,10 @@ The Python API of the pipeline (the CLI's ``asyncflow train`` calls it)::
     result = trio.run(run_pipeline, config)
 
 Start order: the TransferQueue (``prompts`` and ``rollout`` topics), the nodes (concurrently,
-torch preloaded in a thread), the Driver, the Reward actor, rollout workers, forward workers,
-the Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
+torch preloaded in a thread), the supervised warm-up (``train.sft_warmup_steps``, where the
+Trainer will run: ``pipeline._warmup``), the Driver, the Reward actor, rollout workers, forward
+workers, the Advantage station and the Trainer (which gets the refs of every weight holder).
+The run ends
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
 (``RunFailed``); stations that crash are restarted by their supervisors meanwhile.
