@@ -4,17 +4,21 @@
     python examples/addition_grpo.py --mode sync       # the synchronous baseline
     python examples/addition_grpo.py --staleness 0 --placement local --steps 10
 
-1. Supervised warm-up (``rl.sft_warmup``) until the policy solves 30% of held-out problems
-   greedily: GRPO learns nothing from groups whose rewards are all equal.
+1. Supervised warm-up (``train.sft_warmup_steps``: ``rl.sft_warmup`` in the trainer's process)
+   until the policy solves 30% of held-out problems greedily: GRPO learns nothing from groups
+   whose rewards are all equal, and a random policy's are all 0.
 2. GRPO through the pipeline: Driver, Rollout (the built-in engine), ActorForward, Advantage and
    Trainer as actors, each in its own process by default, talking through the TransferQueue;
    rollout runs up to ``--staleness`` policy versions ahead of training; weights reach the
-   engines through the CheckpointEngine after every step.
+   engines through the CheckpointEngine after every step. Every 10 steps a rollout engine
+   answers 256 problems greedily (``eval``): the curve to watch. ``--lr`` is 1e-4: at 5e-4
+   (the library's default) Adam's steps on 128 samples are mostly the policy gradient's noise,
+   and the greedy answers barely improved (benchmarks/RESULTS.md, "The demo's curve").
 3. The trained policy (the run's last checkpoint) against the warmed-up one, on 512 held-out
    problems: mean reward and exact answers sampled as in training, and greedy exact answers.
 
-It prints one line per step, writes ``steps.jsonl`` and ``curves.png`` (reward and throughput)
-into the run directory, and ends with what the policy learned.
+It prints one line per step, writes ``steps.jsonl`` and ``curves.png`` (reward, evaluation,
+loss...) into the run directory, and ends with what the policy learned.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ TASK = AdditionTask(min_digits=2, max_digits=2)
 SEED = 2
 
 
-def held_out(model: TinyDecoder) -> tuple[float, float, float]:
-    """On 512 held-out problems: mean reward and exact answers sampled as in training
-    (temperature 1), and greedy exact answers."""
+def held_out(model: TinyDecoder, temperature: float) -> tuple[float, float, float]:
+    """On 512 held-out problems: mean reward and exact answers sampled as in training (at the
+    rollout's ``temperature``), and greedy exact answers."""
     tokenizer = CharTokenizer(TASK.alphabet)
     problems = TASK.sample(512, seed=777)
     generator = torch.Generator().manual_seed(123)
-    sampled = evaluate(model, TASK, tokenizer, problems, SamplingParams(5), generator=generator)
+    sampling = SamplingParams(5, temperature=temperature)
+    sampled = evaluate(model, TASK, tokenizer, problems, sampling, generator=generator)
     greedy = evaluate(model, TASK, tokenizer, problems, SamplingParams(5, temperature=0.0))
     return sampled.mean_reward, sampled.accuracy, greedy.accuracy
 
@@ -66,7 +71,8 @@ def main() -> None:
     parser.add_argument("--mode", default="async", help="sync | colocated | one_step_off | async")
     parser.add_argument("--staleness", type=int, default=None, help="async only (default 1)")
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--temperature", type=float, default=1.0, help="rollout sampling")
     parser.add_argument("--seed", type=int, default=SEED, help="model, warm-up, prompts, sampling")
     parser.add_argument("--placement", default="process", help="process | local")
     parser.add_argument("--run-dir", default=None)
@@ -79,7 +85,7 @@ def main() -> None:
         run_dir=run_dir,
         model=ModelSettings(max_seq_len=16, seed=args.seed),
         task=TaskSettings("addition", {"min_digits": 2, "max_digits": 2}, seed=args.seed),
-        rollout=RolloutSettings(group_size=8, max_new_tokens=5),
+        rollout=RolloutSettings(group_size=8, max_new_tokens=5, temperature=args.temperature),
         train=TrainSettings(
             steps=args.steps,
             prompts_per_step=16,
@@ -97,9 +103,11 @@ def main() -> None:
     result = trio.run(functools.partial(run_pipeline, config, on_step=show_eval))
     seconds = time.perf_counter() - started
     assert result.warmup is not None
-    before = held_out(load_model(result.warmup.path))  # the warmed-up policy, as GRPO found it
+    before = held_out(
+        load_model(result.warmup.path), args.temperature
+    )  # the warmed-up policy, as GRPO found it
     trained = load_model(os.path.join(run_dir, "final", "policy.safetensors"))  # always saved
-    after = held_out(trained)
+    after = held_out(trained, args.temperature)
 
     rewards = [r.reward_mean for r in result.records]
     k = max(1, len(rewards) // 4)
@@ -117,7 +125,7 @@ def main() -> None:
         f"held-out, 512 problems: sampled reward {before[0]:.3f} -> {after[0]:.3f}, sampled "
         f"exact {before[1]:.1%} -> {after[1]:.1%}, greedy exact {before[2]:.1%} -> {after[2]:.1%}"
     )
-    print(f"run directory: {run_dir} (steps.jsonl, curves.png, final/)")
+    print(f"run directory: {run_dir} (steps.jsonl, curves.png, warmup/, final/)")
 
 
 if __name__ == "__main__":
