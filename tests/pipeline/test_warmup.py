@@ -121,3 +121,22 @@ def test_bad_warmup_settings_name_their_key(
     with pytest.raises(PipelineConfigError) as info:
         PipelineConfig.from_dict(table)
     assert str(info.value).startswith(message), info.value
+
+
+async def test_a_failed_warm_up_fails_the_run_naming_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncflow_actors.actors import root_error
+    from asyncflow_actors.pipeline import RunFailed
+    from asyncflow_actors.roles import _warmup
+
+    def fail(*args: Any) -> None:
+        raise ValueError("no answers to learn")
+
+    monkeypatch.setattr(_warmup, "warm_up_policy", fail)
+    with pytest.raises(BaseException) as info:  # in trio's groups, as any failed run's error
+        await run_pipeline(_config(tmp_path, 2))
+    error = root_error(info.value)
+    assert isinstance(error, RunFailed) and error.role == "warmup", info.value
+    assert str(error) == "role 'warmup' terminated: ValueError: no answers to learn"
+    assert not (tmp_path / "steps.jsonl").exists()

@@ -87,11 +87,10 @@ async def warm_up(
 ) -> WarmedUp | None:
     """Warm a new run's policy up where its trainer will run (``roles.WarmUp``), record it and
     say so on ``progress``; a resume's recorded warm-up (never run again); ``None`` without."""
-    if not warms_up(config):
-        return None
-    assert config.run_dir is not None
-    if spec.resume_from is not None:
-        return read_warmup(config.run_dir)
+    if not warms_up(config) or spec.resume_from is not None:
+        await trio.lowlevel.checkpoint()
+        return read_warmup(config.run_dir) if config.run_dir and warms_up(config) else None
+    assert config.run_dir is not None  # PipelineConfig requires one
     ref = await place.spawn(
         WarmUp, role="trainer", worker="trainer-0", kwargs={"spec": spec},
         restart=Restart.TEMPORARY, name=f"warmup.{place.suffix}",

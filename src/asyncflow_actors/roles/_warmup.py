@@ -64,9 +64,8 @@ class WarmUp(Actor[WarmUpPolicy]):
     """Answers one ``WarmUpPolicy`` (see the module docstring); ``spec``: the run's, with the
     ``[model]`` the warm-up starts from."""
 
-    def __init__(self, spec: RunSpec, worker: str = "trainer-0") -> None:
+    def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
-        self.worker = worker
 
     async def receive(self, msg: WarmUpPolicy, ctx: ActorContext[WarmUpPolicy]) -> WarmedUp:
         result: WarmedUp = await in_thread(warm_up_policy, self.spec, msg.path)
