@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -21,8 +21,10 @@ from ..actors import ActorCrashed, Restart
 from ..roles._settings import RunSpec
 from ..roles._warmup import WarmedUp, WarmUp, WarmUpPolicy
 from ._config import PipelineConfig, PipelineConfigError
-from ._placement import Placement, RunFailed
-from ._report import Progress
+
+if TYPE_CHECKING:  # preflight imports this module: it stays light (no queue, no stations)
+    from ._placement import Placement
+    from ._report import Progress
 
 WARMUP = "warmup"  # the warm-up's folder under run_dir
 POLICY = "policy.safetensors"
@@ -95,6 +97,8 @@ async def warm_up(
         WarmUp, role="trainer", worker="trainer-0", kwargs={"spec": spec},
         restart=Restart.TEMPORARY, name=f"warmup.{place.suffix}",
     )  # fmt: skip
+    from ._placement import RunFailed
+
     try:
         done = await ref.ask(WarmUpPolicy(warm_policy(config.run_dir)))
     except Exception as exc:

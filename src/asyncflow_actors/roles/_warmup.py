@@ -19,7 +19,6 @@ import attrs
 
 from ..actors import Actor, ActorContext, Request
 from ._settings import RunSpec
-from ._worker import in_thread
 
 EVAL_EVERY = 10  # steps between held-out measurements when a target accuracy can stop it
 
@@ -68,6 +67,8 @@ class WarmUp(Actor[WarmUpPolicy]):
         self.spec = spec
 
     async def receive(self, msg: WarmUpPolicy, ctx: ActorContext[WarmUpPolicy]) -> WarmedUp:
+        from ._worker import in_thread  # the stations' runtime: not for preflight's imports
+
         result: WarmedUp = await in_thread(warm_up_policy, self.spec, msg.path)
         return result
 
