@@ -305,6 +305,16 @@ def _check(config: PipelineConfig) -> None:
         )  # fmt: skip
     if config.mode == "colocated" and hf:
         raise PipelineConfigError("model.hf: colocated mode shares the built-in tiny model only")
+    if config.train.sft_warmup_steps and hf:
+        raise PipelineConfigError(
+            "train.sft_warmup_steps: the warm-up trains the built-in tiny policy; warm a "
+            "Hugging Face model up beforehand (e.g. TRL's SFTTrainer) and set model.hf to it"
+        )
+    if config.train.sft_warmup_steps and not config.run_dir:
+        raise PipelineConfigError(
+            "train.sft_warmup_steps: needs a run_dir (every role loads the warmed-up model "
+            "from run_dir/warmup/)"
+        )
     tiny = config.model.init is None and not hf
     if tiny and config.model.max_seq_len <= config.rollout.max_new_tokens:
         raise PipelineConfigError(

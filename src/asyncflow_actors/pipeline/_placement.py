@@ -133,9 +133,11 @@ class Placement:
         worker: str,
         kwargs: Mapping[str, Any],
         restart: Restart,
+        name: str | None = None,
     ) -> ActorRef[Any]:
+        """``cls`` where ``role``'s ``worker`` runs, named ``worker.<run>`` unless ``name``."""
         where = self.config.placement_of(role, worker)
-        name = f"{worker}.{self.suffix}"
+        name = name or f"{worker}.{self.suffix}"
         if where == DRIVER:
             values = dict(kwargs)
             ref = await self.system.spawn(lambda: cls(**values), name=name, restart=restart)

@@ -21,6 +21,7 @@ from typing import Any
 from ..roles._settings import SettingsError
 from ._config import PipelineConfig, PipelineConfigError
 from ._rundir import check_model, check_run_dir, checkpoint_version, resolve_resume
+from ._warmup import check_warmup
 
 _SAMPLED_PROMPTS = 1024  # prompts drawn to bound a task's prompt length
 
@@ -49,6 +50,7 @@ def preflight(
                 f"{version} ({checkpoint}): give more steps, e.g. --steps {version * 2}"
             )
     task = _check_task(config)
+    check_warmup(config, task, resume=checkpoint)
     # a dataset's prompts are held to its own max_prompt_length (filtered, truncated or
     # refused when read, by task.dataset.overlong)
     if max_seq_len is not None and config.task.kind != "dataset":

@@ -132,6 +132,13 @@ class Progress:
             for line in lines:  # printed above the live bar
                 self._rich.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
+    def note(self, text: str) -> None:
+        """A line about the run outside its steps (the warm-up), in either display."""
+        if self.mode == "plain":
+            print(text, file=self.stream, flush=True)
+        elif self._rich is not None:
+            self._rich.console.print(text, markup=False, highlight=False)
+
     def close(self) -> None:
         if self._rich is not None:
             self._rich.stop()

@@ -6,8 +6,10 @@ The Python API of the pipeline (the CLI's ``asyncflow train`` calls it)::
     result = trio.run(run_pipeline, config)
 
 Start order: the TransferQueue (``prompts`` and ``rollout`` topics), the nodes (concurrently,
-torch preloaded in a thread), the Driver, the Reward actor, rollout workers, forward workers,
-the Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
+torch preloaded in a thread), the supervised warm-up (``train.sft_warmup_steps``, where the
+Trainer will run: ``pipeline._warmup``), the Driver, the Reward actor, rollout workers, forward
+workers, the Advantage station and the Trainer (which gets the refs of every weight holder).
+The run ends
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
 (``RunFailed``); stations that crash are restarted by their supervisors meanwhile, and a
@@ -51,6 +53,7 @@ from ..roles import (
     topic_specs,
 )
 from ..roles._shared import forget_shared_policy
+from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
 from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
 from ._config import PipelineConfig
@@ -67,6 +70,7 @@ from ._report import (
 from ._reports import Reports, open_reports
 from ._resume import Resume, TrainerResumer
 from ._rundir import clear_run_dir, trim_steps
+from ._warmup import roles_spec, warm_up
 from ._watchdog import RunStalled, Watchdog, gather_diagnosis
 
 
@@ -93,7 +97,8 @@ class PipelineResult:
     """What a run did: ``records`` per step, trained ``samples`` over ``seconds`` (from the start
     of training to the last step), the final ``version``, checkpoints written. ``stopped``: the
     run was stopped (``Pipeline.stop``) before its last step; ``latest_checkpoint``: the newest
-    checkpoint of the run (``final``, or the one it resumed from), ``None`` if none."""
+    checkpoint of the run (``final``, or the one it resumed from), ``None`` if none;
+    ``warmup``: its supervised warm-up (``train.sft_warmup_steps``; a resume's is the run's)."""
 
     mode: str
     staleness: int
@@ -108,6 +113,7 @@ class PipelineResult:
     stopped: bool = False
     latest_checkpoint: str | None = None
     resumes: tuple[Resume, ...] = ()  # the Trainer's automatic resumes (``train.auto_resume``)
+    warmup: WarmedUp | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -165,6 +171,7 @@ class Pipeline:
         self.version = 0
         self.resumed_from: str | None = None
         self.seconds_before = 0.0  # a resumed run: the seconds of the steps before it
+        self.warmup: WarmedUp | None = None
         self._recorded = trio.Event()
         self._stop = trio.Event()
         self._stopped: Stopped | None = None
@@ -235,6 +242,7 @@ class Pipeline:
                 self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
             ),
             resumes=tuple(self.resumer.resumes) if self.resumer else (),
+            warmup=self.warmup,
         )
 
 
@@ -314,6 +322,7 @@ async def open_pipeline(
                         send.send_nowait((msg, report, seconds))
 
                     run.hooks.on_step = step_done
+                    run.warmup = await warm_up(place, config, spec, progress)
                     await _spawn_roles(place, spec, queue.controller, run, spawned)
                     watched = dict(run.refs)
                     if config.train.auto_resume and run.trainer is not None:
@@ -372,8 +381,11 @@ async def _spawn_roles(
     config = place.config
     resume = DriverState.read(spec.resume_from) if spec.resume_from else None
     hooks = run.hooks
+    # The Driver keeps the run's own [model] (what a checkpoint records, a resume compares);
+    # the roles start from the warmed-up policy of a run that warms up.
+    driver_spec, spec = spec, roles_spec(config, spec)
     driver = await place.system.spawn(
-        lambda: Driver(spec, controller, hooks, resume),
+        lambda: Driver(driver_spec, controller, hooks, resume),
         name=f"driver.{place.suffix}",
         restart=Restart.TEMPORARY,
     )

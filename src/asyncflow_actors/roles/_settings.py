@@ -289,6 +289,11 @@ class TrainSettings:
     ``ranks`` > 1 (or ``dtype``, ``micro_batch_size``, ``gradient_checkpointing``, LoRA): the
     trainer is a group of ranks on torch.distributed (``sharding`` ``"fsdp"`` or ``"ddp"``,
     every collective bounded by ``collective_timeout`` seconds; docs/training.md).
+    ``sft_warmup_steps`` > 0: before the first rollout, the built-in policy learns the task's
+    reference answers by supervised steps (at most that many, ``sft_warmup_lr``), stopping
+    once it answers ``sft_warmup_accuracy`` of held-out problems exactly (greedy): GRPO learns
+    nothing from groups whose rewards are all equal, which is every group of a random policy
+    (``pipeline._warmup``; a resume never repeats it).
     """
 
     steps: int = attrs.field(default=20, validator=_positive)
@@ -331,6 +336,9 @@ class TrainSettings:
         factory=lambda: {"CPU": 1.0}, converter=dict, validator=_resources
     )
     ray_address: str = "auto"
+    sft_warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    sft_warmup_accuracy: float = attrs.field(default=1.0, validator=_fraction)
+    sft_warmup_lr: float = attrs.field(default=1e-3, validator=_positive)
 
 
 @attrs.frozen
