@@ -2,8 +2,10 @@
 
 A role instance runs in this process (``"driver"``), in a local node process started for the run
 (``system.start_node``), or on a node started by hand and reached by address
-(``system.connect_node``). Every node first spawns ``Preload`` (torch imported in a worker
-thread), then its roles. Moving a role between processes is a change of configuration only:
+(``system.connect_node``). Every node first spawns ``Preload`` (its roles' modules, torch and
+the run's transformers classes imported in a worker thread), then its roles; the nodes start
+while this process loads its own roles (``start_soon``), and a role spawned on a node waits
+for that node only. Moving a role between processes is a change of configuration only:
 the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
 """
 
@@ -78,6 +80,7 @@ class Placement:
         self.suffix = suffix
         self.nodes: dict[str, Node] = {}
         self.local: list[str] = []  # names of actors spawned in this process, in order
+        self._ready: dict[str, trio.Event] = {}
 
     def node_names(self) -> list[str]:
         names: list[str] = []
@@ -104,10 +107,28 @@ class Placement:
         )
         return allow, env
 
-    async def start(self) -> None:
-        """Start or connect every node, concurrently, and preload torch on each."""
+    def preload_modules(self, node: str, modules: Mapping[str, str]) -> tuple[str, ...]:
+        """What ``node``'s ``Preload`` imports: the module of each role placed there
+        (``modules``: role -> module) and the stations' compute module."""
+        out = ["asyncflow_actors.roles._compute"]
+        for role, worker in self.config.instances():
+            module = modules.get(role)
+            if self.config.placement_of(role, worker) == node and module and module not in out:
+                out.append(module)
+        return tuple(out)
+
+    def start_soon(self, nursery: trio.Nursery, modules: Mapping[str, str]) -> None:
+        """Start ``start`` in ``nursery``: ``spawn`` on a node waits for that node."""
+        for name in self.node_names():
+            self._ready.setdefault(name, trio.Event())
+        nursery.start_soon(self.start, modules)
+
+    async def start(self, modules: Mapping[str, str] | None = None) -> None:
+        """Start or connect every node, concurrently, and preload on each the modules of its
+        roles (``modules``: role -> module; torch and the compute module without)."""
         place = self.config.placement
         allow, env = self.node_env()
+        hf = self.config.model.hf
 
         async def one(name: str) -> None:
             alias = f"{name}.{self.suffix}"
@@ -118,8 +139,10 @@ class Placement:
                 node = await self.system.start_node(
                     alias, allow=allow, transport=place.transport, env=env
                 )
-            await node.spawn(Preload, name=f"preload.{self.suffix}")
-            self.nodes[name] = node
+            self.nodes[name] = node  # stopped by ``stop`` from now on
+            preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": hf}
+            await node.spawn(Preload, name=f"preload.{self.suffix}", kwargs=preload)
+            self._ready.setdefault(name, trio.Event()).set()
 
         async with trio.open_nursery() as nursery:
             for name in self.node_names():
@@ -142,6 +165,9 @@ class Placement:
             self.local.append(name)
             return ref
         target = f"{cls.__module__}:{cls.__qualname__}"
+        ready = self._ready.get(where)
+        if ready is not None:
+            await ready.wait()
         return await self.nodes[where].spawn(target, name=name, kwargs=kwargs, restart=restart)
 
     async def stop(self, refs: list[ActorRef[Any]]) -> None:
