@@ -46,3 +46,11 @@ def test_a_node_preloads_the_modules_of_the_roles_placed_on_it() -> None:
     assert place.preload_modules("trainer-0", modules) == (compute, "m.trainer")
     assert place.preload_modules("rollout-0", modules) == (compute, "m.rollout")
     assert place.preload_modules("actor_fwd-0", modules) == (compute, "m.forward")
+
+
+def test_only_nodes_hosting_a_model_warm_its_transformers_classes() -> None:
+    config = PipelineConfig.from_dict({"mode": "async", "placement": {"default": "process"}})
+    place = Placement(None, config, "x")  # type: ignore[arg-type]
+    models = {"rollout", "actor_fwd", "ref_fwd", "trainer"}
+    assert place.hosts("trainer-0", models) and place.hosts("rollout-0", models)
+    assert not place.hosts("advantage-0", models)

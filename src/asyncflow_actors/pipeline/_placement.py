@@ -12,7 +12,7 @@ the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import trio
@@ -31,6 +31,8 @@ from ..roles.preload import Preload
 from ._config import DRIVER, PipelineConfig
 
 ALLOW = ("asyncflow_actors",)
+# the roles that load the policy model (a node hosting one preloads its transformers classes)
+_MODEL_ROLES = frozenset({"rollout", "actor_fwd", "ref_fwd", "trainer"})
 
 
 class RunFailed(RuntimeError):
@@ -107,6 +109,13 @@ class Placement:
         )
         return allow, env
 
+    def hosts(self, node: str, roles: Collection[str]) -> bool:
+        """Whether ``node`` hosts an instance of one of ``roles``."""
+        return any(
+            role in roles and self.config.placement_of(role, worker) == node
+            for role, worker in self.config.instances()
+        )
+
     def preload_modules(self, node: str, modules: Mapping[str, str]) -> tuple[str, ...]:
         """What ``node``'s ``Preload`` imports: the module of each role placed there
         (``modules``: role -> module) and the stations' compute module."""
@@ -140,7 +149,8 @@ class Placement:
                     alias, allow=allow, transport=place.transport, env=env
                 )
             self.nodes[name] = node  # stopped by ``stop`` from now on
-            preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": hf}
+            warm = hf if self.hosts(name, _MODEL_ROLES) else None
+            preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": warm}
             await node.spawn(Preload, name=f"preload.{self.suffix}", kwargs=preload)
             self._ready.setdefault(name, trio.Event()).set()
 
