@@ -38,7 +38,7 @@ times the share of right characters; TRL calls it, our node processes import it 
 | precision | fp32 (``bf16 = False`` [True], ``fp16 = False``) | fp32 |
 | gradient checkpointing | off [on] | none |
 | dataset order | ``shuffle_dataset = False`` [True] | ``task.dataset.shuffle = false`` |
-| mode | on-policy (generate, then train) | ``async``, ``staleness = 1``, token-level importance weights (``is_level = "token"``) for the one-version-stale samples |
+| mode | on-policy (generate, then train) | ``async``, ``--staleness`` (default 0: on-policy, the stages still stream within a step: the trainer's forward and backward of the groups already complete overlap the generation of the others); ``--staleness 1``: one version ahead, token-level importance weights (``is_level = "token"``) for the one-version-stale samples |
 | processes and threads | one process, its best torch thread count (1 or 2), measured in this sitting | two processes, one torch thread each: the rollout (HF engine) in the driver's process next to the TransferQueue, the trainer (old log-probs and advantages folded in) in a node process; the reward function runs in the rollout's process |
 
 **Thresholds**: addition 0.5 (the warm model starts near 0.32; TRL reached 0.5 in about 150
@@ -53,6 +53,12 @@ included). A ``#`` line gives every run's seconds and steps to the threshold (th
 learning parity: steps ours vs TRL) and seconds to the first step, and the load average.
 Targets (issue 28): ratio <= 0.8 on addition, <= 0.5 on the long tail; async needing no more
 than 10% more steps than TRL.
+
+**Our settings** (``--staleness``, ``--placement process|local``): staleness 0 by default, the
+best measured on these tasks (benchmarks/RESULTS.md, 2026-12-05 third sitting): on addition
+staleness 1 needed about twice the steps of staleness 0 (every sample one version stale: the
+trainer is the slower side on 2 cores, so the rollout always runs the full version ahead),
+and staleness 0 fewer steps than TRL.
 """
 
 from __future__ import annotations
@@ -194,14 +200,17 @@ def run_trl(name: str, folder: str, seed: int, threads: int, started: float, ste
     trainer.train()
 
 
-def run_ours(name: str, folder: str, seed: int, started: float, steps: int) -> None:
+def run_ours(
+    name: str, folder: str, seed: int, started: float, steps: int,
+    staleness: int = 0, placement: str = "process",
+) -> None:  # fmt: skip
     import trio
 
     from asyncflow_actors.pipeline import PipelineConfig, run_pipeline
 
     spec = _tasks()[name]
     config = PipelineConfig.from_dict({
-        "mode": "async", "staleness": 1, "progress": "none", "plot": False,
+        "mode": "async", "staleness": staleness, "progress": "none", "plot": False,
         "model": {"hf": folder},
         "task": {"kind": "dataset", "reward": f"{HERE}:reward",
                  "dataset": {"path": os.path.join(folder, "prompts.jsonl"), "shuffle": False}},
@@ -211,7 +220,7 @@ def run_ours(name: str, folder: str, seed: int, started: float, steps: int) -> N
                       "kl_coef": 0.0, "is_level": "token"},
         "train": {"steps": steps, "prompts_per_step": spec["prompts"], "lr": spec["lr"],
                   "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": seed, "torch_threads": 1},
-        "placement": {"default": "process",
+        "placement": {"default": placement,
                       "roles": {"actor_fwd": "trainer", "advantage": "trainer",
                                 "rollout": "driver"}},
     })  # fmt: skip
@@ -224,15 +233,16 @@ def run_ours(name: str, folder: str, seed: int, started: float, steps: int) -> N
 
 
 def one_run(
-    side: str, name: str, folder: str, seed: int, threads: int, steps: int
-) -> dict[str, Any]:
+    side: str, name: str, folder: str, seed: int, threads: int, steps: int,
+    ours: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
     """A fresh process of ``side``; stops it once the threshold is reached. Returns its seconds
     and steps to the threshold (inf if never) and its seconds to the first step."""
     with open(os.path.join(folder, "threshold.json")) as f:
         threshold = json.load(f)
     cmd = [sys.executable, HERE, "--child", side, "--task", name, "--folder", folder,
            "--seed", str(seed), "--threads", str(threads), "--steps", str(steps),
-           "--started", repr(time.time())]  # fmt: skip
+           "--started", repr(time.time()), *(ours if side == "ours" else ())]  # fmt: skip
     rewards: list[float] = []
     result: dict[str, Any] = {"side": side, "seed": seed, "seconds": float("inf"), "steps": None,
                               "first": None}  # fmt: skip
@@ -271,7 +281,7 @@ def best_threads(name: str, folder: str) -> int:
     return min(times, key=lambda n: times[n])
 
 
-def main(seeds: int, names: list[str], quick: bool) -> None:
+def main(seeds: int, names: list[str], quick: bool, ours: tuple[str, ...] = ()) -> None:
     from common import emit
 
     with tempfile.TemporaryDirectory(prefix="peer-trl-") as workdir:
@@ -284,7 +294,7 @@ def main(seeds: int, names: list[str], quick: bool) -> None:
             for seed in range(1, seeds + 1):
                 order = ("trl", "ours") if seed % 2 else ("ours", "trl")
                 for side in order:
-                    runs[side].append(one_run(side, name, folder, seed, threads, steps))
+                    runs[side].append(one_run(side, name, folder, seed, threads, steps, ours))
             ours = statistics.median(r["seconds"] for r in runs["ours"])
             trl = statistics.median(r["seconds"] for r in runs["trl"])
             emit(f"peer_trl_time_to_reward_{name}", ours, "s", trl)
@@ -308,6 +318,13 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--tasks", nargs="+", default=["addition", "longtail"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    parser.add_argument("--staleness", type=int, default=0, help="ours: the async staleness")
+    parser.add_argument(
+        "--placement",
+        choices=["process", "local"],
+        default="process",
+        help="ours: one process per role (process) or all in one (local)",
+    )
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -319,7 +336,10 @@ if __name__ == "__main__":
     if args.child == "trl":
         run_trl(args.task, args.folder, args.seed, args.threads, args.started, args.steps)
     elif args.child == "ours":
-        run_ours(args.task, args.folder, args.seed, args.started, args.steps)
+        run_ours(args.task, args.folder, args.seed, args.started, args.steps, args.staleness,
+                 args.placement)  # fmt: skip
     else:
         sys.path.insert(0, os.path.dirname(HERE))
-        main(args.seeds, args.tasks, args.quick)
+        ours = ("--staleness", str(args.staleness), "--placement", args.placement)
+        print(f"# ours: staleness {args.staleness}, placement {args.placement}", file=sys.stderr)
+        main(args.seeds, args.tasks, args.quick, ours)

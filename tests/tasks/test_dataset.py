@@ -107,3 +107,17 @@ def test_shuffled_per_epoch_and_cycled(tmp_path: Path) -> None:
     assert first != second and first != sorted(first, key=int)
     again = task.prepare(CharTokenizer(task.alphabet), None)
     assert [again.problem(i).answer for i in range(20)] == first + second
+
+
+def test_a_process_reads_an_unchanged_file_once(tmp_path: Path) -> None:
+    """The preflight, the Driver and the stations of one process build the task each: they
+    share one read while the file is unchanged, and see a changed file anew."""
+    path = write_jsonl(tmp_path / "d.jsonl", RECORDS)
+    settings = DatasetSettings(path=path, prompt_column="q", answer_column="sol")
+    first, second = DatasetTask.read(settings), DatasetTask.read(settings)
+    assert second.records is first.records
+    write_jsonl(tmp_path / "d.jsonl", RECORDS[:2])
+    third = DatasetTask.read(settings)
+    assert [r["answer"] for r in third.records] == ["3", "30"]
+    other = DatasetTask.read(DatasetSettings(path=path, prompt_column="q", answer_column="level"))
+    assert [r["answer"] for r in other.records] == [1, 2]

@@ -2,15 +2,17 @@
 
 A role instance runs in this process (``"driver"``), in a local node process started for the run
 (``system.start_node``), or on a node started by hand and reached by address
-(``system.connect_node``). Every node first spawns ``Preload`` (torch imported in a worker
-thread), then its roles. Moving a role between processes is a change of configuration only:
+(``system.connect_node``). Every node first spawns ``Preload`` (its roles' modules, torch and
+the run's transformers classes imported in a worker thread), then its roles; the nodes start
+while this process loads its own roles (``start_soon``), and a role spawned on a node waits
+for that node only. Moving a role between processes is a change of configuration only:
 the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import trio
@@ -29,6 +31,8 @@ from ..roles.preload import Preload
 from ._config import DRIVER, PipelineConfig
 
 ALLOW = ("asyncflow_actors",)
+# the roles that load the policy model (a node hosting one preloads its transformers classes)
+_MODEL_ROLES = frozenset({"rollout", "actor_fwd", "ref_fwd", "trainer"})
 
 
 class RunFailed(RuntimeError):
@@ -78,6 +82,7 @@ class Placement:
         self.suffix = suffix
         self.nodes: dict[str, Node] = {}
         self.local: list[str] = []  # names of actors spawned in this process, in order
+        self._ready: dict[str, trio.Event] = {}
 
     def node_names(self) -> list[str]:
         names: list[str] = []
@@ -104,10 +109,35 @@ class Placement:
         )
         return allow, env
 
-    async def start(self) -> None:
-        """Start or connect every node, concurrently, and preload torch on each."""
+    def hosts(self, node: str, roles: Collection[str]) -> bool:
+        """Whether ``node`` hosts an instance of one of ``roles``."""
+        return any(
+            role in roles and self.config.placement_of(role, worker) == node
+            for role, worker in self.config.instances()
+        )
+
+    def preload_modules(self, node: str, modules: Mapping[str, str]) -> tuple[str, ...]:
+        """What ``node``'s ``Preload`` imports: the module of each role placed there
+        (``modules``: role -> module) and the stations' compute module."""
+        out = ["asyncflow_actors.roles._compute"]
+        for role, worker in self.config.instances():
+            module = modules.get(role)
+            if self.config.placement_of(role, worker) == node and module and module not in out:
+                out.append(module)
+        return tuple(out)
+
+    def start_soon(self, nursery: trio.Nursery, modules: Mapping[str, str]) -> None:
+        """Start ``start`` in ``nursery``: ``spawn`` on a node waits for that node."""
+        for name in self.node_names():
+            self._ready.setdefault(name, trio.Event())
+        nursery.start_soon(self.start, modules)
+
+    async def start(self, modules: Mapping[str, str] | None = None) -> None:
+        """Start or connect every node, concurrently, and preload on each the modules of its
+        roles (``modules``: role -> module; torch and the compute module without)."""
         place = self.config.placement
         allow, env = self.node_env()
+        hf = self.config.model.hf
 
         async def one(name: str) -> None:
             alias = f"{name}.{self.suffix}"
@@ -118,8 +148,11 @@ class Placement:
                 node = await self.system.start_node(
                     alias, allow=allow, transport=place.transport, env=env
                 )
-            await node.spawn(Preload, name=f"preload.{self.suffix}")
-            self.nodes[name] = node
+            self.nodes[name] = node  # stopped by ``stop`` from now on
+            warm = hf if self.hosts(name, _MODEL_ROLES) else None
+            preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": warm}
+            await node.spawn(Preload, name=f"preload.{self.suffix}", kwargs=preload)
+            self._ready.setdefault(name, trio.Event()).set()
 
         async with trio.open_nursery() as nursery:
             for name in self.node_names():
@@ -144,6 +177,9 @@ class Placement:
             self.local.append(name)
             return ref
         target = f"{cls.__module__}:{cls.__qualname__}"
+        ready = self._ready.get(where)
+        if ready is not None:
+            await ready.wait()
         return await self.nodes[where].spawn(target, name=name, kwargs=kwargs, restart=restart)
 
     async def stop(

@@ -6,10 +6,10 @@ The Python API of the pipeline (the CLI's ``asyncflow train`` calls it)::
     result = trio.run(run_pipeline, config)
 
 Start order: the TransferQueue (``prompts`` and ``rollout`` topics), the nodes (concurrently,
-torch preloaded in a thread), the supervised warm-up (``train.sft_warmup_steps``, where the
-Trainer will run: ``pipeline._warmup``), the Driver, the Reward actor, rollout workers, forward
-workers, the Advantage station and the Trainer (which gets the refs of every weight holder).
-The run ends
+in the background: each imports its roles' modules in a thread while this process spawns its
+own roles), the supervised warm-up (``train.sft_warmup_steps``, where the Trainer will run:
+``pipeline._warmup``), the Driver, the Reward actor, rollout workers, forward workers, the
+Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
 (``RunFailed``); stations that crash are restarted by their supervisors meanwhile, and a
@@ -144,10 +144,13 @@ async def run_pipeline(
         resume = await trio.to_thread.run_sync(
             lambda: preflight(config, resume=resume, overwrite=overwrite)
         )
-        async with open_actor_system() as own:
-            return await run_pipeline(
-                config, system=own, resume=resume, overwrite=overwrite, on_step=on_step
-            )
+        async with (
+            open_actor_system() as own,
+            open_pipeline(
+                own, config, resume=resume, overwrite=overwrite, on_step=on_step, checked=True
+            ) as run,
+        ):
+            return await run.wait()
     async with open_pipeline(
         system, config, resume=resume, overwrite=overwrite, on_step=on_step
     ) as run:
@@ -254,13 +257,16 @@ async def open_pipeline(
     resume: str | None = None,
     overwrite: bool = False,
     on_step: OnStep | None = None,
+    checked: bool = False,
 ) -> AsyncIterator[Pipeline]:
     """Start a run under ``system``; stop everything when the block exits. ``resume``: a
     checkpoint directory, or a run directory (its newest checkpoint). Everything checkable is
-    checked first (``preflight``: ``PipelineConfigError`` before any process starts)."""
-    resume = await trio.to_thread.run_sync(
-        lambda: preflight(config, resume=resume, overwrite=overwrite)
-    )
+    checked first (``preflight``: ``PipelineConfigError`` before any process starts) unless
+    ``checked``: ``preflight`` already passed on this ``config`` and ``resume`` (``run_pipeline``)."""
+    if not checked:
+        resume = await trio.to_thread.run_sync(
+            lambda: preflight(config, resume=resume, overwrite=overwrite)
+        )
     # torch and the roles load in a worker thread: this event loop serves the TQ and the run
     await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
     state = DriverState.read(resume) if resume else None
@@ -306,13 +312,9 @@ async def open_pipeline(
             run.reports = reports
             try:
                 async with trio.open_nursery() as nursery:
+                    # the nodes start and preload while this process spawns its own roles
+                    place.start_soon(nursery, _role_modules())
                     client = await queue.client(f"pipeline.{suffix}")
-                    await place.start()
-                    run.nodes = place.nodes
-                    if observer is not None:
-                        observer.watch_transfer_queue(client)
-                        for node in place.nodes.values():
-                            await observer.attach_node(node)
                     send, receive = trio.open_memory_channel[tuple[StepDone, SyncReport, float]](
                         math.inf
                     )
@@ -324,6 +326,11 @@ async def open_pipeline(
                     run.hooks.on_step = step_done
                     run.warmup = await warm_up(place, config, spec, progress)
                     await _spawn_roles(place, spec, queue.controller, run, spawned)
+                    run.nodes = place.nodes  # every node is up: a role of each was spawned
+                    if observer is not None:
+                        observer.watch_transfer_queue(client)
+                        for node in place.nodes.values():
+                            await observer.attach_node(node)
                     watched = dict(run.refs)
                     if config.train.auto_resume and run.trainer is not None:
                         worker, kwargs = run.trainer  # watched by its resumer instead
@@ -369,6 +376,13 @@ async def _observer(system: ActorSystem, config: PipelineConfig) -> AsyncIterato
     observe = ObserveConfig(run_dir=config.run_dir, graph=graph(config))
     async with open_observer(system, observe) as observer:
         yield observer
+
+
+def _role_modules() -> dict[str, str]:
+    """The module of each role's class (what a node hosting it preloads)."""
+    classes = {"reward": Reward, "rollout": Rollout, "actor_fwd": ActorForward,
+               "ref_fwd": RefForward, "advantage": Advantage, "trainer": Trainer}  # fmt: skip
+    return {role: cls.__module__ for role, cls in classes.items()}
 
 
 async def _spawn_roles(

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,11 @@ log = logging.getLogger("asyncflow_actors.tasks")
 
 PROMPT = "prompt"
 ANSWER = "answer"
+
+# The last dataset read in this process, by settings and file identity: the preflight, the
+# Driver and the stations of one process build the task each, and would read it each time.
+_last_read: tuple[tuple[Any, ...], tuple[dict[str, Any], ...]] | None = None
+_read_lock = threading.Lock()
 
 
 def read_records(settings: DatasetSettings, path: str | None = None) -> list[dict[str, Any]]:
@@ -184,7 +190,17 @@ class DatasetTask:
 
     @classmethod
     def read(cls, settings: DatasetSettings) -> DatasetTask:
-        return cls(settings, read_records(settings))
+        """The task of ``settings``' records; read once per process while the file is
+        unchanged (same path, inode, size, modification time): its records are shared, never changed."""
+        global _last_read
+        key = _file_key(settings)
+        with _read_lock:
+            if key is not None and _last_read is not None and _last_read[0] == key:
+                return cls(settings, _last_read[1])
+            records = tuple(read_records(settings))
+            if key is not None:
+                _last_read = (key, records)
+        return cls(settings, records)
 
     @property
     def alphabet(self) -> str:
@@ -250,6 +266,18 @@ class DatasetTask:
             filtered=filtered,
             truncated=truncated,
         )
+
+
+def _file_key(settings: DatasetSettings) -> tuple[Any, ...] | None:
+    """``settings`` and its file's identity; ``None`` for a folder (an HF dataset) or no file."""
+    path = settings.path
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (repr(settings), os.path.abspath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def _truncate_left(tokenizer: Any, text: str, max_length: int) -> str:
