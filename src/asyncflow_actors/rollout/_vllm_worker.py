@@ -7,9 +7,9 @@ with ``WeightTransferEngineFactory`` before the worker creates its weight-transf
 One update, driven by ``VLLMEngine.load_weights`` through vLLM's own weight-update calls:
 
 1. ``start_weight_update``: forget anything staged.
-2. ``update_weights({"segments", "params"})`` (*stage*, any number of times): map each segment
-   (``_vllm_shm.map_segment``: name, size, CRC-32 checked) and check every tensor against the
-   served checkpoint's names and shapes (read from its safetensors headers) and that packed
+2. ``update_weights({"segments", "params", "checksum"})`` (*stage*, any number of times): map
+   each segment (``_vllm_shm.map_segment``: name, size, checksum checked: XXH3-64 or CRC-32, as
+   the plan names) and check every tensor against the served checkpoint's names and shapes (read from its safetensors headers) and that packed
    modules come whole (``q/k/v``, ``gate/up``). The model is not touched: a failure here leaves
    the old weights serving.
 3. ``update_weights({"commit": True})``: load everything staged in one go, through vLLM's
@@ -27,6 +27,7 @@ import json
 import mmap
 import os
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,10 +56,12 @@ class ShmInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
 
 @dataclass
 class ShmUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One stage (``segments`` + ``params``) or the commit (``commit=True``)."""
+    """One stage (``segments`` + ``params``, their ``checksum`` algorithm) or the commit
+    (``commit=True``)."""
 
     segments: list[Any] = field(default_factory=list)
     params: list[Any] = field(default_factory=list)
+    checksum: str = ""
     commit: bool = False
 
 
@@ -98,12 +101,14 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self.mappings: list[mmap.mmap] = []
         self.commits = 0
         self.staged_bytes = 0
+        self.timings: dict[str, float] = {}  # the last update's verify / load seconds
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         self.checksum = bool(init_info.checksum)
 
     def start_weight_update(self) -> None:
         self._drop()
+        self.timings = {}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base method also synchronizes the accelerator, which a CPU worker lacks.
@@ -116,7 +121,10 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             if update_info.commit:
                 self._commit()
             else:
-                self._stage(UpdatePlan.from_wire(update_info.segments, update_info.params))
+                plan = UpdatePlan.from_wire(
+                    update_info.segments, update_info.params, update_info.checksum
+                )
+                self._stage(plan)
         except BaseException:
             self._drop()  # vLLM ends the update on a failure: nothing may stay mapped
             raise
@@ -128,8 +136,13 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self._drop()
 
     def _stage(self, plan: UpdatePlan) -> None:
-        mappings = [map_segment(s, checksum=self.checksum) for s in plan.segments]
+        started = time.perf_counter()
+        if self.checksum and not plan.checksum:
+            raise SegmentError("the update carries no checksum (this engine checks them)")
+        algorithm = plan.checksum if self.checksum else ""
+        mappings = [map_segment(s, checksum=algorithm) for s in plan.segments]
         self.mappings.extend(mappings)
+        self.timings["verify"] = self.timings.get("verify", 0.0) + time.perf_counter() - started
         tensors = list(tensors_of(plan, mappings))
         problems: list[str] = []
         if self.shapes:
@@ -166,10 +179,12 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
         if not self.staged:
             raise SegmentError("commit without staged weights")
+        started = time.perf_counter()
         initialize_layerwise_reload(self.model)
         with disable_mtp_completeness_check():
             self.model.load_weights(iter(self.staged))
         finalize_layerwise_reload(self.model, self.model_config)
+        self.timings["load"] = time.perf_counter() - started
         self.commits += 1
         self._drop()
 
@@ -215,11 +230,13 @@ class WorkerExtension:
         return len(tensors)
 
     def afa_transfer_stats(self) -> dict[str, Any]:
-        """The ``afa_shm`` engine's backend name and commit count (``{}`` without it)."""
+        """The ``afa_shm`` engine's backend name, commit count and the last update's seconds
+        in the worker (``verify``: map and checksum, ``load``: vLLM's reload); ``{}`` without
+        it."""
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, ShmWeightTransferEngine):
             return {}
-        return {"backend": BACKEND, "commits": engine.commits}
+        return {"backend": BACKEND, "commits": engine.commits, "timings": dict(engine.timings)}
 
 
 try:
