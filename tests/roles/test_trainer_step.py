@@ -45,6 +45,7 @@ class FakeBatch:
     data: dict[str, Any]
     versions: tuple[int, ...]
     group_ids: tuple[int, ...]
+    shared: dict[str, Any] = attrs.field(factory=dict)  # group-shared columns: none apart
 
     def __len__(self) -> int:
         return len(self.versions)
@@ -69,6 +70,7 @@ def make_batch(version: int, *, oldest: int | None = None) -> FakeBatch:
         token_versions[5][0 if oldest < version else slice(None)] = oldest
     data = {
         S.PROMPT_IDS: [torch.tensor([1, 3 + k // 4, 4]) for k in range(n)],
+        S.PROMPT_KEY: [torch.tensor([k // 4, 0, version]) for k in range(n)],
         S.RESPONSE_IDS: responses,
         S.BEHAVIOUR: [-1.0 - 0.1 * torch.rand(len(r), generator=gen) for r in responses],
         S.TOKEN_VERSIONS: token_versions,

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from ._run import PipelineResult as PipelineResult
     from ._run import open_pipeline as open_pipeline
     from ._run import run_pipeline as run_pipeline
+    from ._samples import SampleCheck as SampleCheck
+    from ._samples import SampleRecord as SampleRecord
+    from ._samples import SamplesFileError as SamplesFileError
+    from ._samples import check_samples as check_samples
+    from ._samples import read_samples as read_samples
 
 # Lazy: the configuration loads (and fails) without torch, which the run itself imports.
 _LAZY = {
@@ -41,6 +46,11 @@ _LAZY = {
     "PipelineResult": "._run",
     "open_pipeline": "._run",
     "run_pipeline": "._run",
+    "SampleCheck": "._samples",
+    "SampleRecord": "._samples",
+    "SamplesFileError": "._samples",
+    "check_samples": "._samples",
+    "read_samples": "._samples",
 }
 
 

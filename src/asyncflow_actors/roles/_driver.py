@@ -22,6 +22,8 @@
   ``run_dir/checkpoints/step-N`` (the newest ``keep_last`` kept), and writes the prompt cursor
   and the prompts still in flight (re-injected first on resume). At the last step it saves
   ``run_dir/final`` instead: a run with a ``run_dir`` always ends with its model saved.
+- **Sample ledger.** It writes ``run_dir/samples.jsonl`` (``_ledger``): what each step trained,
+  each attempt injected again or dropped, the prompts in flight at the end.
 - **Stops.** On ``StopRun`` it saves ``run_dir/final`` at the last step unless the newest
   checkpoint holds it already; if the Trainer has moved on to the next version meanwhile, it
   saves at that step instead (whose ``StepDone`` is on its way) and ends the run there.
@@ -44,6 +46,7 @@ from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
 from ._driver_tasks import DriverTasks
+from ._ledger import SampleLedger
 from ._messages import (
     GetRoleStats,
     GroupDropped,
@@ -148,6 +151,10 @@ class Driver(Actor[_Msg]):
         # a dataset's prompts rendered and checked, the evaluation set (``_driver_tasks``)
         self.tasks = await in_thread(DriverTasks.open, self.spec, self.task, self.tokenizer)
         ctx.start_soon(self.tasks.serve, self.hooks)
+        self.ledger = await SampleLedger.open(
+            self.spec.run_dir, self.spec.resume_from, self.version
+        )
+        ctx.start_soon(self.ledger.serve)
         self.client = await TransferQueueClient.connect(self.controller, holder="driver")
         await self.client.set_version(S.ROLLOUT, self.version)
         self.meter.set_version(self.version)
@@ -221,14 +228,19 @@ class Driver(Actor[_Msg]):
         fresh = [k for k, group in enumerate(given) if group is None]
         if fresh:
             encode = self.tokenizer.encode
+            attempts = [self.ledger.next_attempt(indexes[k]) for k in fresh]
             shared = [
-                {S.PROMPT_IDS: torch.tensor(encode(problems[k].prompt, add_bos=True))}
-                for k in fresh
+                {
+                    S.PROMPT_IDS: torch.tensor(encode(problems[k].prompt, add_bos=True)),
+                    S.PROMPT_KEY: torch.tensor([indexes[k], attempt, version]),
+                }
+                for k, attempt in zip(fresh, attempts, strict=True)
             ]
             size = self.spec.rollout.group_size
             slots = await self.client.open_groups(S.ROLLOUT, [size] * len(fresh), shared)
-            for k, slot in zip(fresh, slots, strict=True):
+            for k, slot, attempt in zip(fresh, slots, attempts, strict=True):
                 given[k] = slot.group_id
+                self.ledger.admitted(indexes[k], attempt, version)
         opened: list[int] = []
         for k, group in enumerate(given):
             assert group is not None
@@ -257,8 +269,9 @@ class Driver(Actor[_Msg]):
                     # committing them (its restarted successor's release drops them). It
                     # writes a group's rows in one put, so the group went whole: the restarted
                     # worker finds it gone and drops its prompt, which lives again only here.
+                    reason = "evicted" if event.kind == "evicted" else "lost"
                     for gid in event.group_ids:
-                        await self._reinject(gid)
+                        await self._reinject(gid, reason)
                 elif event.topic == S.PROMPTS and event.kind in ("evicted", "lost"):
                     for sample in event.indexes:
                         gid = self.prompt_samples.pop(sample, -1)
@@ -266,12 +279,13 @@ class Driver(Actor[_Msg]):
                             self.hooks.reinjected += 1
                             await self._put_prompt(self.inflight[gid], gid)
 
-    async def _reinject(self, gid: int) -> bool:
+    async def _reinject(self, gid: int, reason: str) -> bool:
         """Inject the prompt of rollout group ``gid`` again in a new group, keeping its slots,
         unless the group was trained or injected again already (``False``)."""
         index = self.inflight.pop(gid, None)
         if index is None:
             return False
+        self.ledger.not_trained(index, reason, reinjected=True)
         self.hooks.reinjected += 1
         await self._put_prompt(index)
         return True
@@ -282,11 +296,13 @@ class Driver(Actor[_Msg]):
         if isinstance(msg, GroupDropped):
             await trio.lowlevel.checkpoint()
             self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
-            if self.inflight.pop(msg.group_id, None) is not None:
+            index = self.inflight.pop(msg.group_id, None)
+            if index is not None:
+                self.ledger.not_trained(index, "dropped", reinjected=False)
                 self.flow.release(self.spec.rollout.group_size)  # another prompt instead
             return None
         if isinstance(msg, GroupGone):
-            if await self._reinject(msg.group_id):
+            if await self._reinject(msg.group_id, "lost"):
                 log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
                          msg.worker)  # fmt: skip
             return None
@@ -302,6 +318,7 @@ class Driver(Actor[_Msg]):
     async def _step_done(self, msg: StepDone) -> StepAck:
         trainer = self.hooks.trainer
         assert trainer is not None, "the pipeline sets hooks.trainer before training starts"
+        self.ledger.trained(msg)
         for gid in msg.groups:
             self.inflight.pop(gid, None)
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
@@ -388,7 +405,9 @@ class Driver(Actor[_Msg]):
             target = directory
         if not await trainer.ask(SaveCheckpoint(target, expect)):
             return None
-        pending = tuple(sorted(set(self.inflight.values()) | set(self.backlog) | self.admitting))
+        pending = tuple(sorted(self.pending()))
+        mark = self.ledger.mark()  # with ``pending``, before any await
+        await self.ledger.save_mark(target, mark)
         state = DriverState(version, self.cursor, pending, attrs.asdict(self.spec.model))
         await in_thread(state.write, target)
         if final:
@@ -400,6 +419,16 @@ class Driver(Actor[_Msg]):
         self.hooks.checkpoints.append(directory)
         self.saved = (version, directory)
         return directory
+
+    def pending(self) -> set[int]:
+        """The prompts taken and not trained: in flight, waiting, being admitted."""
+        return set(self.inflight.values()) | set(self.backlog) | self.admitting
+
+    async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:  # the run ends: what is still in flight stays unfinished
+            with trio.CancelScope(shield=True):
+                await ledger.close(self.pending())
 
     def _prune(self) -> None:
         """Remove the intermediate checkpoints beyond the newest ``keep_last`` (never the one

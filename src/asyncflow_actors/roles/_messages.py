@@ -45,12 +45,32 @@ class StepAck:
 
 
 @attrs.frozen
+class TrainedSamples:
+    """The samples of one step, for the sample ledger: one entry per sample in each field
+    (columns, so that a step's thousands of samples cross the wire as a few lists). ``prompt``,
+    ``attempt`` and ``admitted``: the group's ``prompt_key``; ``index``: the sample's place in its
+    group; ``oldest`` / ``newest``: its tokens' oldest and newest policy version."""
+
+    prompt: tuple[int, ...] = ()
+    attempt: tuple[int, ...] = ()
+    admitted: tuple[int, ...] = ()
+    index: tuple[int, ...] = ()
+    oldest: tuple[int, ...] = ()
+    newest: tuple[int, ...] = ()
+    reward: tuple[float, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+
+@attrs.frozen
 class StepDone(Request[StepAck]):
     """The Trainer finished global batch ``version - 1`` and now holds ``version``.
 
     ``groups``: the rollout groups it trained (the Driver retires their prompts);
     ``staleness``: how many trained samples lagged by 0, 1, 2, ... versions (oldest token);
-    ``metrics``: loss and reward figures of the step (plain floats).
+    ``metrics``: loss and reward figures of the step (plain floats); ``trained``: each sample
+    trained, for the sample ledger.
     """
 
     version: int
@@ -59,6 +79,7 @@ class StepDone(Request[StepAck]):
     groups: tuple[int, ...]
     staleness: tuple[int, ...]
     metrics: Mapping[str, float] = attrs.field(converter=_floats)
+    trained: TrainedSamples = attrs.field(factory=TrainedSamples)
 
 
 @attrs.frozen

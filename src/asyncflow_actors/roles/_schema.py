@@ -3,8 +3,10 @@
 ``prompts``: one sample per prompt to generate (the Driver writes, Rollout consumes); it names
 the ``rollout`` group the Driver opened for it, so a lost or evicted group can be re-injected,
 and the policy version it was admitted for: no rollout worker starts its group on older weights.
-``rollout``: one sample per response, grouped (the prompt stored once per group); stations add
-their columns and the Trainer consumes samples that have them all.
+``rollout``: one sample per response, grouped (the prompt stored once per group, with its
+``prompt_key``: the prompt's index, attempt and admitted version, which the Trainer reports for
+the sample ledger); stations add their columns and the Trainer consumes samples that have them
+all.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ RECORD: Final = "record"  # the prompt's columns as JSON, for the reward functio
 
 # rollout
 PROMPT_IDS: Final = "prompt_ids"  # shared by the group
+# shared by the group: (prompt index, attempt, admitted version), the sample ledger's key
+PROMPT_KEY: Final = "prompt_key"
 RESPONSE_IDS: Final = "response_ids"
 BEHAVIOUR: Final = "behaviour_logprobs"  # the engine's logprobs of its own tokens
 TOKEN_VERSIONS: Final = "token_versions"  # the policy version of each token
@@ -69,6 +73,7 @@ def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
             "lease_ttl": 600.0,
             "columns": {
                 PROMPT_IDS: {"dtype": "int64", "shape": [None], "shared": True},
+                PROMPT_KEY: {"dtype": "int64", "shape": [3], "shared": True},
                 RESPONSE_IDS: {"dtype": "int64", "shape": [None]},
                 BEHAVIOUR: {"dtype": "float32", "shape": [None]},
                 TOKEN_VERSIONS: {"dtype": "int64", "shape": [None]},
@@ -102,6 +107,7 @@ def station_columns(spec: RunSpec) -> dict[str, tuple[str, ...]]:
     if spec.stage_barrier:
         adv += (REF,) if spec.use_ref else old
     train: tuple[str, ...] = (PROMPT_IDS, RESPONSE_IDS, BEHAVIOUR, TOKEN_VERSIONS, REWARDS, RESUMES)
+    train += (PROMPT_KEY,)  # the sample ledger's (``_ledger``)
     train += old + (() if spec.trainer_advantage else (ADVANTAGES,))
     if spec.use_ref:
         train += (REF,)

@@ -36,6 +36,7 @@ from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFail
 from ..observe import MetricInfo, clock_ns, get_registry
 from . import _schema as S
 from ._advantage import Advantages
+from ._ledger import trained_samples
 from ._messages import (
     AdoptVersion,
     GetRoleStats,
@@ -44,6 +45,7 @@ from ._messages import (
     StepDone,
     SyncReport,
     SyncWeights,
+    TrainedSamples,
 )
 from ._rank_settings import uses_ranks
 from ._reward import reward_names, reward_part_metrics
@@ -75,6 +77,7 @@ class _Step:
     lengths: list[int]
     updates: Generator[None, None, dict[str, float]] | None = None
     pieces: list[Any] = attrs.field(factory=list)
+    trained: TrainedSamples = attrs.field(factory=TrainedSamples)  # for the sample ledger
 
 
 def _cat(parts: list[Any]) -> Any:
@@ -246,7 +249,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             self._reward.set(metrics["reward_mean"])
             self.meter.done(samples, tokens)
             groups = tuple(sorted({g for b in batches for g in b.group_ids}))
-            done = StepDone(self.version, samples, tokens, groups, histogram, metrics)
+            done = StepDone(self.version, samples, tokens, groups, histogram, metrics, step.trained)
             if spec.colocated or last:
                 ack = await self.driver.ask(done)  # the Driver syncs the weights first
                 if ack.stop or last:
@@ -351,7 +354,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         return updates, lags, lengths
 
     def _finish(self, step: _Step) -> dict[str, float]:
-        """The optimizer step(s) and the batch's figures, in a compute thread."""
+        """The optimizer step(s) and the batch's figures (its samples for the ledger in
+        ``step.trained``), in a compute thread."""
         if step.updates is not None:
             metrics: dict[str, float] = self.compute.finish(step.updates)
         else:
@@ -366,6 +370,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         if names:  # ``reward/<name>``: each reward function's mean
             parts = _cat([column(b, S.REWARD_PARTS) for b in step.batches])
             metrics.update(reward_part_metrics(names, parts))
+        step.trained = trained_samples(step.batches)
         return metrics
 
     def _lags(self, token_versions: list[Any], versions: tuple[int, ...]) -> list[int]:

@@ -1,0 +1,303 @@
+"""The sample ledger: ``run_dir/samples.jsonl``, one JSON line per trained sample and per attempt
+at a prompt that was not trained (``docs/pipeline.md``, "The sample ledger").
+
+- **Ids.** A prompt's id is its index in the run's prompt stream (the Driver's cursor, which a
+  checkpoint keeps): unique across the run and its resumes. Each admission of a prompt into a
+  rollout group is an *attempt* (0, 1, ...: a prompt injected again after its group was evicted
+  or lost keeps its id, its attempt grows). The Driver stores ``(prompt index, attempt, admitted
+  version)`` in the group's shared ``prompt_key`` column, so every sample carries it through the
+  TransferQueue; the Trainer reports what it trained with it (``TrainedSamples`` in
+  ``StepDone``: ``trained_samples``), whichever Driver admitted it.
+- **One writer.** The Driver writes every record (``SampleLedger``): the trained samples of each
+  ``StepDone`` (once per step: a step reported again is not written again), the attempts it
+  injects again or drops, and at the end the prompts still in flight (``unfinished``). Records
+  are buffered and appended by a worker thread about once a second, in order, and flushed before
+  a checkpoint and when the Driver stops: no write on the event loop, none per sample.
+- **Resume.** A checkpoint records the ledger's length (``ledger.json``) with the prompts in
+  flight; a resume cuts the file back to that length (the records after it describe training
+  the resumed model does not hold, and the prompts it re-admits) and appends from there, so a
+  sample is recorded once per training the final model holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from . import _schema as S
+from ._messages import StepDone, TrainedSamples
+from ._worker import column, columns
+
+log = logging.getLogger("asyncflow_actors.roles")
+
+SAMPLES_FILE = "samples.jsonl"
+MARK_FILE = "ledger.json"  # in a checkpoint directory: {"samples_bytes": <length>}
+FLUSH_EVERY_S = 1.0
+
+
+def prompt_id(index: int) -> str:
+    """A prompt's run-wide id: its index in the run's prompt stream."""
+    return str(index)
+
+
+def trained_samples(batches: Sequence[Any]) -> TrainedSamples:
+    """The ledger entries of a step's batches (the Trainer, in its compute thread): each
+    sample's ``prompt_key``, place in its group (by queue index), oldest and newest token
+    version (its stored version when it has no token) and reward."""
+    import torch
+
+    out: dict[str, list[Any]] = {f.name: [] for f in attrs.fields(TrainedSamples)}
+    for batch in batches:
+        keys = columns(batch, S.PROMPT_KEY)
+        keys = torch.stack(list(keys)) if isinstance(keys, list) else keys
+        prompt, attempt, admitted = keys.long().t().tolist()
+        oldest, newest = _token_range(batch[S.TOKEN_VERSIONS], batch.versions)
+        out["prompt"] += prompt
+        out["attempt"] += attempt
+        out["admitted"] += admitted
+        out["index"] += _places(batch.group_ids, batch.indexes)
+        out["oldest"] += oldest
+        out["newest"] += newest
+        out["reward"] += column(batch, S.REWARDS).float().tolist()
+    return TrainedSamples(**{k: tuple(v) for k, v in out.items()})
+
+
+def _token_range(
+    token_versions: Sequence[Any], stored: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """Each sample's oldest and newest token version: one reduction each for the batch."""
+    import torch
+
+    low = torch.tensor(list(stored), dtype=torch.long)
+    high = low.clone()
+    lengths = torch.tensor([int(t.shape[0]) for t in token_versions], dtype=torch.long)
+    if int(lengths.sum()):
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        flat = torch.cat(list(token_versions)).long()
+        has = lengths > 0
+        big = torch.iinfo(torch.long)
+        low = torch.where(
+            has, torch.full_like(low, big.max).scatter_reduce(0, rows, flat, "amin"), low
+        )
+        high = torch.where(
+            has, torch.full_like(high, big.min).scatter_reduce(0, rows, flat, "amax"), high
+        )
+    return low.tolist(), high.tolist()
+
+
+def _places(groups: Sequence[int], indexes: Sequence[int]) -> list[int]:
+    """Each sample's place in its group: the rank of its queue index among its group's (a
+    group's rows are allocated in order, in one put, and trained whole)."""
+    order = sorted(range(len(groups)), key=lambda k: (groups[k], indexes[k]))
+    places = [0] * len(groups)
+    previous, place = None, 0
+    for k in order:
+        if groups[k] != previous:
+            previous, place = groups[k], 0
+        places[k] = place
+        place += 1
+    return places
+
+
+class SampleLedger:
+    """The Driver's ledger (see the module docstring). ``path`` ``None``: a run without a
+    ``run_dir`` (attempts are still counted: they travel in ``prompt_key``)."""
+
+    def __init__(
+        self,
+        path: str | None,
+        *,
+        size: int = 0,
+        attempts: dict[int, int] | None = None,
+        step: int = 0,
+    ) -> None:
+        self.path = path
+        self.size = size  # bytes in the file plus bytes buffered: a checkpoint's mark
+        self.step = step  # the newest step recorded
+        self.start_version = step
+        self._next: dict[int, int] = dict(attempts or {})  # prompt index -> its next attempt
+        self._current: dict[int, tuple[int, int]] = {}  # in flight: (attempt, admitted version)
+        self._lines: list[str] = []
+        self._wake = trio.Event()
+        self._lock = trio.Lock()
+        self.closed = False
+
+    @classmethod
+    async def open(cls, run_dir: str | None, resume_from: str | None, version: int) -> SampleLedger:
+        """The ledger of a run starting at ``version``; a resume cuts the file back to its
+        checkpoint's mark and learns the attempts made so far."""
+        if not run_dir:
+            return cls(None, step=version)
+        path = os.path.join(run_dir, SAMPLES_FILE)
+        size, attempts = await trio.to_thread.run_sync(_recover, path, resume_from)
+        return cls(path, size=size, attempts=attempts, step=version)
+
+    # --- what the Driver tells it (no await: a checkpoint sees these and the Driver's state
+    # change together)
+
+    def next_attempt(self, index: int) -> int:
+        """The attempt number prompt ``index`` gets if it is admitted now."""
+        return self._next.get(index, 0)
+
+    def admitted(self, index: int, attempt: int, version: int) -> None:
+        """Prompt ``index``'s attempt ``attempt`` was admitted for ``version`` (its group
+        opened)."""
+        self._current[index] = (attempt, version)
+        self._next[index] = max(self._next.get(index, 0), attempt + 1)
+
+    def not_trained(self, index: int, reason: str, *, reinjected: bool) -> None:
+        """Prompt ``index``'s attempt in flight ends untrained (``reason``)."""
+        attempt, version = self._current.pop(index, (self.next_attempt(index), self.start_version))
+        self._write(
+            {
+                "kind": "not_trained",
+                "prompt_id": prompt_id(index),
+                "attempt": attempt,
+                "admitted_version": version,
+                "reason": reason,
+                "reinjected": reinjected,
+            }
+        )
+
+    def trained(self, msg: StepDone) -> None:
+        """The samples of step ``msg.version`` (once: a step recorded is not recorded again)."""
+        if msg.version <= self.step:
+            if len(msg.trained):
+                log.warning("sample ledger: step %d reported again, not recorded", msg.version)
+            return
+        self.step = msg.version
+        t = msg.trained
+        trainer_version = msg.version - 1
+        for k in range(len(t)):
+            pid = prompt_id(t.prompt[k])
+            self._write(
+                {
+                    "kind": "trained",
+                    "prompt_id": pid,
+                    "sample_id": f"{pid}/{t.attempt[k]}/{t.index[k]}",
+                    "attempt": t.attempt[k],
+                    "admitted_version": t.admitted[k],
+                    "oldest_version": t.oldest[k],
+                    "newest_version": t.newest[k],
+                    "step": msg.version,
+                    "trainer_version": trainer_version,
+                    "reward": t.reward[k],
+                }
+            )
+            if self._current.get(t.prompt[k], (-1, 0))[0] == t.attempt[k]:
+                del self._current[t.prompt[k]]  # that attempt is done
+
+    def unfinished(self, indexes: Iterable[int]) -> None:
+        """The prompts still in flight when the run ends."""
+        for index in sorted(set(indexes)):
+            self.not_trained(index, "unfinished", reinjected=False)
+
+    def mark(self) -> int:
+        """The ledger's length with every record so far (flushed by ``save_mark``)."""
+        return self.size
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.path is None or self.closed:
+            return
+        line = json.dumps(record) + "\n"  # ASCII: its length is its size in bytes
+        self._lines.append(line)
+        self.size += len(line)
+        self._wake.set()
+
+    # --- writing
+
+    async def flush(self) -> None:
+        """Append the buffered records (in a worker thread, in order)."""
+        async with self._lock:
+            lines, self._lines = self._lines, []
+            if lines and self.path is not None:
+                await trio.to_thread.run_sync(_append, self.path, lines)
+
+    async def save_mark(self, directory: str, mark: int) -> None:
+        """Flush, then record ``mark`` in checkpoint ``directory`` (before the Driver's state:
+        a checkpoint with a Driver state has its mark)."""
+        await self.flush()
+        if self.path is not None:
+            await trio.to_thread.run_sync(_write_mark, directory, mark)
+
+    async def serve(self) -> None:
+        """The Driver's flushing task: the records of about a second in one append."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            await trio.sleep(FLUSH_EVERY_S)
+            await self.flush()
+
+    async def close(self, unfinished: Iterable[int]) -> None:
+        """The end of the run: record the prompts in flight, flush, record nothing more."""
+        if not self.closed:
+            self.unfinished(unfinished)
+            self.closed = True
+        await self.flush()
+
+
+def _append(path: str, lines: list[str]) -> None:
+    with open(path, "a", encoding="ascii") as f:
+        f.writelines(lines)
+
+
+def _write_mark(directory: str, mark: int) -> None:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, MARK_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"samples_bytes": mark}, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_mark(directory: str) -> int | None:
+    """The ledger length a checkpoint recorded (``None``: none recorded)."""
+    try:
+        with open(os.path.join(directory, MARK_FILE), encoding="utf-8") as f:
+            return int(json.load(f)["samples_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _recover(path: str, resume_from: str | None) -> tuple[int, dict[int, int]]:
+    """The ledger file as a run finds it: a new run starts it empty; a resume cuts it back to
+    its checkpoint's mark (or, without one, to its last whole line). Its length and each
+    prompt's next attempt."""
+    if resume_from is None:
+        with open(path, "w", encoding="ascii"):
+            return 0, {}
+    mark = read_mark(resume_from)
+    try:
+        f = open(path, "r+b")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        if mark:
+            log.warning("sample ledger: %s is missing; it starts again here", path)
+        return 0, {}
+    with f:
+        data = f.read()
+        if mark is None:
+            end = data.rfind(b"\n") + 1  # a line cut by a crash goes
+        elif mark <= len(data):
+            end = mark
+        else:
+            log.warning(
+                "sample ledger: %s holds %d bytes, its checkpoint recorded %d",
+                path,
+                len(data),
+                mark,
+            )
+            end = data.rfind(b"\n") + 1
+        if end < len(data):
+            f.truncate(end)
+    attempts: dict[int, int] = {}
+    for line in data[:end].splitlines():
+        if line.strip():
+            record = json.loads(line)
+            index = int(record["prompt_id"])
+            attempts[index] = max(attempts.get(index, 0), int(record["attempt"]) + 1)
+    return end, attempts
