@@ -135,6 +135,8 @@ async def main(args: argparse.Namespace) -> int:
         emit(row)
     if result.error:
         say(f"the run did not finish: {result.error}")
+    for what, seconds in zip(result.injected, result.recovery_s, strict=True):
+        say(f"{what}: next step after {seconds:.2f} s")
     for what in result.skipped:
         say(f"fault not carried out: {what}")
     for name, ids in (("lost", result.lost), ("duplicated", result.duplicated),

@@ -23,7 +23,13 @@ import trio
 
 from ._leaks import ResourceLeak, ResourceSnapshot, check_no_leaks, warm_up_zmq
 from ._processes import alive
-from ._soak import FAULT_KINDS, FaultSchedule, open_fault_campaign, open_link_faults
+from ._soak import (
+    FAULT_KINDS,
+    FaultSchedule,
+    InjectedFault,
+    open_fault_campaign,
+    open_link_faults,
+)
 
 if TYPE_CHECKING:
     from ..pipeline import PipelineConfig
@@ -68,7 +74,8 @@ class SoakResult:
     ``finished``: the run reached its clean stop (``error``: why not, one line).
     ``steps``/``seconds``: steps completed over the seconds from the first step's start to the
     stop. ``faults``: injected, by kind; ``skipped``: planned but not carried out (why).
-    ``recovery_s``: per fault, the seconds to the next completed step (``inf``: none came).
+    ``injected``: one line per fault carried out (when, what, on what); ``recovery_s``: for
+    each, the seconds to the next completed step (``inf``: none came).
     ``lost``/``duplicated``/``stale``: the ledger's prompt ids and sample ids (``None``: no
     ledger was read); ``not_trained``: prompts reported not trained, by reason. ``leaks``: what
     outlived the run.
@@ -80,6 +87,7 @@ class SoakResult:
     seconds: float
     faults: dict[str, int]
     skipped: tuple[str, ...]
+    injected: tuple[str, ...]
     recovery_s: tuple[float, ...]
     lost: tuple[str, ...] | None
     duplicated: tuple[str, ...] | None
@@ -176,6 +184,7 @@ async def run_soak(
     steps, elapsed = 0, 0.0
     faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
     skipped: tuple[str, ...] = ()
+    injected: tuple[str, ...] = ()
     recovery: tuple[float, ...] = ()
     pids: set[int] = set()
     try:
@@ -197,6 +206,7 @@ async def run_soak(
                 faults = campaign.counts()
                 skipped = tuple(f"{f.kind} {f.target}: {why}" for f, why in campaign.skipped)
                 recovery = tuple(campaign.recovery_seconds())
+                injected = tuple(_describe(item) for item in campaign.injected)
                 pids |= campaign.pids
             pids |= await _pids(run)
             stop_at = trio.current_time()
@@ -213,7 +223,8 @@ async def run_soak(
         if isinstance(exc, (KeyboardInterrupt, trio.Cancelled)):
             raise
         error = _one_line(exc)
-    leaks = await trio.to_thread.run_sync(_leaks, before, shm_before, namespace, pids)
+    # in this thread: a worker thread would count itself (the system is closed: nothing waits)
+    leaks = _leaks(before, shm_before, namespace, pids)
     records = await trio.to_thread.run_sync(_read, read_samples, config.run_dir)
     lost = duplicated = stale = None
     not_trained: dict[str, int] = {}
@@ -235,6 +246,7 @@ async def run_soak(
         seconds=elapsed,
         faults=faults,
         skipped=skipped,
+        injected=injected,
         recovery_s=recovery,
         lost=lost,
         duplicated=duplicated,
@@ -273,8 +285,7 @@ async def _campaign(
             while True:
                 for item in campaign.injected[told:]:
                     if on_fault is not None:
-                        f = item.fault
-                        on_fault(f"{f.at:7.1f}s {f.kind} {f.target} ({item.detail})")
+                        on_fault(_describe(item))
                 told = len(campaign.injected)
                 await trio.sleep(0.5)
 
@@ -287,6 +298,11 @@ async def _campaign(
                 await trio.sleep(0.1)
         await trio.sleep(0.6)  # the reporter's last lines
         nursery.cancel_scope.cancel()
+
+
+def _describe(item: InjectedFault) -> str:
+    f = item.fault
+    return f"{f.at:7.1f}s {f.kind} {f.target} ({item.detail})"
 
 
 def _read(read_samples: Callable[[str], Any], run_dir: str) -> Any:
