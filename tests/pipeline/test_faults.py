@@ -15,7 +15,7 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors import testing as aft
-from asyncflow_actors.pipeline import open_pipeline, run_pipeline
+from asyncflow_actors.pipeline import check_samples, open_pipeline, read_samples, run_pipeline
 from asyncflow_actors.roles import GetRoleStats
 
 from .kit import tiny
@@ -59,15 +59,19 @@ async def kill_mid_run(
     return result, stats
 
 
-async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes() -> None:
+async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes(
+    tmp_path: Path,
+) -> None:
     """kill -9 of the Rollout's node mid-run. What its incarnation left behind must not outlive
     it: prompts it had leased go back to the queue, groups whose rows it had allocated but not
     committed are re-injected by the Driver, a claim it left waiting in the queue is withdrawn
     (it would take the prompts its successor needs, under a lease nobody acks), and the
     restarted worker, holding the initial weights, gets the current ones. Each of these
-    stalled the run before it was fixed."""
+    stalled the run before it was fixed. The sample ledger says so: every prompt trained once
+    or reported (``lost`` and injected again, ``unfinished``)."""
     config = tiny(
         "async",
+        run_dir=str(tmp_path),
         train={"steps": 6},
         placement={"default": "local", "roles": {"rollout": "gen"}},
     )
@@ -75,6 +79,8 @@ async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes()
         result, rollout = await kill_mid_run(config, "gen", "rollout-0", after_steps=2)
     assert [r.samples for r in result.records] == [BATCH] * 6
     assert rollout.samples > 0, "the restarted worker took over"
+    check = check_samples(read_samples(str(tmp_path)), group_size=4, staleness=1)
+    assert check.ok and check.trained == 6 * BATCH, check
 
 
 async def test_a_cancelled_run_stops_every_process(tmp_path: Path) -> None:

@@ -1,12 +1,12 @@
 """A run's directory: which checkpoint a ``--resume`` means, and what a run may find there.
 
 ``run_dir`` holds ``config.json``, ``steps.jsonl``, ``samples.jsonl`` (the sample ledger),
-``curves.png``, ``final/`` (the model at
-the end of the run or at a clean stop) and ``checkpoints/step-N/`` (and an observer's
-``metrics.jsonl``, ``trace.json``, ``observe.json``). ``--resume`` takes a checkpoint directory
-or a run directory (its newest checkpoint, ``final`` included). A new run refuses a directory
-that holds a run's files unless it overwrites them; a resumed run drops the step records of
-the interrupted run after its checkpoint and continues the numbering.
+``curves.png``, ``final/`` (the model at the end of the run or at a clean stop) and
+``checkpoints/step-N/`` (and an observer's ``metrics.jsonl``, ``trace.json``,
+``observe.json``). ``--resume`` takes a checkpoint directory or a run directory (its newest
+checkpoint, ``final`` included). A new run refuses a directory that holds a run's files unless
+it overwrites them; a resumed run drops the step records of the interrupted run after its
+checkpoint and continues the numbering.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ._config import PipelineConfig, PipelineConfigError
 
 STEPS = "steps.jsonl"
 RUN_FILES = (
-    "config.json", STEPS, "samples.jsonl", "curves.png", FINAL, FINAL + ".partial", FINAL + ".old", CHECKPOINTS,
-    "metrics.jsonl", "trace.json", "observe.json",
+    "config.json", STEPS, "samples.jsonl", "curves.png", FINAL, FINAL + ".partial",
+    FINAL + ".old", CHECKPOINTS, "metrics.jsonl", "trace.json", "observe.json",
 )  # fmt: skip
 """What a run writes in its ``run_dir`` (``--overwrite`` removes these, and only these)."""
 

@@ -176,7 +176,7 @@ def check_samples(
     reported ``not_trained`` with ``reinjected``, and the last must be trained in full
     (``group_size`` samples, indexes ``0 .. group_size - 1``) or reported ``not_trained``.
     Prompt ids are the run's prompt indexes: an id below the largest seen that no record
-    names was admitted and lost."""
+    names was admitted and lost (so ``records`` is a whole run's ledger)."""
     trained: dict[str, dict[int, list[SampleRecord]]] = {}
     ended: dict[str, dict[int, list[SampleRecord]]] = {}
     seen: dict[str, int] = {}
@@ -191,7 +191,6 @@ def check_samples(
             assert record.sample_id is not None
             stale.add(record.sample_id)
     ids: dict[str, int] = {}
-    duplicated: set[str] = set()
     for attempts in trained.values():
         for samples in attempts.values():
             for r in samples:

@@ -285,9 +285,10 @@ class Driver(Actor[_Msg]):
                             self.hooks.reinjected += 1
                             await self._put_prompt(self.inflight[gid], gid)
 
-    async def _reinject(self, gid: int, reason: str) -> bool:
+    async def _reinject(self, gid: int, reason: str = "lost") -> bool:
         """Inject the prompt of rollout group ``gid`` again in a new group, keeping its slots,
-        unless the group was trained or injected again already (``False``)."""
+        unless the group was trained or injected again already (``False``); the ledger records
+        why its attempt ended (``reason``)."""
         index = self.inflight.pop(gid, None)
         if index is None:
             return False

@@ -370,7 +370,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         if names:  # ``reward/<name>``: each reward function's mean
             parts = _cat([column(b, S.REWARD_PARTS) for b in step.batches])
             metrics.update(reward_part_metrics(names, parts))
-        step.trained = trained_samples(step.batches)
+        oldest = [self.version - lag for lag in step.lags]
+        step.trained = trained_samples(step.batches, oldest)
         return metrics
 
     def _lags(self, token_versions: list[Any], versions: tuple[int, ...]) -> list[int]:
