@@ -188,13 +188,14 @@ async def test_a_retried_sync_keeps_staleness_zero_on_policy(monkeypatch: Any) -
 
 async def test_a_sync_that_fails_for_good_fails_the_run(monkeypatch: Any) -> None:
     """Groups admitted for a version whose sync never succeeds wait for it; the run fails
-    (``RunFailed``) and stops instead of hanging on them."""
+    (``RunFailed``) and stops instead of hanging on them (without ``train.auto_resume``: a
+    resumed Trainer would sync again, and here succeed)."""
     from asyncflow_actors.pipeline import RunFailed
     from asyncflow_actors.roles import _trainer
 
     monkeypatch.setattr(_trainer, "SYNC_ATTEMPTS", 2)
     failed = fail_syncs(monkeypatch, 2, times=2)
     with trio.fail_after(60), pytest.raises(ExceptionGroup) as info:
-        await run_pipeline(tiny("async", staleness=0, train={"steps": 4}))
+        await run_pipeline(tiny("async", staleness=0, train={"steps": 4, "auto_resume": False}))
     assert info.group_contains(RunFailed)
     assert failed == [2, 2]

@@ -1,5 +1,6 @@
 """The Trainer's node process killed mid-run (issue #27 §1b): the Trainer is ``TEMPORARY``, so
-its node's restart does not bring it back; the run fails naming it instead of hanging."""
+its node's restart does not bring it back; without ``train.auto_resume`` the run fails naming
+it instead of hanging (with it: ``test_auto_resume``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .kit import tiny
 async def test_killing_the_trainers_process_fails_the_run_naming_the_trainer() -> None:
     config = tiny(
         "async",
-        train={"steps": 50},
+        train={"steps": 50, "auto_resume": False},
         placement={"default": "local", "roles": {"trainer": "tr"}},
     )
     async with afa.open_actor_system() as system, open_pipeline(system, config) as run:

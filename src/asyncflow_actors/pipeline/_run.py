@@ -66,6 +66,7 @@ from ._report import (
     read_steps,
     third_party_bars_off,
 )
+from ._resume import Resume, TrainerResumer
 from ._rundir import clear_run_dir, trim_steps
 
 
@@ -106,6 +107,7 @@ class PipelineResult:
     run_dir: str | None
     stopped: bool = False
     latest_checkpoint: str | None = None
+    resumes: tuple[Resume, ...] = ()  # the Trainer's automatic resumes (``train.auto_resume``)
 
     @property
     def samples_per_s(self) -> float:
@@ -168,6 +170,8 @@ class Pipeline:
         self._stop = trio.Event()
         self._stopped: Stopped | None = None
         self._record_added = trio.Event()
+        self.trainer: tuple[str, dict[str, Any]] | None = None  # its worker name and kwargs
+        self.resumer: TrainerResumer | None = None
 
     def stop(self) -> None:
         """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
@@ -228,6 +232,7 @@ class Pipeline:
             latest_checkpoint=(
                 self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
             ),
+            resumes=tuple(self.resumer.resumes) if self.resumer else (),
         )
 
 
@@ -304,8 +309,14 @@ async def open_pipeline(
 
                     run.hooks.on_step = step_done
                     await _spawn_roles(place, spec, queue.controller, run, spawned)
+                    watched = dict(run.refs)
+                    if config.train.auto_resume and run.trainer is not None:
+                        worker, kwargs = run.trainer  # watched by its resumer instead
+                        run.resumer = TrainerResumer(run, place, client, worker, kwargs, spawned)
+                        await run.resumer.watch(watched.pop(worker))
+                        nursery.start_soon(run.resumer.serve)
                     watcher = await system.spawn(
-                        lambda: Watcher(list(run.refs.values()), run.failed, run.errors),
+                        lambda: Watcher(list(watched.values()), run.failed, run.errors),
                         name=f"watcher.{suffix}",
                     )
                     spawned.insert(0, watcher)
@@ -392,6 +403,7 @@ async def _spawn_roles(
             targets.append(ref)
         if role == "trainer":
             hooks.trainer = ref
+            run.trainer = (worker, kwargs)
         if role == "rollout":
             hooks.rollouts.append(ref)
 
@@ -470,7 +482,7 @@ async def _report_steps(
             maybe = on_step(record)
             if maybe is not None:
                 await maybe
-        if count >= total:
+        if msg.version >= run.hooks.end_version:  # later by the steps a resume lost
             run._recorded.set()
 
 

@@ -41,10 +41,12 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import Actor, ActorContext, ActorRef
+from ..actors import Actor, ActorContext, ActorCrashed, ActorRef
+from ..actors.remote import NodeLost
 from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
+from ._driver_resume import TrainerLost, UnsavedSteps, roll_back
 from ._driver_tasks import DriverTasks
 from ._ledger import SampleLedger
 from ._messages import (
@@ -56,6 +58,7 @@ from ._messages import (
     SaveCheckpoint,
     StepAck,
     StepDone,
+    StepTrained,
     Stopped,
     StopRun,
     SyncReport,
@@ -110,9 +113,19 @@ class DriverHooks:
     checkpoints: list[str] = attrs.Factory(list)
     reinjected: int = 0
     rollouts: list[ActorRef[Any]] = attrs.Factory(list)  # for evaluations
+    end_version: int = 0  # the run's last version (later by the steps an auto-resume lost)
 
 
-_Msg = StepDone | GetRoleStats | NeedWeights | GroupGone | GroupDropped | StopRun
+_Msg = (
+    StepDone
+    | GetRoleStats
+    | NeedWeights
+    | GroupGone
+    | GroupDropped
+    | StopRun
+    | StepTrained
+    | TrainerLost
+)
 
 
 class Driver(Actor[_Msg]):
@@ -144,6 +157,10 @@ class Driver(Actor[_Msg]):
         self.stopping = False
         # (version, directory) of the newest checkpoint: the one resumed from, else none yet
         self.saved = (spec.start_version, spec.resume_from or "")
+        # auto-resume: the steps trained since that checkpoint (``_driver_resume``)
+        self.unsaved = UnsavedSteps()
+        self.end_version = spec.train.steps
+        hooks.end_version = self.end_version
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
         self.compute = await load_compute(self.spec.train.torch_threads)
@@ -300,6 +317,12 @@ class Driver(Actor[_Msg]):
     async def receive(self, msg: _Msg, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, StopRun):
             return await self._stop()
+        if isinstance(msg, StepTrained):
+            await trio.lowlevel.checkpoint()
+            self.unsaved.trained(msg, self.inflight)
+            return None
+        if isinstance(msg, TrainerLost):
+            return await roll_back(self, msg.floor)
         if isinstance(msg, GroupDropped):
             await trio.lowlevel.checkpoint()
             self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
@@ -341,14 +364,17 @@ class Driver(Actor[_Msg]):
             # instead put the injection (a TQ put and a group per prompt) on every step's
             # critical path.
             self.flow.release(msg.samples)
-            report = await trainer.ask(SyncWeights(msg.version))
+            self.unsaved.released(msg.version)
+            report = await self._sync_weights(trainer, msg.version)
+        if report is None:  # the Trainer died: the step is lost, the run resumes
+            return StepAck(False)
         now = trio.current_time()
         seconds, self._step_started = now - self._step_started, now
         self.meter.done(msg.samples, msg.tokens)
         spec = self.spec
         steps_done = msg.version - spec.start_version
         every = spec.train.checkpoint_every
-        stop = msg.version >= spec.train.steps or self.stopping
+        stop = msg.version >= self.end_version or self.stopping
         if spec.run_dir and stop:
             if self.saved[0] < self.version:  # (a stop may have saved this step already)
                 await self.save_checkpoint(trainer, final=True)
@@ -367,6 +393,18 @@ class Driver(Actor[_Msg]):
                 self.hooks.stopped = Stopped(*self.saved)
             self.hooks.done.set()
         return StepAck(stop)
+
+    async def _sync_weights(self, trainer: ActorRef[Any], version: int) -> SyncReport | None:
+        """The Trainer's report of the sync of ``version``; ``None`` if it died meanwhile and
+        ``train.auto_resume`` restarts it (else its death fails the run, as the error)."""
+        try:
+            report: SyncReport = await trainer.ask(SyncWeights(version))
+        except (ActorCrashed, NodeLost) as exc:
+            if not self.spec.train.auto_resume:
+                raise
+            log.warning("the sync of version %d ended with its Trainer: %r", version, exc)
+            return None
+        return report
 
     async def _stop(self) -> Stopped:
         """Save the last step unless the newest checkpoint holds it (``Stopped``), or, if the
@@ -410,7 +448,13 @@ class Driver(Actor[_Msg]):
         else:
             directory = os.path.join(run_dir, CHECKPOINTS, f"step-{version:06d}")
             target = directory
-        if not await trainer.ask(SaveCheckpoint(target, expect)):
+        try:
+            if not await trainer.ask(SaveCheckpoint(target, expect)):
+                return None
+        except (ActorCrashed, NodeLost) as exc:
+            if not self.spec.train.auto_resume:
+                raise
+            log.warning("no checkpoint at version %d: the Trainer died (%r)", version, exc)
             return None
         pending = tuple(sorted(self.pending()))
         mark = self.ledger.mark()  # with ``pending``, before any await
@@ -425,6 +469,7 @@ class Driver(Actor[_Msg]):
             self.hooks.checkpoints.remove(directory)
         self.hooks.checkpoints.append(directory)
         self.saved = (version, directory)
+        self.unsaved.saved(version)
         return directory
 
     def pending(self) -> set[int]:

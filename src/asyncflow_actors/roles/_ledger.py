@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -219,6 +219,45 @@ class SampleLedger:
         self._current = {}
         self.step = self.start_version = version
 
+    async def lose_steps(
+        self, versions: Collection[int], held: Iterable[int], since: str | None
+    ) -> None:
+        """Steps ``versions`` are lost (an auto-resume: no checkpoint holds them, and the
+        restarted Trainer starts before them): their ``trained`` records are taken back (from
+        the buffer, and from the file past checkpoint ``since``'s mark; ``None``: the whole
+        file), and each of their attempts is recorded ``not_trained`` ("lost", injected
+        again). ``held``: the prompts of lost steps never reported here (still in flight)."""
+        lost: dict[int, tuple[int, int]] = {}  # prompt index -> (attempt, admitted version)
+        wanted = set(versions)
+        async with self._lock:
+            kept: list[dict[str, Any] | tuple[int, TrainedSamples]] = []
+            for entry in self._buffer:
+                if isinstance(entry, tuple) and entry[0] in wanted:
+                    t = entry[1]
+                    self.count -= len(t)
+                    lost.update(zip(t.prompt, zip(t.attempt, t.admitted, strict=True), strict=True))
+                else:
+                    kept.append(entry)
+            self._buffer = kept
+            if self.path is not None and wanted:
+                mark = (read_mark(since) if since else None) or 0
+                removed = await trio.to_thread.run_sync(_cut_steps, self.path, mark, wanted)
+                self.count -= len(removed)
+                lost.update((p, (a, adm)) for p, a, adm in removed)
+        for index, (attempt, admitted) in sorted(lost.items()):
+            self._write(
+                {
+                    "kind": "not_trained",
+                    "prompt_id": prompt_id(index),
+                    "attempt": attempt,
+                    "admitted_version": admitted,
+                    "reason": "lost",
+                    "reinjected": True,
+                }
+            )
+        for index in held:
+            self.not_trained(index, "lost", reinjected=True)
+
     async def close(self, unfinished: Iterable[int]) -> None:
         """The end of the run: record the prompts in flight, flush, record nothing more."""
         if not self.closed:
@@ -252,6 +291,33 @@ def _trained_lines(step: int, t: TrainedSamples) -> list[str]:
             f'"reward": {reward}}}\n'
         )
     return lines
+
+
+def _cut_steps(path: str, mark: int, versions: set[int]) -> list[tuple[int, int, int]]:
+    """Remove the ``trained`` records of steps ``versions`` past the first ``mark`` records of
+    the ledger file; the (prompt, attempt, admitted version) of each removed."""
+    removed: list[tuple[int, int, int]] = []
+    with open(path, "r+b") as f:
+        start = 0
+        for _ in range(mark):
+            line = f.readline()
+            if not line:
+                break
+            start += len(line)
+        tail: list[bytes] = []
+        for line in f:
+            record = json.loads(line) if line.strip() else {}
+            if record.get("kind") == "trained" and record.get("step") in versions:
+                removed.append(
+                    (int(record["prompt_id"]), int(record["attempt"]),
+                     int(record["admitted_version"]))
+                )  # fmt: skip
+            else:
+                tail.append(line)
+        f.seek(start)
+        f.truncate()
+        f.writelines(tail)
+    return removed
 
 
 def _write_mark(directory: str, mark: int) -> None:

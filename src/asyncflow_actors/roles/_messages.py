@@ -83,6 +83,18 @@ class StepDone(Request[StepAck]):
 
 
 @attrs.frozen
+class StepTrained(Request[None]):
+    """The Trainer took optimizer step ``version`` (before it acks the step's leases, with
+    ``train.auto_resume``): the Driver retires ``groups`` and remembers them, with their
+    ``samples`` (TQ indexes), until a checkpoint holds the step; a Trainer that dies before
+    that loses the step, and the Driver injects its prompts again (``_driver_resume``)."""
+
+    version: int
+    groups: tuple[int, ...]
+    samples: tuple[int, ...]
+
+
+@attrs.frozen
 class SyncReport:
     """How the weight sync to ``version`` went: phase seconds (``sync_pause`` ... ``sync_total``)
     and bytes, as ``checkpoint.SyncResult.metrics()`` gives them."""

@@ -271,7 +271,9 @@ class TrainSettings:
     a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many
     steps (0: never; the run's last step is always saved, in ``run_dir/final``), the newest
     ``keep_last`` of them kept (0: all). ``torch_threads``: intra-op threads in every process
-    of the run.
+    of the run. ``auto_resume``: a Trainer that dies is started again from the newest
+    checkpoint (the run's start without one), at most ``auto_resume_retries`` times; the
+    samples in the TransferQueue stay (``pipeline._resume``).
     ``stream``: when stages stream (async) and a global batch is one update (``mini_batches``
     and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
     while the others are still generating, accumulating the gradient, and takes the one
@@ -295,6 +297,10 @@ class TrainSettings:
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     keep_last: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
+    # a Trainer that dies restarts from the newest checkpoint (docs/pipeline.md, "Automatic
+    # resume"), at most ``auto_resume_retries`` times a run
+    auto_resume: bool = True
+    auto_resume_retries: int = attrs.field(default=3, validator=_non_negative)
     stream: bool = True
     seed: int = 0
     shuffle_rewards: bool = False  # a control arm: rewards permuted within the batch (piece)

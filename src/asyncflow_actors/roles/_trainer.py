@@ -43,6 +43,7 @@ from ._messages import (
     ResendWeights,
     SaveCheckpoint,
     StepDone,
+    StepTrained,
     SyncReport,
     SyncWeights,
     TrainedSamples,
@@ -243,12 +244,16 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 # and a round trip to the Driver; the Driver's SyncWeights takes its report.
                 self._early = _EarlySync(self.version)
                 nursery.start_soon(self._early.run, self._sync)
+            groups = tuple(sorted({g for b in batches for g in b.group_ids}))
+            if spec.train.auto_resume:
+                # told before the acks: if this trainer dies, the Driver knows the step and
+                # whether its samples may still be in the queue (``_driver_resume``)
+                await self.driver.ask(StepTrained(self.version, groups, indexes))
             await self._ack(batches)
             samples = len(indexes)
             tokens = sum(step.lengths)
             self._reward.set(metrics["reward_mean"])
             self.meter.done(samples, tokens)
-            groups = tuple(sorted({g for b in batches for g in b.group_ids}))
             done = StepDone(self.version, samples, tokens, groups, histogram, metrics, step.trained)
             if spec.colocated or last:
                 ack = await self.driver.ask(done)  # the Driver syncs the weights first

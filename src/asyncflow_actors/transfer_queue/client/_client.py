@@ -351,8 +351,14 @@ class TransferQueueClient:
         gid = group.group_id if isinstance(group, GroupSlot) else group
         await self._ask(M.ShrinkGroup(topic, gid, slots, next(_request_ids)))
 
-    async def discard(self, topic: str, indexes: Sequence[int]) -> None:
-        await self._ask(M.Discard(topic, tuple(indexes), next(_request_ids)))
+    async def discard(
+        self, topic: str, indexes: Sequence[int], *, missing_ok: bool = False
+    ) -> tuple[int, ...]:
+        """Drop samples on purpose. ``missing_ok``: skip those no longer live (returned)
+        instead of failing with ``UnknownSample``."""
+        msg = M.Discard(topic, tuple(indexes), next(_request_ids), missing_ok=missing_ok)
+        missing: tuple[int, ...] = await self._ask(msg)
+        return missing
 
     async def set_version(self, topic: str, version: int) -> None:
         """Publish the latest policy version; samples that fall out of the window are evicted."""

@@ -1,0 +1,195 @@
+"""Automatic resume: a Trainer that dies is started again from the newest checkpoint.
+
+With ``train.auto_resume`` (the default) the run's ``Watcher`` leaves the Trainer to a
+``TrainerResumer``: when the Trainer terminates (an error, or its node process died; the node's
+supervisor restarts the process, not the ``TEMPORARY`` Trainer) it
+
+1. asks the weight receivers and the queue for the newest version they hold (a sync the Driver
+   never heard of may have reached them), and the Driver to roll back (``TrainerLost``: the
+   steps no checkpoint holds are lost, their prompts injected again; ``roles._driver_resume``);
+2. logs one line (``trainer died (<cause>); resuming from checkpoint step K, attempt 2/4``);
+3. spawns a Trainer where the first one ran, on the checkpoint's weights, tagged with the
+   version the rollback chose, for a run that ends as many versions later as steps were lost;
+   its TQ holder name is the dead one's, so the samples it held go back to the queue at once
+   and it trains them (nothing in the queue is generated again);
+4. sends its weights to every receiver if steps were lost (they may hold the lost ones).
+
+After ``train.auto_resume_retries`` resumes the next death fails the run with ``RunFailed``
+naming the root cause, as without auto-resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import trio
+
+from ..actors import Actor, ActorContext, ActorRef, Restart, Terminated, root_error
+from ..actors.remote import NodeSystem
+from ..checkpoint import GetReceiverStatistics
+from ..roles import ROLLOUT, Trainer
+from ..roles._driver_resume import TrainerLost
+from ..roles._messages import ResendWeights
+from ..transfer_queue import TransferQueueClient
+from ._placement import Placement, RunFailed
+
+log = logging.getLogger("asyncflow_actors.pipeline")
+
+ASK_S = 5.0  # a receiver or the queue that does not say its version within this is skipped
+
+
+@attrs.frozen
+class Resume:
+    """One automatic resume: the ``attempt`` (2 is the first resume), the ``cause`` of the
+    death, the checkpoint's step (``checkpoint``; the run's first version without one), the
+    ``version`` its weights took in the new Trainer, the optimizer steps lost since and their
+    prompts (injected again), and the versions ``skipped`` (sent out, not checkpointed: the
+    run ends that many versions later)."""
+
+    attempt: int
+    cause: str
+    checkpoint: int
+    version: int
+    lost_steps: int
+    lost_prompts: int
+    skipped: int
+
+
+class _Watch(Actor[Terminated]):
+    """Watches one Trainer incarnation; its termination goes to the resumer's channel."""
+
+    def __init__(self, ref: ActorRef[Any], send: trio.MemorySendChannel[Terminated]) -> None:
+        self.ref = ref
+        self.send = send
+
+    async def on_start(self, ctx: ActorContext[Terminated]) -> None:
+        ctx.watch(self.ref)
+
+    async def receive(self, msg: Terminated, ctx: ActorContext[Terminated]) -> None:
+        await trio.lowlevel.checkpoint()
+        self.send.send_nowait(msg)
+
+
+class TrainerResumer:
+    """Restarts the Trainer of ``run`` (see the module docstring). ``kwargs``: those the first
+    Trainer was spawned with; ``spawned``: the run's actors, stopped at its end (the new
+    Trainer and the watches replace or join them there)."""
+
+    def __init__(
+        self,
+        run: Any,
+        place: Placement,
+        client: TransferQueueClient,
+        worker: str,
+        kwargs: dict[str, Any],
+        spawned: list[ActorRef[Any]],
+    ) -> None:
+        self.run = run
+        self.place = place
+        self.client = client
+        self.worker = worker
+        self.kwargs = kwargs
+        self.spawned = spawned
+        self.retries = place.config.train.auto_resume_retries
+        self.resumes: list[Resume] = []
+        self._send, self._receive = trio.open_memory_channel[Terminated](8)
+        self._watches = 0
+
+    async def watch(self, ref: ActorRef[Any]) -> None:
+        """Watch the Trainer ``ref`` (each incarnation)."""
+        self._watches += 1
+        system: NodeSystem = self.place.system
+        watch = await system.spawn(
+            lambda: _Watch(ref, self._send),
+            name=f"trainer-watch-{self._watches}.{self.place.suffix}",
+        )
+        self.spawned.insert(0, watch)
+
+    async def serve(self) -> None:
+        """Resume each Trainer that dies, until the retries are spent."""
+        async for msg in self._receive:
+            if len(self.resumes) >= self.retries:
+                self._fail(msg.error)
+                return
+            try:
+                await self._resume(msg)
+            except Exception as exc:  # the resume itself failed: the run ends, naming it
+                log.warning("resuming the trainer failed: %r", exc)
+                self._fail(exc)
+                return
+
+    def _fail(self, error: BaseException | None) -> None:
+        self.run.errors.append(RunFailed(self.worker, error))
+        self.run.failed.set()
+
+    async def _resume(self, msg: Terminated) -> None:
+        run = self.run
+        floor = await self._newest_version()
+        point = await run.refs["driver"].ask(TrainerLost(floor))
+        attempt = len(self.resumes) + 2
+        error = root_error(msg.error) if msg.error is not None else None
+        cause = "stopped" if error is None else f"{type(error).__name__}: {error}"
+        log.warning(
+            "trainer died (%s); resuming from checkpoint step %d, attempt %d/%d",
+            cause, point.checkpoint_version, attempt, self.retries + 1,
+        )  # fmt: skip
+        old = self.kwargs["spec"]
+        spec = attrs.evolve(
+            old,
+            start_version=point.version,
+            resume_from=point.directory,
+            train=attrs.evolve(old.train, steps=point.end_version),
+        )
+        ref = await self.place.spawn(
+            Trainer,
+            role="trainer",
+            worker=self.worker,
+            kwargs={**self.kwargs, "spec": spec},
+            restart=Restart.TEMPORARY,
+        )
+        dead = run.refs[self.worker]
+        self.spawned[:] = [ref if r is dead else r for r in self.spawned]
+        run.refs[self.worker] = ref
+        run.hooks.trainer = ref
+        await self.watch(ref)
+        self.resumes.append(
+            Resume(
+                attempt, cause, point.checkpoint_version, point.version, point.lost_steps,
+                len(point.lost_prompts), point.skipped,
+            )
+        )  # fmt: skip
+        if point.skipped:  # the receivers hold a lost step's weights
+            try:
+                await ref.ask(ResendWeights())
+            except Exception as exc:  # its next step's sync reaches them anyway
+                log.warning("resending the resumed trainer's weights failed: %r", exc)
+
+    async def _newest_version(self) -> int:
+        """The newest version a weight receiver holds (or has pending) or the queue has."""
+        newest = 0
+
+        async def receiver(ref: ActorRef[Any]) -> None:
+            nonlocal newest
+            with trio.move_on_after(ASK_S):
+                try:
+                    stats = await ref.ask(GetReceiverStatistics())
+                except Exception:
+                    return  # restarting: it takes the weights the Trainer sends next
+                pending = stats.pending_version if stats.pending_version is not None else -1
+                newest = max(newest, stats.version, pending)
+
+        async def queue() -> None:
+            nonlocal newest
+            with trio.move_on_after(ASK_S):
+                tq = await self.client.statistics()
+                for topic in tq.controller.state.topics:
+                    if topic.topic == ROLLOUT:
+                        newest = max(newest, topic.latest_version)
+
+        async with trio.open_nursery() as nursery:
+            for ref in self.kwargs["targets"]:
+                nursery.start_soon(receiver, ref)
+            nursery.start_soon(queue)
+        return newest
