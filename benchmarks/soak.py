@@ -5,8 +5,8 @@ rollout, a Reward actor, ActorForward, RefForward, Advantage, the Trainer; two T
 storage units in processes of their own) for ``--minutes``, while ``asyncflow_actors.testing``'s
 ``FaultSchedule`` (seeded) injects a random fault every ``--every`` seconds: ``kill -9`` of a
 station's node or of a storage unit, a stall (SIGSTOP) of a station, a cut, a blip or a delay
-of the driver's link to a node (``--kinds`` picks; ``--kill-trainer`` adds the Trainer's node,
-which a run survives only with ``train.auto_resume``). Then the run is stopped and judged:
+of the driver's link to a node, ``kill -9`` of the Trainer's node (the run resumes it:
+``train.auto_resume``); ``--kinds`` picks. Then the run is stopped and judged:
 
 - ``soak_faults_injected`` and ``soak_faults_<kind>``: what was done;
 - ``soak_samples_lost`` (prompts admitted whose fate the ledger does not record; target 0),
@@ -23,7 +23,7 @@ Exit status 1 if anything was lost, duplicated or stale, the run did not finish,
 never followed by a step, or anything leaked; 2 if this asyncflow_actors has no ledger.
 
 ``nox -s soak -- --minutes 30`` or ``python benchmarks/soak.py [--minutes N] [--every S]
-[--seed N] [--kinds kill_role,stall,...] [--kill-trainer] [--baseline-minutes M]
+[--seed N] [--kinds kill_role,stall,...] [--baseline-minutes M]
 [--run-dir DIR]``
 """
 
@@ -39,12 +39,13 @@ from typing import Any
 import trio
 
 from asyncflow_actors import testing as aft
-from asyncflow_actors.pipeline import PipelineConfig, PipelineConfigError
+from asyncflow_actors.pipeline import PipelineConfig
 
 
-def soak_config(run_dir: str, *, auto_resume: bool = False) -> PipelineConfig:
+def soak_config(run_dir: str) -> PipelineConfig:
     """The soak's run: the tiny model, every role and storage unit in a process of its own,
-    steps without end (the soak stops it)."""
+    steps without end (the soak stops it), every Trainer death resumed from a checkpoint of
+    the last 5 steps."""
     table: dict[str, Any] = {
         "mode": "async",
         "staleness": 1,
@@ -55,11 +56,17 @@ def soak_config(run_dir: str, *, auto_resume: bool = False) -> PipelineConfig:
         "task": {"kind": "addition", "options": {"min_digits": 1, "max_digits": 2}},
         "rollout": {"group_size": 4, "max_new_tokens": 4, "max_batch": 32, "reward": "actor"},
         "algorithm": {"kl_coef": 0.01},  # a RefForward station too
-        "train": {"steps": 10**9, "prompts_per_step": 4, "forward_batch": 8},
+        "train": {
+            "steps": 10**9,
+            "prompts_per_step": 4,
+            "forward_batch": 8,
+            "auto_resume": True,
+            "auto_resume_retries": 10**6,
+            "checkpoint_every": 5,
+            "keep_last": 2,
+        },
         "placement": {"default": "process", "tq_placement": "process", "tq_units": 2},
     }
-    if auto_resume:
-        table["train"] |= {"auto_resume": True, "checkpoint_every": 5, "keep_last": 2}
     return PipelineConfig.from_dict(table)
 
 
@@ -70,13 +77,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--kinds",
-        default=",".join(k for k in aft.FAULT_KINDS if k != "kill_trainer"),
-        help="fault kinds, comma-separated (default: all but kill_trainer)",
-    )
-    p.add_argument(
-        "--kill-trainer",
-        action="store_true",
-        help="kill the Trainer's node too (needs train.auto_resume; sets it)",
+        default=",".join(aft.FAULT_KINDS),
+        help=f"fault kinds, comma-separated (default: all: {', '.join(aft.FAULT_KINDS)})",
     )
     p.add_argument(
         "--baseline-minutes",
@@ -103,14 +105,8 @@ async def main(args: argparse.Namespace) -> int:
         say(f"error: {exc}")
         return 2
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if args.kill_trainer and "kill_trainer" not in kinds:
-        kinds.append("kill_trainer")
     root = args.run_dir or tempfile.mkdtemp(prefix="afa-soak-")
-    try:
-        config = soak_config(os.path.join(root, "soak"), auto_resume="kill_trainer" in kinds)
-    except PipelineConfigError as exc:
-        say(f"error: {exc} (Trainer kills need train.auto_resume, issue #27 §4)")
-        return 2
+    config = soak_config(os.path.join(root, "soak"))
     try:
         schedule = aft.FaultSchedule(
             every=args.every, seed=args.seed, weights=dict.fromkeys(kinds, 1)

@@ -34,7 +34,7 @@ def test_the_targets_of_a_run_follow_its_placement() -> None:
     assert targets["kill_trainer"] == ["trainer-0"]
     assert targets["kill_unit"] == ["unit-0", "unit-1"]
     assert targets["stall"] == targets["kill_role"] + targets["kill_unit"]
-    assert targets["link_cut"] == ["rollout-0", "unit-0"]  # a cut Trainer link is a kill
+    assert targets["link_cut"] == ["rollout-0", "trainer-0", "unit-0"]
     assert targets["link_delay"] == ["rollout-0", "trainer-0", "unit-0"]
     # everything in this process, or only the rollout on a node: nothing else to hit
     local = aft.fault_targets(tiny("async", placement={"default": "local",
@@ -49,7 +49,7 @@ def test_a_schedule_is_a_seeded_plan() -> None:
     assert plan == aft.FaultSchedule(every=20, seed=3).plan(600, targets)
     assert plan != aft.FaultSchedule(every=20, seed=4).plan(600, targets)
     assert [f.at for f in plan] == [20.0 * i for i in range(1, 30)]
-    assert {f.kind for f in plan} == set(aft.FAULT_KINDS) - {"kill_trainer"}  # off by default
+    assert {f.kind for f in plan} == set(aft.FAULT_KINDS)
     for f in plan:
         assert f.target in targets[f.kind]
         if f.kind == "stall":

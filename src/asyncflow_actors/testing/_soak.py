@@ -16,8 +16,8 @@ fault to the next completed step can be read off the run's records::
     print(campaign.recovery_seconds(), campaign.counts())
 
 The kinds (``FAULT_KINDS``): ``kill_role`` (``kill -9`` of a role's node process: rollout,
-reward, the forward stations, advantage), ``kill_trainer`` (the Trainer's node; off by default,
-since the run survives it only with ``train.auto_resume``), ``kill_unit`` (a TransferQueue
+reward, the forward stations, advantage), ``kill_trainer`` (the Trainer's node: the run goes on
+through ``train.auto_resume``), ``kill_unit`` (a TransferQueue
 storage unit's process), ``stall`` (SIGSTOP of a station's or unit's process for a while,
 shorter than the heartbeat timeout: a long GC pause, not a death), and three faults of the
 driver's link to one node (through a ``LinkProxy``, ``open_link_faults``): ``link_cut`` (a
@@ -69,7 +69,7 @@ def _weights(value: Mapping[str, float]) -> dict[FaultKind, float]:
 
 
 def _default_weights() -> dict[FaultKind, float]:
-    return {k: 1.0 for k in FAULT_KINDS if k != "kill_trainer"}
+    return dict.fromkeys(FAULT_KINDS, 1.0)
 
 
 def _span(value: Sequence[float]) -> tuple[float, float]:
@@ -96,8 +96,8 @@ class PlannedFault:
 class FaultSchedule:
     """Which faults a campaign injects, and when (see the module docstring).
 
-    ``weights``: the chance of each kind (by default every kind but ``kill_trainer`` alike; a
-    kind with no target in the run is never picked). ``first``: when the first fault comes
+    ``weights``: the chance of each kind (by default every kind alike; a kind with no target in
+    the run is never picked). ``first``: when the first fault comes
     (default ``every``). ``stall_seconds`` / ``partition_seconds`` / ``delay_window``: the
     range a stall, a ``link_blip`` and a ``link_delay`` last (picked uniformly); ``link_cut``
     lasts ``cut_seconds``, past the heartbeat timeout; ``delay``: the range of the delay itself.
@@ -147,8 +147,7 @@ def fault_targets(
 ) -> dict[FaultKind, list[str]]:
     """What each fault kind can hit in a run of ``config``: the node processes of its roles
     (stations, the Trainer), its storage units when they run in processes, and the nodes in
-    ``links`` (those ``open_link_faults`` proxies) for link faults; a cut of the Trainer's link
-    loses its node as a kill does, so ``link_cut`` leaves it out (use ``kill_trainer``)."""
+    ``links`` (those ``open_link_faults`` proxies) for link faults."""
     from ..pipeline._config import DRIVER
 
     stations: list[str] = []
@@ -164,13 +163,12 @@ def fault_targets(
     units = []
     if config.placement.tq_placement == "process":
         units = [f"unit-{i}" for i in range(config.placement.tq_units)]
-    cut = [name for name in links if name not in trainer]  # a cut link is a lost node
     return {
         "kill_role": stations,
         "kill_trainer": trainer,
         "kill_unit": units,
         "stall": stations + units,
-        "link_cut": cut,
+        "link_cut": list(links),
         "link_blip": list(links),
         "link_delay": list(links),
     }
