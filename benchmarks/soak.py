@@ -23,7 +23,7 @@ Exit status 1 if anything was lost, duplicated or stale, the run did not finish,
 never followed by a step, or anything leaked; 2 if this asyncflow_actors has no ledger.
 
 ``nox -s soak -- --minutes 30`` or ``python benchmarks/soak.py [--minutes N] [--every S]
-[--seed N] [--kinds kill_role,stall,...] [--baseline-minutes M]
+[--seed N] [--kinds kill_role,stall,...] [--targets reward-0,...] [--baseline-minutes M]
 [--run-dir DIR]``
 """
 
@@ -81,6 +81,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"fault kinds, comma-separated (default: all: {', '.join(aft.FAULT_KINDS)})",
     )
     p.add_argument(
+        "--targets",
+        default=None,
+        help="hit only these nodes, comma-separated (rollout-0, reward-0, unit-0...)",
+    )
+    p.add_argument(
         "--baseline-minutes",
         type=float,
         default=None,
@@ -108,8 +113,9 @@ async def main(args: argparse.Namespace) -> int:
     root = args.run_dir or tempfile.mkdtemp(prefix="afa-soak-")
     config = soak_config(os.path.join(root, "soak"))
     try:
+        only = None if args.targets is None else args.targets.split(",")
         schedule = aft.FaultSchedule(
-            every=args.every, seed=args.seed, weights=dict.fromkeys(kinds, 1)
+            every=args.every, seed=args.seed, weights=dict.fromkeys(kinds, 1), only=only
         )
     except ValueError as exc:
         say(f"error: {exc}")

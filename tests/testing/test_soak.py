@@ -58,6 +58,9 @@ def test_a_schedule_is_a_seeded_plan() -> None:
             assert f.seconds > afa_heartbeat()  # the link drops
     only = aft.FaultSchedule(every=5, first=1, weights={"kill_unit": 1, "link_cut": 1})
     assert {f.kind for f in only.plan(60, {"kill_unit": ["unit-0"]})} == {"kill_unit"}
+    reward = aft.FaultSchedule(every=5, only=["reward-0"]).plan(60, targets)
+    assert {f.target for f in reward} == {"reward-0"}
+    assert {f.kind for f in reward} == {"kill_role", "stall"}  # no proxy on its link here
     with pytest.raises(ValueError, match="unknown fault kind 'kill_all'"):
         aft.FaultSchedule(weights={"kill_all": 1})
 

@@ -101,6 +101,7 @@ class FaultSchedule:
     (default ``every``). ``stall_seconds`` / ``partition_seconds`` / ``delay_window``: the
     range a stall, a ``link_blip`` and a ``link_delay`` last (picked uniformly); ``link_cut``
     lasts ``cut_seconds``, past the heartbeat timeout; ``delay``: the range of the delay itself.
+    ``only``: hit only these targets (node names such as ``"reward-0"``, units ``"unit-0"``).
     """
 
     every: float = attrs.field(default=20.0, validator=attrs.validators.gt(0))
@@ -112,6 +113,9 @@ class FaultSchedule:
     cut_seconds: float = 2 * _HEARTBEAT
     delay_window: tuple[float, float] = attrs.field(default=(2.0, 6.0), converter=_span)
     delay: tuple[float, float] = attrs.field(default=(0.05, 0.3), converter=_span)
+    only: frozenset[str] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(frozenset)
+    )
 
     def plan(
         self, duration: float, targets: Mapping[FaultKind, Sequence[str]]
@@ -119,6 +123,8 @@ class FaultSchedule:
         """The faults of ``duration`` seconds, given the targets of each kind: one every
         ``every`` seconds, the same plan for the same schedule and targets."""
         rng = random.Random(self.seed)
+        if self.only is not None:
+            targets = {k: [t for t in names if t in self.only] for k, names in targets.items()}
         kinds = sorted(k for k, w in self.weights.items() if w > 0 and targets.get(k))
         out: list[PlannedFault] = []
         at = self.every if self.first is None else self.first
