@@ -92,6 +92,11 @@ def test_the_forward_and_the_advantage_folded_into_the_trainer_run_no_station() 
         ({"train": {"lrr": 1.0}}, "train.lrr: unknown key"),
         ({"train": {"steps": "ten"}}, "train.steps: expected a int"),
         ({"train": {"steps": 0}}, "train.steps: expected a number > 0, got 0"),
+        ({"train": {"auto_resume": "yes"}}, "train.auto_resume: expected a bool"),
+        (
+            {"train": {"auto_resume_retries": -1}},
+            "train.auto_resume_retries: expected a number >= 0",
+        ),
         ({"rollout": {"pause_mode": "nap"}}, "rollout.pause_mode: expected one of"),
         ({"algorithm": {"agg": "token_mean"}}, "algorithm.agg: expected one of ['token-mean'"),
         ({"algorithm": {"kl_estimator": "k4"}}, "algorithm.kl_estimator: expected one of"),

@@ -9,10 +9,11 @@ supervisor restarts the process, not the ``TEMPORARY`` Trainer) it
    steps no checkpoint holds are lost, their prompts injected again; ``roles._driver_resume``);
 2. logs one line (``trainer died (<cause>); resuming from checkpoint step K, attempt 2/4``);
 3. spawns a Trainer where the first one ran, on the checkpoint's weights, tagged with the
-   version the rollback chose, for a run that ends as many versions later as steps were lost;
-   its TQ holder name is the dead one's, so the samples it held go back to the queue at once
-   and it trains them (nothing in the queue is generated again);
-4. sends its weights to every receiver if steps were lost (they may hold the lost ones).
+   version the rollback chose, for a run that ends as many versions later as it skipped (the
+   spawn is tried again while the node it died with is restarting); its TQ holder name is the
+   dead one's, so the samples it held go back to the queue at once and it trains them
+   (nothing in the queue is generated again);
+4. sends its weights to every receiver if versions were skipped (they hold a lost step's).
 
 After ``train.auto_resume_retries`` resumes the next death fails the run with ``RunFailed``
 naming the root cause, as without auto-resume.
@@ -26,8 +27,16 @@ from typing import Any
 import attrs
 import trio
 
-from ..actors import Actor, ActorContext, ActorRef, Restart, Terminated, root_error
-from ..actors.remote import NodeSystem
+from ..actors import (
+    Actor,
+    ActorContext,
+    ActorCrashed,
+    ActorRef,
+    Restart,
+    Terminated,
+    root_error,
+)
+from ..actors.remote import NodeLost, NodeSystem
 from ..checkpoint import GetReceiverStatistics
 from ..roles import ROLLOUT, Trainer
 from ..roles._driver_resume import TrainerLost
@@ -38,6 +47,8 @@ from ._placement import Placement, RunFailed
 log = logging.getLogger("asyncflow_actors.pipeline")
 
 ASK_S = 5.0  # a receiver or the queue that does not say its version within this is skipped
+SPAWN_ATTEMPTS = 5  # a spawn that meets the dead node: again after 0.5, 1, 2, 4 s
+SPAWN_RETRY_S = 0.5
 
 
 @attrs.frozen
@@ -131,9 +142,14 @@ class TrainerResumer:
         attempt = len(self.resumes) + 2
         error = root_error(msg.error) if msg.error is not None else None
         cause = "stopped" if error is None else f"{type(error).__name__}: {error}"
+        where = (
+            f"checkpoint step {point.checkpoint_version}"
+            if point.directory
+            else f"the run's start (step {point.checkpoint_version}: no checkpoint)"
+        )
         log.warning(
-            "trainer died (%s); resuming from checkpoint step %d, attempt %d/%d",
-            cause, point.checkpoint_version, attempt, self.retries + 1,
+            "trainer died (%s); resuming from %s, attempt %d/%d",
+            cause, where, attempt, self.retries + 1,
         )  # fmt: skip
         old = self.kwargs["spec"]
         spec = attrs.evolve(
@@ -142,13 +158,7 @@ class TrainerResumer:
             resume_from=point.directory,
             train=attrs.evolve(old.train, steps=point.end_version),
         )
-        ref = await self.place.spawn(
-            Trainer,
-            role="trainer",
-            worker=self.worker,
-            kwargs={**self.kwargs, "spec": spec},
-            restart=Restart.TEMPORARY,
-        )
+        ref = await self._spawn({**self.kwargs, "spec": spec})
         dead = run.refs[self.worker]
         self.spawned[:] = [ref if r is dead else r for r in self.spawned]
         run.refs[self.worker] = ref
@@ -165,6 +175,25 @@ class TrainerResumer:
                 await ref.ask(ResendWeights())
             except Exception as exc:  # its next step's sync reaches them anyway
                 log.warning("resending the resumed trainer's weights failed: %r", exc)
+
+    async def _spawn(self, kwargs: dict[str, Any]) -> ActorRef[Any]:
+        """The new Trainer, where the first one ran. The spawn may race the loss of the node
+        it died with (the Trainer's death can be heard before its node's): a spawn that meets
+        a lost node is tried again once the node's supervisor has had time to restart it."""
+        delay = SPAWN_RETRY_S
+        for attempt in range(SPAWN_ATTEMPTS):
+            try:
+                return await self.place.spawn(
+                    Trainer, role="trainer", worker=self.worker, kwargs=kwargs,
+                    restart=Restart.TEMPORARY,
+                )  # fmt: skip
+            except (ActorCrashed, NodeLost) as exc:
+                if attempt == SPAWN_ATTEMPTS - 1 or not isinstance(root_error(exc), NodeLost):
+                    raise
+                log.info("the trainer's node is restarting (%s); spawning again", exc)
+            await trio.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
 
     async def _newest_version(self) -> int:
         """The newest version a weight receiver holds (or has pending) or the queue has."""

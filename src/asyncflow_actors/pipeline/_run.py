@@ -10,7 +10,8 @@ torch preloaded in a thread), the Driver, the Reward actor, rollout workers, for
 the Advantage station and the Trainer (which gets the refs of every weight holder). The run ends
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
-(``RunFailed``); stations that crash are restarted by their supervisors meanwhile.
+(``RunFailed``); stations that crash are restarted by their supervisors meanwhile, and a
+Trainer that dies is resumed from the newest checkpoint (``train.auto_resume``: ``_resume``).
 """
 
 from __future__ import annotations

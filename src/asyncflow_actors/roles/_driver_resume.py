@@ -128,7 +128,7 @@ async def roll_back(driver: Driver, floor: int) -> ResumePoint:
     return ResumePoint(
         version=label,
         directory=directory or None,
-        checkpoint_version=_checkpoint_version(directory, saved_version),
+        checkpoint_version=_checkpoint_version(directory, driver.spec.start_version),
         lost_steps=len(lost),
         lost_prompts=prompts,
         skipped=skipped,
@@ -137,7 +137,8 @@ async def roll_back(driver: Driver, floor: int) -> ResumePoint:
 
 
 def _checkpoint_version(directory: str, version: int) -> int:
-    """The step a checkpoint was written at (its Driver state), else ``version``."""
+    """The step a checkpoint was written at (its Driver state); ``version`` (the run's first)
+    without one."""
     if not directory:
         return version
     from ._driver import DriverState
