@@ -120,6 +120,16 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def soak(session: nox.Session) -> None:
+    """The soak (``benchmarks/soak.py``): a whole run, one process per role, under a random
+    fault every 20 s for 10 minutes, judged from its per-sample ledger; JSON lines, exit 1 on
+    a lost or duplicated sample, a run that did not finish, or a leak. Not a default session.
+    ``nox -s soak -- --minutes 30 --every 20 --seed 1``."""
+    _install(session, "dev")
+    session.run("python", "benchmarks/soak.py", *session.posargs)
+
+
+@nox.session
 def bench_peer(session: nox.Session) -> None:
     """The public transferqueue 0.1.11 on bench_tq's workload, in its own venv (not ours)."""
     session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build

@@ -55,7 +55,12 @@ from ..roles import (
 from ..roles._shared import forget_shared_policy
 from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
-from ..transfer_queue import TransferQueueClient, TransferQueueConfig, open_transfer_queue
+from ..transfer_queue import (
+    TransferQueue,
+    TransferQueueClient,
+    TransferQueueConfig,
+    open_transfer_queue,
+)
 from ._config import PipelineConfig
 from ._placement import Placement, Watcher
 from ._plot import plot_run
@@ -170,6 +175,7 @@ class Pipeline:
         self.errors: list[BaseException] = []
         self.refs: dict[str, ActorRef[Any]] = {}
         self.nodes: dict[str, Node] = {}  # node name (as configured) -> its handle
+        self.queue: TransferQueue | None = None  # the run's TransferQueue, once started
         self.started = 0.0
         self.version = 0
         self.resumed_from: str | None = None
@@ -312,6 +318,7 @@ async def open_pipeline(
             run.reports = reports
             try:
                 async with trio.open_nursery() as nursery:
+                    run.queue = queue
                     # the nodes start and preload while this process spawns its own roles
                     place.start_soon(nursery, _role_modules())
                     client = await queue.client(f"pipeline.{suffix}")

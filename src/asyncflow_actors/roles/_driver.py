@@ -64,6 +64,7 @@ from ._messages import (
     SyncReport,
     SyncWeights,
 )
+from ._put_again import put_again
 from ._reward import record_json
 from ._settings import CHECKPOINTS, FINAL, RunSpec
 from ._worker import Meter, in_thread, load_compute
@@ -232,7 +233,10 @@ class Driver(Actor[_Msg]):
                 for k, attempt in zip(fresh, attempts, strict=True)
             ]
             size = self.spec.rollout.group_size
-            slots = await self.client.open_groups(S.ROLLOUT, [size] * len(fresh), shared)
+            slots = await put_again(
+                lambda: self.client.open_groups(S.ROLLOUT, [size] * len(fresh), shared),
+                "opening prompt groups",
+            )
             for k, slot, attempt in zip(fresh, slots, attempts, strict=True):
                 given[k] = slot.group_id
                 self.ledger.admitted(indexes[k], attempt, version)
@@ -249,7 +253,9 @@ class Driver(Actor[_Msg]):
             S.MIN_VERSION: torch.full((len(indexes),), version, dtype=torch.int64),
             S.RECORD: [record_json(p) for p in problems],
         }
-        samples = await self.client.put(S.PROMPTS, data, version=0)
+        samples = await put_again(
+            lambda: self.client.put(S.PROMPTS, data, version=0), "putting prompts"
+        )
         for sample, group in zip(samples, opened, strict=True):
             self.prompt_samples[sample] = group
 

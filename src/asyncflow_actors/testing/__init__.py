@@ -15,10 +15,13 @@
   ``open_node_process``, ``kill_node``, ``frozen_process``;
 - reusable models: ``SupervisionModel``/``SupervisionMachine``, ``TransferQueueLedger``,
   ``FlowControlModel``/``check_flow_control_schedule``;
-- leak checks: ``ResourceSnapshot``, ``check_no_leaks``, ``no_leaks``.
+- leak checks: ``ResourceSnapshot``, ``check_no_leaks``, ``no_leaks``;
+- whole runs under random faults (the soak): ``FaultSchedule`` (a seeded plan),
+  ``open_fault_campaign`` (carried out against a pipeline run), ``open_link_faults``,
+  ``run_soak`` (a run under a campaign, judged from its ledger: ``SoakResult``).
 
-The parts built on hypothesis (state machines, strategies, models) and on the TransferQueue load
-on first use, so a node process that imports a module defining a ``faulty`` actor needs neither.
+The parts built on hypothesis (state machines, strategies, models), on the TransferQueue and on
+the pipeline load on first use, so a node process that imports a module defining a ``faulty`` actor needs neither.
 """
 
 from __future__ import annotations
@@ -86,6 +89,20 @@ if TYPE_CHECKING:
     from ._machine import TrioStateMachine as TrioStateMachine
     from ._machine import in_trio as in_trio
     from ._machine import protocol_settings as protocol_settings
+    from ._soak import FAULT_KINDS as FAULT_KINDS
+    from ._soak import FaultCampaign as FaultCampaign
+    from ._soak import FaultKind as FaultKind
+    from ._soak import FaultSchedule as FaultSchedule
+    from ._soak import InjectedFault as InjectedFault
+    from ._soak import PlannedFault as PlannedFault
+    from ._soak import fault_targets as fault_targets
+    from ._soak import node_base_name as node_base_name
+    from ._soak import open_fault_campaign as open_fault_campaign
+    from ._soak import open_link_faults as open_link_faults
+    from ._soak_run import LedgerMissing as LedgerMissing
+    from ._soak_run import SoakResult as SoakResult
+    from ._soak_run import require_ledger as require_ledger
+    from ._soak_run import run_soak as run_soak
     from ._supervision import ModelNode as ModelNode
     from ._supervision import SupervisionModel as SupervisionModel
     from ._supervision import supervision_trees as supervision_trees
@@ -105,6 +122,20 @@ _LAZY = {
     "TrioStateMachine": "._machine",
     "in_trio": "._machine",
     "protocol_settings": "._machine",
+    "FAULT_KINDS": "._soak",
+    "FaultCampaign": "._soak",
+    "FaultKind": "._soak",
+    "FaultSchedule": "._soak",
+    "InjectedFault": "._soak",
+    "PlannedFault": "._soak",
+    "fault_targets": "._soak",
+    "node_base_name": "._soak",
+    "open_fault_campaign": "._soak",
+    "open_link_faults": "._soak",
+    "LedgerMissing": "._soak_run",
+    "SoakResult": "._soak_run",
+    "require_ledger": "._soak_run",
+    "run_soak": "._soak_run",
     "ModelNode": "._supervision",
     "SupervisionModel": "._supervision",
     "supervision_trees": "._supervision",

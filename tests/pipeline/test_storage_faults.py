@@ -1,0 +1,47 @@
+"""A storage unit's death as the Driver meets it (issue #27 §5's soak found it): a prompt put
+or group opening that fails with ``StorageUnavailable`` stored nothing, and the Driver puts it
+again instead of failing the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from asyncflow_actors.pipeline import run_pipeline
+from asyncflow_actors.transfer_queue import StorageUnavailable, TransferQueueClient
+
+from .kit import tiny
+
+
+def refuse(monkeypatch: Any, method: str, topic: str, times: int) -> list[str]:
+    """The first ``times`` calls of ``TransferQueueClient.<method>`` on ``topic`` fail with
+    ``StorageUnavailable`` before storing anything, as when their unit was just killed."""
+    real = getattr(TransferQueueClient, method)
+    refused: list[str] = []
+
+    async def failing(self: TransferQueueClient, name: str, *args: Any, **kw: Any) -> Any:
+        if name == topic and len(refused) < times:
+            await trio.lowlevel.checkpoint()
+            refused.append(name)
+            raise StorageUnavailable("storage unit 'unit-0' failed: killed (test)")
+        return await real(self, name, *args, **kw)
+
+    monkeypatch.setattr(TransferQueueClient, method, failing)
+    return refused
+
+
+async def test_the_driver_puts_prompts_again_after_a_refused_put(monkeypatch: Any) -> None:
+    refused = refuse(monkeypatch, "put", "prompts", times=3)
+    with trio.fail_after(60):
+        result = await run_pipeline(tiny("async"))
+    assert refused == ["prompts"] * 3
+    assert [r.samples for r in result.records] == [16] * 3
+
+
+async def test_the_driver_opens_groups_again_after_a_refused_opening(monkeypatch: Any) -> None:
+    refused = refuse(monkeypatch, "open_groups", "rollout", times=2)
+    with trio.fail_after(60):
+        result = await run_pipeline(tiny("async"))
+    assert refused == ["rollout"] * 2
+    assert [r.samples for r in result.records] == [16] * 3
