@@ -83,6 +83,9 @@ class Placement:
         self.nodes: dict[str, Node] = {}
         self.local: list[str] = []  # names of actors spawned in this process, in order
         self._ready: dict[str, trio.Event] = {}
+        # called with each node once it is up, before any role is spawned on it (the observer
+        # attaches there, so that it sees every span of the node's roles)
+        self.on_node_up: Callable[[Node], Awaitable[object]] | None = None
 
     def node_names(self) -> list[str]:
         names: list[str] = []
@@ -152,6 +155,8 @@ class Placement:
             warm = hf if self.hosts(name, _MODEL_ROLES) else None
             preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": warm}
             await node.spawn(Preload, name=f"preload.{self.suffix}", kwargs=preload)
+            if self.on_node_up is not None:
+                await self.on_node_up(node)
             self._ready.setdefault(name, trio.Event()).set()
 
         async with trio.open_nursery() as nursery:

@@ -320,8 +320,12 @@ async def open_pipeline(
                 async with trio.open_nursery() as nursery:
                     run.queue = queue
                     # the nodes start and preload while this process spawns its own roles
+                    if observer is not None:  # attached to each node before its roles start
+                        place.on_node_up = observer.attach_node
                     place.start_soon(nursery, _role_modules())
                     client = await queue.client(f"pipeline.{suffix}")
+                    if observer is not None:
+                        observer.watch_transfer_queue(client)
                     send, receive = trio.open_memory_channel[tuple[StepDone, SyncReport, float]](
                         math.inf
                     )
@@ -334,10 +338,6 @@ async def open_pipeline(
                     run.warmup = await warm_up(place, config, spec, progress)
                     await _spawn_roles(place, spec, queue.controller, run, spawned)
                     run.nodes = place.nodes  # every node is up: a role of each was spawned
-                    if observer is not None:
-                        observer.watch_transfer_queue(client)
-                        for node in place.nodes.values():
-                            await observer.attach_node(node)
                     watched = dict(run.refs)
                     if config.train.auto_resume and run.trainer is not None:
                         worker, kwargs = run.trainer  # watched by its resumer instead
