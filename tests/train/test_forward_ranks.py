@@ -44,7 +44,7 @@ def test_two_ranks_give_the_log_probs_of_one_process(group: ForwardGroup, n: int
         rows["prompt_ids"], rows["response_ids"], pad_id=tokenizer.pad_id, temperature=1.0
     )
     assert [g.shape for g in got] == [e.shape for e in expected]
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert relative(g, e) <= 1e-5
 
 
@@ -63,7 +63,7 @@ def test_loaded_weights_give_the_log_probs_of_the_loaded_model(group: ForwardGro
     got = group.logprobs(
         rows["prompt_ids"], rows["response_ids"], pad_id=tokenizer.pad_id, temperature=1.0
     )
-    for a, e in zip(got, expected):
+    for a, e in zip(got, expected, strict=True):
         assert relative(a, e) <= 1e-5
     name = next(iter(state))
     with torch.no_grad():
@@ -73,7 +73,7 @@ def test_loaded_weights_give_the_log_probs_of_the_loaded_model(group: ForwardGro
     got = group.logprobs(
         rows["prompt_ids"], rows["response_ids"], pad_id=tokenizer.pad_id, temperature=1.0
     )
-    for a, e in zip(got, expected):
+    for a, e in zip(got, expected, strict=True):
         assert relative(a, e) <= 1e-5
 
 

@@ -10,17 +10,19 @@ naming a rank that died, within the collective timeout.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch.distributed as dist
 from torch import Tensor
 
 from ._distributed import open_group
 from ._rank_forward import RankForward, forward_parallel
 from ._rank_host import RankHost, encode_batch, spec_to_wire
 from ._ranks import RankGroup
-from ._settings import RunSpec
+from ._settings import RunSpec, SettingsError
 
 
 class ForwardGroup:
@@ -36,6 +38,11 @@ class ForwardGroup:
     ) -> ForwardGroup:
         """Start ``spec.train.forward_ranks`` ranks and build the policy's shards on each
         (from ``path``, a checkpoint, when given; else the run's initial policy)."""
+        if dist.is_initialized():
+            raise SettingsError(
+                "train.forward_ranks: this process holds a rank group already; place the "
+                "station on a node of its own (placement.roles)"
+            )
         parallel = forward_parallel(spec.train)
         group = open_group(spec, parallel, env)
         forward = cls(group)
@@ -52,6 +59,7 @@ class ForwardGroup:
             group._kill()
             group.close()
             raise
+        atexit.register(forward.terminate)  # no rank outlives this process
         return forward
 
     def _command(self, header: dict[str, Any], tensors: list[Tensor]) -> Any:
@@ -86,7 +94,13 @@ class ForwardGroup:
         self._command({"op": "forward_load", "names": names}, [weights[n] for n in names])
 
     def close(self) -> None:
+        """Stop the other ranks (a stop command) and leave the process group."""
         self.group.close()
+
+    def terminate(self) -> None:
+        """Kill the other ranks at once and leave the process group (the station stops: a
+        forward may still be in flight in its thread)."""
+        self.group.terminate()
 
     def __enter__(self) -> ForwardGroup:
         return self

@@ -69,7 +69,10 @@ class RankForward:
         """Each response's token log-probs (rank 0: every row, in order; others: [])."""
         size = world()
         lengths = [int(r.shape[0]) for r in responses]
-        items = [(int(p.shape[0]) + n, [k]) for k, (p, n) in enumerate(zip(prompts, lengths))]
+        items = [
+            (int(p.shape[0]) + n, [k])
+            for k, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
         parts = partition_lpt(items, size, equal_count=True)
         mine = parts[rank()]
         rows = mine or [0]  # a void forward: FSDP2's collectives match on every rank
@@ -98,7 +101,7 @@ class RankForward:
         if rank() != 0:
             return []
         out: list[Tensor] = [torch.empty(0)] * len(responses)
-        for part, flat in zip(parts, every):
+        for part, flat in zip(parts, every, strict=True):
             offset = 0
             for k in part:
                 out[k] = flat[offset : offset + lengths[k]].clone()

@@ -144,7 +144,7 @@ class RankHost:
                 pad_id=header["pad_id"], temperature=header["temperature"],
             )  # fmt: skip
         if op == "forward_load":
-            return forward.load(dict(zip(header["names"], tensors)))
+            return forward.load(dict(zip(header["names"], tensors, strict=True)))
         raise RuntimeError(f"unknown rank command {op!r}")
 
 

@@ -1,0 +1,62 @@
+"""Pipeline runs whose forward stations are 2 ranks each (FSDP2 on gloo, forward only):
+ActorForward (loading every synced version into its shards) and RefForward train their steps;
+a process holds one rank group, which the config checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asyncflow_actors.pipeline import PipelineConfigError, run_pipeline
+from tests.pipeline.kit import tiny
+
+# ActorForward in a node process of its own; RefForward (and the trainer, on one rank) here
+APART = {"roles": {"actor_fwd": "fwd"}}
+
+
+async def test_a_run_with_two_forward_ranks_trains_its_steps() -> None:
+    """Sync mode: the rollout and ActorForward hold the same version at every step, so the
+    old log-probs (ActorForward's, on its ranks, after each weight load) match the engine's.
+    The entropy bonus moves the weights at every step (the first rewards are all equal: no
+    advantage), so a version not loaded on the ranks shows (k1 ~ 0.1 here, else ~1e-8)."""
+    config = tiny(
+        "sync",
+        train={"steps": 2, "lr": 0.05, "forward_ranks": 2, "collective_timeout": 60},
+        algorithm={"kl_coef": 0.05, "entropy_coef": 0.1},
+        placement=APART,
+    )
+    result = await run_pipeline(config)
+    assert [r.version for r in result.records] == [1, 2]
+    for record in result.records:
+        assert record.metrics["grad_norm"] > 0
+        assert abs(record.metrics["mismatch_kl_k1"]) < 1e-5, record.metrics
+    assert result.records[0].sync["sync_bytes"] > 0  # loaded on the ranks
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"algorithm": {"kl_coef": 0.05}}, "placement.roles.ref_fwd: ref_fwd-0 and actor_fwd-0"),
+        (
+            {
+                "train": {"forward_ranks": 2, "ranks": 2},
+                "placement": {"roles": {"actor_fwd": "fwd", "trainer": "fwd"}},
+            },
+            "placement.roles.trainer: trainer-0 and actor_fwd-0",
+        ),
+        ({"placement": {"roles": {"actor_fwd": "fwd", "trainer": "fwd"}}}, None),  # 1 rank
+        ({"mode": "colocated"}, "colocated mode"),
+        ({"placement": {"roles": {"actor_fwd": "trainer"}}}, "no forward station"),
+    ],
+)
+def test_rank_groups_sharing_a_process_are_refused(
+    overrides: dict[str, Any], match: str | None
+) -> None:
+    table = {"train": {"forward_ranks": 2}, **overrides}
+    mode = table.pop("mode", "async")
+    if match is None:  # a trainer of one process shares a node with the forward ranks
+        tiny(mode, **table)
+        return
+    with pytest.raises(PipelineConfigError, match=match):
+        tiny(mode, **table)
