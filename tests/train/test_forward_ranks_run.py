@@ -32,6 +32,8 @@ async def test_a_run_with_two_forward_ranks_trains_its_steps() -> None:
         assert record.metrics["grad_norm"] > 0
         assert abs(record.metrics["mismatch_kl_k1"]) < 1e-5, record.metrics
     assert result.records[0].sync["sync_bytes"] > 0  # loaded on the ranks
+    # RefForward's ranks: the reference is the first version's policy, then moves away
+    assert result.records[0].metrics["kl_ref"] < 1e-6 < result.records[1].metrics["kl_ref"]
 
 
 @pytest.mark.parametrize(
