@@ -1,14 +1,19 @@
 """Pipeline runs whose forward stations are 2 ranks each (FSDP2 on gloo, forward only):
 ActorForward (loading every synced version into its shards) and RefForward train their steps;
-a process holds one rank group, which the config checks."""
+a process holds one rank group, which the config checks; a forward rank that dies fails its
+station naming it, and the station restarts."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from asyncflow_actors.pipeline import PipelineConfigError, run_pipeline
+from asyncflow_actors.roles import RankFailed
 from tests.pipeline.kit import tiny
 
 # ActorForward in a node process of its own; RefForward (and the trainer, on one rank) here
@@ -62,3 +67,31 @@ def test_rank_groups_sharing_a_process_are_refused(
         return
     with pytest.raises(PipelineConfigError, match=match):
         tiny(mode, **table)
+
+
+async def test_a_forward_rank_killed_fails_the_station_naming_it_and_it_restarts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """ActorForward's rank 1 dies in its first forward (once): the station crashes with
+    ``RankFailed`` naming it, within the collective timeout; its supervisor restarts it (a
+    fresh group of ranks) and the run trains its steps."""
+    monkeypatch.setenv("AFA_RANK_KILL_IN_FORWARD", "1")
+    monkeypatch.setenv("AFA_RANK_KILL_ONCE", str(tmp_path / "killed"))
+    config = tiny("async", train={"steps": 2, "forward_ranks": 2, "collective_timeout": 60})
+    with trio.fail_after(90), caplog.at_level(logging.WARNING):
+        result = await run_pipeline(config)
+    assert [r.version for r in result.records] == [1, 2]
+    crashes = [r.exc_info[1] for r in caplog.records if r.exc_info and r.exc_info[1]]
+    ranks = [e for c in crashes for e in failures(c) if isinstance(e, RankFailed)]
+    assert ranks and all(e.rank == 1 for e in ranks), crashes
+    assert any("actor_fwd" in r.getMessage() for r in caplog.records if r.exc_info)
+
+
+def failures(exc: BaseException) -> list[BaseException]:
+    """Every exception in a tree of groups and causes."""
+    out = [exc]
+    for inner in getattr(exc, "exceptions", ()):
+        out += failures(inner)
+    if exc.__cause__ is not None:
+        out += failures(exc.__cause__)
+    return out

@@ -159,17 +159,28 @@ def serve() -> None:
         host.run(header, tensors)
 
 
+def _first(path: str) -> bool:  # pragma: no cover - a test hook
+    """Whether this process created ``path`` (no other did before)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _fault_hook(host: RankHost) -> None:  # pragma: no cover - a test hook
     """``AFA_RANK_KILL_IN_BACKWARD``: this rank kills itself in its first backward;
-    ``AFA_RANK_KILL_IN_FORWARD``: in its first forward command of a forward station (tests)."""
+    ``AFA_RANK_KILL_IN_FORWARD``: in its first forward command of a forward station (with
+    ``AFA_RANK_KILL_ONCE=<file>``: only the first rank to get there, in the whole run) (tests)."""
     import signal
 
     me = str(torch.distributed.get_rank())
     if os.environ.get("AFA_RANK_KILL_IN_FORWARD") == me:
         original_run = host.run
+        once = os.environ.get("AFA_RANK_KILL_ONCE")  # a file: only the rank that creates it dies
 
         def run_forward(header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:
-            if header["op"] == "forward":
+            if header["op"] == "forward" and (once is None or _first(once)):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original_run(header, tensors)
 
