@@ -24,7 +24,7 @@ from ..models import pack_batch
 from ..transfer_queue._samplers import partition_lpt
 from ._compute import build_policy, policy_logprobs
 from ._rank_learner import _device_index, rank, shard, world
-from ._rank_settings import ParallelSettings
+from ._rank_settings import ParallelSettings, parallel_of
 from ._ranks import control_group
 from ._settings import RunSpec
 
@@ -33,8 +33,6 @@ def forward_parallel(train: Any) -> ParallelSettings:
     """The ``ParallelSettings`` of a forward station's ranks: ``train.forward_ranks`` ranks,
     launched, placed and timed out as the trainer's are; FSDP2 in fp32 (the log-probs a
     one-process station computes)."""
-    from ._rank_settings import parallel_of
-
     return attrs.evolve(
         parallel_of(train),
         ranks=train.forward_ranks,
