@@ -296,6 +296,8 @@ def _check(config: PipelineConfig) -> None:
                 f"placement.roles.{role}: colocated mode shares one model, so rollout, "
                 f"actor_fwd and trainer must run in one process (got {homes})"
             )
+    if config.train.forward_ranks > 1:
+        _check_forward_ranks(config)
     hf = config.model.hf is not None
     if hf != (config.rollout.engine in ("hf", "vllm")):
         raise PipelineConfigError(
@@ -321,6 +323,32 @@ def _check(config: PipelineConfig) -> None:
             f"rollout.max_new_tokens: {config.rollout.max_new_tokens} leaves no room for the "
             f"prompt within model.max_seq_len = {config.model.max_seq_len}"
         )
+
+
+def _check_forward_ranks(config: PipelineConfig) -> None:
+    """``train.forward_ranks`` > 1: a process holds one torch.distributed group, so each
+    forward station on ranks (and a trainer on ranks) needs a process of its own."""
+    from ..roles._rank_settings import uses_ranks
+
+    if config.mode == "colocated":
+        raise PipelineConfigError(
+            "train.forward_ranks: colocated mode shares one model; use another mode"
+        )
+    groups = [(r, w) for r, w in config.instances() if r in ("actor_fwd", "ref_fwd")]
+    if not groups:
+        raise PipelineConfigError("train.forward_ranks: this run has no forward station")
+    trainer = types.SimpleNamespace(train=config.train, model=config.model, resume_from=None)
+    if uses_ranks(trainer):
+        groups.append(("trainer", "trainer-0"))
+    homes: dict[str, str] = {}
+    for role, worker in groups:
+        home = config.placement_of(role, worker)
+        if home in homes:
+            raise PipelineConfigError(
+                f"placement.roles.{role}: {worker} and {homes[home]} each hold a rank group "
+                f"(train.forward_ranks), and a process holds one: place them apart (got {home!r})"
+            )
+        homes[home] = worker
 
 
 def _build(cls: type, table: Any, where: str) -> Any:

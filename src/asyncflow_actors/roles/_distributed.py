@@ -40,6 +40,23 @@ def ray_ranks(parallel: ParallelSettings) -> RayRanks | None:
     )
 
 
+def open_group(
+    spec: RunSpec, parallel: ParallelSettings, env: Mapping[str, str] | None = None
+) -> RankGroup:
+    """Start ``parallel.ranks`` ranks (this process is rank 0; the others child processes or,
+    with ``parallel.launcher == "ray"``, Ray actors) on the backend of the run's device."""
+    placement = ray_ranks(parallel)
+    return RankGroup.open(
+        parallel.ranks,
+        host="127.0.0.1" if placement is None else ray_host(placement),
+        backend=backend_for(spec.model.device),
+        timeout_s=parallel.timeout_s,
+        env=env,
+        threads=spec.train.torch_threads,
+        spawn=None if placement is None else functools.partial(start_ray_ranks, placement),
+    )
+
+
 class DistributedLearner:
     """A data-parallel learner over a ``RankGroup`` (module docstring). ``open`` starts the
     other ranks as child processes; ``attach`` takes a group already joined (torchrun)."""
@@ -61,16 +78,7 @@ class DistributedLearner:
         """Start ``parallel.ranks`` ranks (this process is rank 0; the others child processes
         or, with ``parallel.launcher == "ray"``, Ray actors) and build the policy on each (from
         ``path``, a checkpoint's policy, when given)."""
-        placement = ray_ranks(parallel)
-        group = RankGroup.open(
-            parallel.ranks,
-            host="127.0.0.1" if placement is None else ray_host(placement),
-            backend=backend_for(spec.model.device),
-            timeout_s=parallel.timeout_s,
-            env=env,
-            threads=spec.train.torch_threads,
-            spawn=None if placement is None else functools.partial(start_ray_ranks, placement),
-        )
+        group = open_group(spec, parallel, env)
         learner = cls(group)
         try:
             learner.setup(spec, parallel, lora, path=path)

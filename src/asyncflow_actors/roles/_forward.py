@@ -8,12 +8,14 @@ through the CheckpointEngine: bytes land in a host cache during the sync and are
 lazily, at the station's next batch boundary. RefForward holds the initial policy and never
 syncs. With ``RunSpec.fused_advantage`` (``placement.roles.advantage = "actor_fwd"``)
 ActorForward takes whole groups and also computes their advantages: one fetch, one write back
-and one ack for both columns.
+and one ack for both columns. With ``train.forward_ranks`` > 1 each station's model is sharded
+over that many ranks (``ForwardGroup``; this process is rank 0): a forward splits the batch's
+rows over the ranks and a weight load keeps each rank's shard.
 """
 
 from __future__ import annotations
 
-import functools
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +67,14 @@ class PolicyCopy:
                 state[name].copy_(tensor)
 
 
+class RankedCopy(PolicyCopy):
+    """The copy of a station on ranks: the model is a ``ForwardGroup``; a load sends the full
+    tensors to every rank, each keeping its shard."""
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        self.model.load(weights)
+
+
 class _Forward(Station):
     column: str = S.OLD
     advantages: Advantages | None = None  # fused: this station computes them too
@@ -73,8 +83,13 @@ class _Forward(Station):
         spec = self.spec
         self.task = await in_thread(spec.task.build)
         self.columns = S.station_columns(spec)[self.consumer]
-        self.model, self.tokenizer = await self.load_model()
-        self.copy = PolicyCopy(self.model, spec.start_version)
+        self.copy: PolicyCopy
+        if spec.train.forward_ranks > 1:
+            self.model, self.tokenizer = await self.load_ranks()
+            self.copy = RankedCopy(self.model, spec.start_version)
+        else:
+            self.model, self.tokenizer = await self.load_model()
+            self.copy = PolicyCopy(self.model, spec.start_version)
         self.meter.set_version(spec.start_version)
 
     async def load_model(self) -> tuple[Any, Any]:
@@ -82,6 +97,36 @@ class _Forward(Station):
             self.compute.build_policy, self.spec.model, self.task
         )
         return policy
+
+    def policy_path(self) -> str | None:
+        """Where this station's policy loads from (None: the run's initial policy)."""
+        return None
+
+    async def load_ranks(self) -> tuple[Any, Any]:
+        """The station's ranks (``ForwardGroup``) and the policy's tokenizer."""
+        from ._forward_ranks import ForwardGroup
+
+        path = self.policy_path()
+        group = await in_thread(lambda: ForwardGroup.open(self.spec, path=path))
+        return group, group.tokenizer
+
+    def logprobs(self, prompts: list[Any], responses: list[Any]) -> list[Any]:
+        """The batch's log-probs (a worker thread's call), on this process or on the ranks."""
+        options = {"pad_id": self.tokenizer.pad_id, "temperature": self.spec.rollout.temperature}
+        ranked = self.spec.train.forward_ranks > 1
+        rows: list[Any] = (
+            self.model.logprobs(prompts, responses, **options) if ranked
+            else self.compute.sequence_logprobs(self.model, prompts, responses, **options)
+        )  # fmt: skip
+        return rows
+
+    async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
+        await super().on_stop(ctx, error)
+        if self.spec.train.forward_ranks > 1 and getattr(self, "model", None) is not None:
+            # stop the other ranks at once (a forward may still be in flight in its thread)
+            # and leave the process group
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.model.terminate)
 
     async def boundary(self) -> None:
         """The batch boundary: where pending weights load."""
@@ -107,16 +152,7 @@ class _Forward(Station):
             with self.meter.track.span(self.role, samples=batch.indexes, version=self.copy.version):
                 start = clock_ns()
                 async with self.copy.lock:
-                    logprobs = await in_thread(
-                        functools.partial(
-                            self.compute.sequence_logprobs,
-                            self.model,
-                            prompts,
-                            responses,
-                            pad_id=self.tokenizer.pad_id,
-                            temperature=spec.rollout.temperature,
-                        )
-                    )
+                    logprobs = await in_thread(self.logprobs, prompts, responses)
                 data = {self.column: logprobs}
                 if self.advantages is not None:
                     lengths = [int(r.shape[0]) for r in responses]
@@ -145,6 +181,10 @@ class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
 
     async def load_model(self) -> tuple[Any, Any]:
         return await load_policy(self.spec, self.compute, self.task)
+
+    def policy_path(self) -> str | None:
+        resume = self.spec.resume_from
+        return os.path.join(resume, self.compute.POLICY_FILE) if resume else None
 
     async def boundary(self) -> None:
         version = await self.receiver.apply_pending()

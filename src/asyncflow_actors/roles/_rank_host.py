@@ -4,6 +4,8 @@
 ``RankLearner`` from the run's settings (sent as plain data), ``step`` trains on the global
 batch, ``state`` gathers the full state dict, ``gather`` all-gathers parameters one at a time
 in the order of a weight sync, ``save``/``load``/``export`` are the distributed checkpoint.
+A forward station's ranks (``_rank_forward``): ``forward_setup`` builds its shard of the
+policy, ``forward`` computes a batch's log-probs, ``forward_load`` loads full weights.
 ``serve`` is the loop of ranks > 0: receive a command, run it, until ``stop``.
 """
 
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ._compute import PaddedRows, pad_rows, setup_torch
+from ._rank_forward import RankForward
 from ._rank_learner import RankLearner, blocks, gather, gather_many
 from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import receive_command
@@ -76,9 +79,12 @@ class RankHost:
 
     def __init__(self) -> None:
         self.learner: RankLearner | None = None
+        self.forward: RankForward | None = None
 
     def run(self, header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:
         op = header["op"]
+        if op.startswith("forward"):
+            return self._forward(op, header, tensors)
         if op == "setup":
             spec = spec_from_wire(header["spec"])
             setup_torch(spec.train.torch_threads)
@@ -120,6 +126,27 @@ class RankHost:
             return ckpt.export(learner, header["directory"], merge=header.get("merge", True))
         raise RuntimeError(f"unknown rank command {op!r}")
 
+    def _forward(self, op: str, header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:
+        """A forward station's commands (module docstring)."""
+        if op == "forward_setup":
+            spec = spec_from_wire(header["spec"])
+            setup_torch(spec.train.torch_threads)
+            parallel = ParallelSettings(**header["parallel"])
+            self.forward = RankForward(spec, parallel, path=header.get("path"))
+            return None
+        forward = self.forward
+        if forward is None:
+            raise RuntimeError(f"command {op!r} before forward_setup")
+        if op == "forward":
+            rows = decode_batch(header["layout"], tensors)
+            return forward.logprobs(
+                rows["prompt_ids"], rows["response_ids"],
+                pad_id=header["pad_id"], temperature=header["temperature"],
+            )  # fmt: skip
+        if op == "forward_load":
+            return forward.load(dict(zip(header["names"], tensors, strict=True)))
+        raise RuntimeError(f"unknown rank command {op!r}")
+
 
 def serve() -> None:
     """Ranks > 0: run the leader's commands until it says stop (or the group breaks)."""
@@ -132,11 +159,34 @@ def serve() -> None:
         host.run(header, tensors)
 
 
+def _first(path: str) -> bool:  # pragma: no cover - a test hook
+    """Whether this process created ``path`` (no other did before)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _fault_hook(host: RankHost) -> None:  # pragma: no cover - a test hook
-    """``AFA_RANK_KILL_IN_BACKWARD``: this rank kills itself in its first backward (tests)."""
-    if os.environ.get("AFA_RANK_KILL_IN_BACKWARD") != str(torch.distributed.get_rank()):
-        return
+    """``AFA_RANK_KILL_IN_BACKWARD``: this rank kills itself in its first backward;
+    ``AFA_RANK_KILL_IN_FORWARD``: in its first forward command of a forward station (with
+    ``AFA_RANK_KILL_ONCE=<file>``: only the first rank to get there, in the whole run) (tests)."""
     import signal
+
+    me = str(torch.distributed.get_rank())
+    if os.environ.get("AFA_RANK_KILL_IN_FORWARD") == me:
+        original_run = host.run
+        once = os.environ.get("AFA_RANK_KILL_ONCE")  # a file: only the rank that creates it dies
+
+        def run_forward(header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:
+            if header["op"] == "forward" and (once is None or _first(once)):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_run(header, tensors)
+
+        host.run = run_forward  # type: ignore[method-assign]
+    if os.environ.get("AFA_RANK_KILL_IN_BACKWARD") != me:
+        return
 
     original = host.run
 

@@ -294,6 +294,7 @@ class TrainSettings:
     once it answers ``sft_warmup_accuracy`` of held-out problems exactly (greedy): GRPO learns
     nothing from groups whose rewards are all equal, which is every group of a random policy
     (``pipeline._warmup``; a resume never repeats it).
+    ``forward_ranks`` > 1: each forward station's model is sharded over that many ranks.
     """
 
     steps: int = attrs.field(default=20, validator=_positive)
@@ -326,6 +327,8 @@ class TrainSettings:
         default=None, validator=attrs.validators.optional(_positive)
     )
     collective_timeout: float = attrs.field(default=300.0, validator=_positive)
+    # each forward station (ActorForward, RefForward) as a group of ranks (FSDP2, forward only)
+    forward_ranks: int = attrs.field(default=1, validator=_positive)
     # where ranks 1..N-1 run: child processes of the Trainer's, or Ray actors in a placement
     # group (one bundle of ``ray_rank_resources`` per rank, ``ray_strategy``; docs/training.md)
     rank_launcher: str = attrs.field(default="process", validator=_one_of("process", "ray"))
