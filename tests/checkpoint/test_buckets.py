@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from asyncflow_actors.checkpoint import (
     BucketSource,
+    CheckpointConfig,
     ChecksumMismatch,
     HostCache,
     IncompleteSync,
@@ -18,9 +19,17 @@ from asyncflow_actors.checkpoint import (
     ManifestError,
     Piece,
     TensorSpec,
+    UnknownChecksum,
+    _buckets,
     plan_buckets,
 )
-from asyncflow_actors.checkpoint._buckets import checksum
+from asyncflow_actors.checkpoint._buckets import (
+    ALGORITHMS,
+    CHUNK,
+    checksum,
+    hasher,
+    resolve_checksum,
+)
 from asyncflow_actors.checkpoint._manifest import (
     ALIGNMENT,
     DTYPE_NAMES,
@@ -63,12 +72,16 @@ def as_bytes(t: torch.Tensor) -> bytes:
 
 
 def roundtrip(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, *, copy: bool
+    named: list[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    copy: bool,
+    algorithm: str = "xxh3",
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     manifest = plan_buckets([spec_of(n, t) for n, t in named], bucket_bytes)
     manifest.check()
-    source = BucketSource([t for _, t in named], manifest, with_checksum=True)
-    cache = HostCache(manifest, copy=copy, with_checksum=True)
+    source = BucketSource([t for _, t in named], manifest, algorithm=algorithm)
+    cache = HostCache(manifest, copy=copy, algorithm=algorithm)
     sums = []
     for bucket in reversed(manifest.buckets):  # arrival order does not matter
         out = source.direct(bucket.index, "cpu")
@@ -76,7 +89,7 @@ def roundtrip(
             out = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
             sums.append(source.pack(bucket.index, out))
         else:
-            sums.append(checksum(out))
+            sums.append(checksum(out, algorithm) if algorithm else 0)
         cache.stage_bucket(bucket.index, out)
     cache.verify(list(reversed(sums)))
     return manifest, cache.tensors()
@@ -87,12 +100,13 @@ def roundtrip(
     st.lists(tensors(), max_size=8),
     st.integers(ALIGNMENT, 2048),
     st.booleans(),
+    st.sampled_from(["xxh3", "crc32", ""]),
 )
 def test_pack_unpack_round_trips_exactly(
-    values: list[torch.Tensor], bucket_bytes: int, copy: bool
+    values: list[torch.Tensor], bucket_bytes: int, copy: bool, algorithm: str
 ) -> None:
     named = [(f"t{i}.weight", t) for i, t in enumerate(values)]
-    manifest, got = roundtrip(named, bucket_bytes, copy=copy)
+    manifest, got = roundtrip(named, bucket_bytes, copy=copy, algorithm=algorithm)
     assert list(got) == [n for n, _ in named]
     for name, tensor in named:
         out = got[name]
@@ -131,7 +145,7 @@ def test_a_bucket_of_one_whole_contiguous_tensor_is_sent_from_the_tensor() -> No
     big, small = torch.arange(64, dtype=torch.float32), torch.arange(3, dtype=torch.int16)
     named = [("small", small), ("big", big), ("t", big.reshape(8, 8).t())]
     manifest = plan_buckets([spec_of(n, t) for n, t in named], 256)
-    source = BucketSource([t for _, t in named], manifest, with_checksum=True)
+    source = BucketSource([t for _, t in named], manifest, algorithm="xxh3")
     assert [len(b.pieces) for b in manifest.buckets] == [1, 1, 1]
     assert source.direct(0, "cpu") is not None  # "small" alone (the next does not fit)
     view = source.direct(1, "cpu")
@@ -139,7 +153,7 @@ def test_a_bucket_of_one_whole_contiguous_tensor_is_sent_from_the_tensor() -> No
     assert source.direct(2, "cpu") is None  # not contiguous: packed
     assert source.direct(1, "cuda") is None  # another device: packed there
     split = plan_buckets([spec_of("big", big)], 128)
-    assert BucketSource([big], split, with_checksum=False).direct(0, "cpu") is None
+    assert BucketSource([big], split, algorithm="").direct(0, "cpu") is None
 
 
 def test_unsplit_plan_keeps_every_tensor_whole() -> None:
@@ -150,11 +164,12 @@ def test_unsplit_plan_keeps_every_tensor_whole() -> None:
     assert manifest.buckets[0].nbytes == 400  # a single tensor may exceed the bucket
 
 
-def test_checksums_catch_a_flipped_bit_and_missing_buckets() -> None:
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
+def test_checksums_catch_a_flipped_bit_and_missing_buckets(algorithm: str) -> None:
     named = [("a", torch.arange(64, dtype=torch.float32)), ("b", torch.ones(40, dtype=torch.int64))]
     manifest = plan_buckets([spec_of(n, t) for n, t in named], 256)
-    source = BucketSource([t for _, t in named], manifest, with_checksum=True)
-    cache = HostCache(manifest, copy=True, with_checksum=True)
+    source = BucketSource([t for _, t in named], manifest, algorithm=algorithm)
+    cache = HostCache(manifest, copy=True, algorithm=algorithm)
     sums = []
     for bucket in manifest.buckets:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8)
@@ -165,7 +180,7 @@ def test_checksums_catch_a_flipped_bit_and_missing_buckets() -> None:
         if bucket.index == 1:
             out[3] ^= 1
         cache.stage_bucket(bucket.index, out)
-    with pytest.raises(ChecksumMismatch, match="bucket 1"):
+    with pytest.raises(ChecksumMismatch, match=f"bucket 1 .*{ALGORITHMS[algorithm]}"):
         cache.verify(sums)
     with pytest.raises(ManifestError, match="twice"):
         cache.stage_bucket(0, torch.zeros(manifest.buckets[0].nbytes, dtype=torch.uint8))
@@ -173,7 +188,7 @@ def test_checksums_catch_a_flipped_bit_and_missing_buckets() -> None:
 
 def test_cache_refuses_wrong_sizes_and_shards() -> None:
     manifest = plan_buckets([TensorSpec("a", "float32", (4,))], 64, split=False)
-    cache = HostCache(manifest, copy=False, with_checksum=False)
+    cache = HostCache(manifest, copy=False, algorithm="")
     with pytest.raises(ManifestError, match="expected 16 bytes"):
         cache.stage_bucket(0, torch.zeros(15, dtype=torch.uint8))
     with pytest.raises(ManifestError, match="not in the manifest"):
@@ -230,3 +245,57 @@ def test_copy_bytes_copies_exactly_below_and_above_the_small_copy_size(n: int) -
     copy_bytes(dst[4 : 4 + n], src)
     assert bytes(dst[4 : 4 + n].tolist()) == raw
     assert dst[:4].tolist() == [7] * 4 and dst[4 + n :].tolist() == [7] * 4
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
+@pytest.mark.parametrize("copy", [True, False])
+def test_buckets_of_many_chunks_hash_as_one_pass_and_refuse_a_flipped_byte(
+    algorithm: str, copy: bool
+) -> None:
+    """Hashed a chunk at a time while packing and while staging (buckets of several ``CHUNK``s,
+    a tensor split across them, padding between pieces): the digests are those of the whole
+    bucket, the tensors arrive bit-exact, and one flipped byte anywhere is refused."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 256, (5 * CHUNK + 3,), dtype=torch.uint8, generator=gen)
+    named = [("small", torch.arange(7, dtype=torch.int16)), ("big", big)]
+    named.append(("tail", torch.randn(CHUNK // 4 + 1, generator=gen)))
+    manifest = plan_buckets([spec_of(n, t) for n, t in named], 2 * CHUNK)
+    source = BucketSource([t for _, t in named], manifest, algorithm=algorithm)
+    for flip in (None, 0, len(manifest.buckets) - 1):
+        cache = HostCache(manifest, copy=copy, algorithm=algorithm)
+        sums = []
+        for bucket in manifest.buckets:
+            out = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            sums.append(source.pack(bucket.index, out))
+            assert sums[-1] == checksum(out, algorithm)  # a chunked pass hashes the whole bucket
+            if bucket.index == flip:
+                out[bucket.nbytes - 2] ^= 0x10
+            cache.stage_bucket(bucket.index, out)
+        if flip is not None:
+            with pytest.raises(ChecksumMismatch, match=f"bucket {flip}"):
+                cache.verify(sums)
+            continue
+        cache.verify(sums)
+        got = cache.tensors()
+        for name, tensor in named:
+            assert as_bytes(got[name]) == as_bytes(tensor), name
+
+
+def test_an_unknown_algorithm_is_refused_on_both_sides() -> None:
+    manifest = plan_buckets([TensorSpec("a", "float32", (4,))], 64)
+    with pytest.raises(UnknownChecksum, match="md5"):
+        HostCache(manifest, copy=False, algorithm="md5")
+    with pytest.raises(UnknownChecksum, match="md5"):
+        BucketSource([torch.zeros(4)], manifest, algorithm="md5")
+    assert issubclass(UnknownChecksum, ManifestError)
+
+
+def test_auto_picks_xxh3_when_xxhash_is_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xxhash")
+    assert resolve_checksum("auto") == "xxh3"
+    assert CheckpointConfig().checksum == "auto"
+    assert resolve_checksum("crc32") == "crc32" and resolve_checksum("none") == ""
+    monkeypatch.setattr(_buckets, "xxhash", None)
+    assert resolve_checksum("auto") == "crc32"
+    with pytest.raises(UnknownChecksum):
+        hasher("xxh3")

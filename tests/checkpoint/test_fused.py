@@ -273,7 +273,7 @@ async def test_a_fused_request_whose_bucket_does_not_match_is_refused(autojump_c
 
         def fused(sync_id: str, data: torch.Tensor | None, lease: float = 50.0) -> SyncFused:
             return SyncFused(
-                sync_id, PauseMode.ABORT, lease, 0, manifest, PROCESS_TOKEN, False, data, ()
+                sync_id, PauseMode.ABORT, lease, 0, manifest, PROCESS_TOKEN, "", data, ()
             )
 
         with pytest.raises(ManifestError, match="no bucket for 1"):

@@ -28,6 +28,7 @@ from ._errors import IncompleteSync as IncompleteSync
 from ._errors import ManifestError as ManifestError
 from ._errors import StaleSync as StaleSync
 from ._errors import SyncFailed as SyncFailed
+from ._errors import UnknownChecksum as UnknownChecksum
 from ._file import FileTransport as FileTransport
 from ._file import read_weights as read_weights
 from ._manifest import BucketSpec as BucketSpec

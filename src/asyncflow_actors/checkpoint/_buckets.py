@@ -1,10 +1,16 @@
 """Bucket bytes on both sides: the sender packs them, the receiver's host cache takes them in.
 
-``BucketSource`` (sender) copies the pieces of bucket *k* from the named tensors into a buffer
-and checksums it. ``HostCache`` (receiver) takes each bucket's bytes as they arrive: it keeps the
-bucket itself (the tensors lying whole in it are viewed in place at the end, no copy) and copies
-the pieces of split tensors into their own allocation. Both are plain synchronous code meant to
-run in a worker thread (``trio.to_thread``), so neither side's event loop blocks on a copy.
+``BucketSource`` (sender) copies the pieces of bucket *k* from the named tensors into a buffer,
+hashing each chunk right after writing it (it is still in cache: no second pass over the
+bucket). ``HostCache`` (receiver) takes each bucket's bytes as they arrive: it keeps the bucket
+itself (the tensors lying whole in it are viewed in place at the end, no copy) and copies the
+pieces of split tensors into their own allocation, hashing a chunk at a time as it copies. Both
+are plain synchronous code meant to run in a worker thread (``trio.to_thread``), so neither
+side's event loop blocks on a copy.
+
+The checksum is XXH3-64 (``"xxh3"``, the ``xxhash`` package: it reads memory about as fast as a
+copy) or zlib's CRC-32 (``"crc32"``, three times slower); the sender names the one it used in
+``SyncPrepare`` / ``SyncFused`` and a receiver that cannot compute it refuses the sync.
 """
 
 from __future__ import annotations
@@ -12,13 +18,20 @@ from __future__ import annotations
 import secrets
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from ._errors import ChecksumMismatch, IncompleteSync, ManifestError
+from ._errors import ChecksumMismatch, IncompleteSync, ManifestError, UnknownChecksum
 from ._manifest import Manifest, dtype_of, tensor_bytes
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+xxhash: Any
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - a core dependency; CRC-32 without it
+    xxhash = None
 
 #: Identifies this process: a receiver given a bucket by a sender with the same token shares
 #: the sender's memory (a local ref, an in-process node) and must copy it before acknowledging.
@@ -30,6 +43,12 @@ PROCESS_TOKEN: Final = secrets.token_hex(8)
 #: waits for a thread to be scheduled: a millisecond apiece for the pieces of a small bucket.
 SMALL_COPY: Final = 1 << 20
 
+#: Copied and hashed a chunk at a time: the hash reads the chunk just written, from cache.
+CHUNK: Final = 1 << 20
+
+#: The checksum algorithms a sync may name, and how messages call them.
+ALGORITHMS: Final = {"xxh3": "XXH3-64", "crc32": "CRC-32"}
+
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for flat uint8 tensors of the same size (numpy when small, on CPU)."""
@@ -39,25 +58,87 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def checksum(data: torch.Tensor) -> int:
-    """CRC-32 of a flat uint8 tensor's bytes (copied to host memory first if on a device)."""
+def resolve_checksum(setting: str) -> str:
+    """The algorithm a ``CheckpointConfig.checksum`` setting means in this process: ``"auto"``
+    is ``"xxh3"`` when ``xxhash`` is importable, else ``"crc32"``; ``"none"`` is ``""``."""
+    if setting == "auto":
+        return "xxh3" if xxhash is not None else "crc32"
+    return "" if setting == "none" else setting
+
+
+class _Crc32:
+    """zlib's CRC-32 with ``xxhash``'s streaming interface."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def hasher(algorithm: str) -> Any:
+    """A fresh streaming hasher (``update``, ``intdigest``) of ``algorithm``; raises
+    ``UnknownChecksum`` for one this process cannot compute."""
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "xxh3" and xxhash is not None:
+        return xxhash.xxh3_64()
+    known = [name for name in ALGORITHMS if name != "xxh3" or xxhash is not None]
+    raise UnknownChecksum(f"checksum {algorithm!r} is not available here (known: {known})")
+
+
+def checksum(data: torch.Tensor, algorithm: str = "crc32") -> int:
+    """The ``algorithm`` digest of a flat uint8 tensor's bytes (copied to host memory first if
+    on a device), hashed a chunk at a time."""
+    digest = hasher(algorithm)
     if data.device.type != "cpu":
         data = data.cpu()
-    if data.numel() == 0:
-        return 0
-    return zlib.crc32(data.numpy().data)
+    view = data.numpy()
+    for i in range(0, view.size, CHUNK):
+        digest.update(view[i : i + CHUNK])
+    return int(digest.intdigest())
+
+
+def _span(
+    src: np.ndarray[Any, Any],
+    dst: np.ndarray[Any, Any] | None,
+    digest: Any,
+) -> None:
+    """Copy ``src`` to ``dst`` (``None``: no copy) a chunk at a time, feeding ``digest`` (if
+    any) each chunk just written (or read) while it is in cache."""
+    n = src.size
+    if digest is None:
+        if dst is not None and n:
+            dst[:] = src
+        return
+    for i in range(0, n, CHUNK):
+        j = min(n, i + CHUNK)
+        if dst is None:
+            digest.update(src[i:j])
+        else:
+            dst[i:j] = src[i:j]
+            digest.update(dst[i:j])
 
 
 class BucketSource:
     """The sender's view of a sync's tensors: packs any bucket of ``manifest`` into a buffer."""
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], manifest: Manifest, *, with_checksum: bool
+        self, tensors: Sequence[torch.Tensor], manifest: Manifest, *, algorithm: str
     ) -> None:
+        if algorithm:
+            hasher(algorithm)  # refuse an unknown one before anything is paused
         self.tensors = list(tensors)
         self.manifest = manifest
-        self.with_checksum = with_checksum
+        self.algorithm = algorithm  # "" without checksums
         self._flat: dict[int, torch.Tensor] = {}
+
+    @property
+    def with_checksum(self) -> bool:
+        return bool(self.algorithm)
 
     def _bytes_of(self, index: int) -> torch.Tensor:
         flat = self._flat.get(index)
@@ -92,42 +173,60 @@ class BucketSource:
         return tensor_bytes(tensor)
 
     def pack(self, index: int, out: torch.Tensor) -> int:
-        """Copy bucket ``index`` into ``out`` (flat uint8, exactly its size); return its CRC-32
-        (0 without checksums). Padding between pieces is zeroed, so a bucket's bytes and
-        checksum depend on the weights alone."""
+        """Copy bucket ``index`` into ``out`` (flat uint8, exactly its size); return its digest
+        (0 without checksums), computed a chunk at a time as it is written. Padding between
+        pieces is zeroed, so a bucket's bytes and digest depend on the weights alone."""
         bucket = self.manifest.buckets[index]
         if out.numel() != bucket.nbytes:
             raise ValueError(f"bucket {index} is {bucket.nbytes} bytes, buffer {out.numel()}")
+        digest = hasher(self.algorithm) if self.algorithm else None
+        if out.device.type != "cpu":  # a device buffer: pack on the device, then hash it
+            digest = None
         end = 0
         for piece in bucket.pieces:
             if piece.start > end:
                 out[end : piece.start].zero_()
+                if digest is not None:
+                    _span(out[end : piece.start].numpy(), None, digest)
             src = self._bytes_of(piece.tensor)[piece.offset : piece.offset + piece.nbytes]
-            copy_bytes(out[piece.start : piece.start + piece.nbytes], src)
+            dst = out[piece.start : piece.start + piece.nbytes]
+            if digest is None or src.device.type != "cpu":
+                copy_bytes(dst, src)
+                if digest is not None:
+                    _span(dst.numpy(), None, digest)
+            else:
+                _span(src.numpy(), dst.numpy(), digest)
             end = piece.start + piece.nbytes
         if end < bucket.nbytes:
             out[end:].zero_()
-        return checksum(out) if self.with_checksum else 0
+            if digest is not None:
+                _span(out[end:].numpy(), None, digest)
+        if digest is not None:
+            return int(digest.intdigest())
+        return checksum(out, self.algorithm) if self.algorithm else 0
 
 
 class HostCache:
     """A receiver's staging area for one sync: received buckets, verified, then named tensors.
 
     ``copy``: the bucket tensors handed in belong to someone else (same process as the sender):
-    copy them before keeping them. ``with_checksum``: compute each bucket's CRC-32 on arrival.
+    copy what is kept before acknowledging. ``algorithm``: the checksum the sender named
+    (``""``: none), computed on arrival; ``UnknownChecksum`` for one this process lacks.
     """
 
-    def __init__(self, manifest: Manifest, *, copy: bool, with_checksum: bool) -> None:
+    def __init__(self, manifest: Manifest, *, copy: bool, algorithm: str) -> None:
         import torch
 
+        if algorithm:
+            hasher(algorithm)  # refused before any memory is allocated
         self.manifest = manifest
         self.copy = copy
-        self.with_checksum = with_checksum
+        self.algorithm = algorithm
         self.pieces = manifest.pieces_of()
         n = len(manifest.buckets)
         self.buckets: list[torch.Tensor | None] = [None] * n
         self.received: list[bool] = [False] * n
-        self.crcs: list[int] = [0] * n
+        self.crcs: list[int] = [0] * n  # each bucket's digest (``algorithm``)
         self.whole: dict[str, torch.Tensor] = {}  # tensors staged whole (the file transport)
         # tensors split across buckets are assembled in their own memory, piece by piece
         self.assembled = {
@@ -136,6 +235,10 @@ class HostCache:
             if len(pieces) > 1
         }
         self.bytes = 0
+
+    @property
+    def with_checksum(self) -> bool:
+        return bool(self.algorithm)
 
     def _claim(self, index: int) -> None:
         if not 0 <= index < len(self.buckets):
@@ -160,27 +263,40 @@ class HostCache:
         self.bytes += spec.nbytes
 
     def digest(self, index: int, data: torch.Tensor) -> int:
-        """Checksum a taken bucket, copy its split pieces out, keep it (a copy of it when it is
-        not ours, or on a device); return its size. Thread-safe for distinct buckets."""
-        spec = self.manifest.buckets[index]
-        if data.device.type != "cpu":
-            data = data.cpu()
-        elif self.copy:
-            import torch
+        """Checksum a taken bucket while copying its split pieces out and keeping it (a copy of
+        it when it is not ours; from a device, the host copy), a chunk at a time in byte order,
+        each chunk hashed where it was just written; return its size. Thread-safe for distinct
+        buckets."""
+        import torch
 
-            kept = torch.empty_like(data)
-            copy_bytes(kept, data)
-            data = kept
-        self.crcs[index] = checksum(data) if self.with_checksum else 0
-        keep = False
+        spec = self.manifest.buckets[index]
+        ours = not self.copy
+        if data.device.type != "cpu":
+            data, ours = data.cpu(), True
+        keep = any(p.tensor not in self.assembled for p in spec.pieces)
+        kept = data if ours or not keep else torch.empty_like(data)
+        digest = hasher(self.algorithm) if self.algorithm else None
+        src = data.numpy()
+        dst = None if kept is data else kept.numpy()
+        end = 0
         for piece in spec.pieces:
+            if piece.start > end:  # padding
+                _span(
+                    src[end : piece.start], None if dst is None else dst[end : piece.start], digest
+                )
+            whole = src[piece.start : piece.start + piece.nbytes]
             dest = self.assembled.get(piece.tensor)
-            if dest is None:
-                keep = True  # a whole tensor lies in this bucket: keep it and view it later
-            else:
-                src = data[piece.start : piece.start + piece.nbytes]
-                copy_bytes(dest[piece.offset : piece.offset + piece.nbytes], src)
-        self.buckets[index] = data if keep else None
+            out: np.ndarray[Any, Any] | None
+            if dest is not None:  # a split tensor's piece: into its own memory
+                out = dest.numpy()[piece.offset : piece.offset + piece.nbytes]
+            else:  # a whole tensor: kept in the bucket, viewed later
+                out = None if dst is None else dst[piece.start : piece.start + piece.nbytes]
+            _span(whole, out, digest)
+            end = piece.start + piece.nbytes
+        if end < spec.nbytes:
+            _span(src[end:], None if dst is None else dst[end:], digest)
+        self.crcs[index] = int(digest.intdigest()) if digest is not None else 0
+        self.buckets[index] = kept if keep else None
         return spec.nbytes
 
     def stage_bucket(self, index: int, data: torch.Tensor) -> int:
@@ -188,7 +304,7 @@ class HostCache:
         self.take(index, data)
         return self.digest(index, data)
 
-    def stage_tensors(self, index: int, tensors: dict[str, torch.Tensor], crc: int) -> int:
+    def stage_tensors(self, index: int, tensors: dict[str, torch.Tensor], digest: int) -> int:
         """Take bucket ``index`` as whole tensors (a file shard), after checking that they are
         exactly the ones the manifest puts there, with their dtypes and shapes."""
         self._claim(index)
@@ -206,7 +322,7 @@ class HostCache:
                     f"says {want.dtype} {want.shape}"
                 )
         self.whole.update(tensors)
-        self.crcs[index] = crc
+        self.crcs[index] = digest
         self.received[index] = True
         self.bytes += sum(t.nbytes for t in tensors.values())
         return spec.nbytes
@@ -215,7 +331,7 @@ class HostCache:
         return [i for i, got in enumerate(self.received) if not got]
 
     def verify(self, checksums: Sequence[int]) -> None:
-        """Raise unless every bucket arrived and (with checksums) matches the sender's CRC."""
+        """Raise unless every bucket arrived and (with checksums) matches the sender's digest."""
         missing = self.missing()
         if missing:
             shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
@@ -238,7 +354,7 @@ class HostCache:
                 )
                 raise ChecksumMismatch(
                     f"bucket {index} ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}): "
-                    f"CRC-32 {got:#010x} received, {want:#010x} sent"
+                    f"{ALGORITHMS[self.algorithm]} {got:#x} received, {want:#x} sent"
                 )
 
     def tensors(self) -> dict[str, torch.Tensor]:

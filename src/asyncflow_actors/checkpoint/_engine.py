@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from ..actors import ActorCrashed, ActorRef
-from ._buckets import PROCESS_TOKEN, BucketSource
+from ._buckets import PROCESS_TOKEN, BucketSource, resolve_checksum
 from ._config import PHASES, CheckpointConfig
 from ._errors import ChecksumMismatch, IncompleteSync, ManifestError, StaleSync, SyncFailed
 from ._manifest import Manifest, collect, plan_buckets, spec_of
@@ -311,8 +311,8 @@ class CheckpointEngine:
             manifest = plan_buckets(specs, config.bucket_bytes, split=self.transport.split)
             self._layout = (key, manifest)
         self.transport.check(manifest)
-        checksum = config.checksum == "crc32"
-        source = BucketSource([t for _, t in named], manifest, with_checksum=checksum)
+        algorithm = resolve_checksum(config.checksum)
+        source = BucketSource([t for _, t in named], manifest, algorithm=algorithm)
         sync_id = f"{version}-{secrets.token_hex(4)}"
         return SyncSession(sync_id, version, manifest, self._targets, config, source)
 
@@ -321,20 +321,20 @@ class CheckpointEngine:
     ) -> list[PauseAck]:
         """Pause, prepare, topology, broadcast, finalize; ``progress[0]`` names the phase."""
         sync_id, targets, config = session.sync_id, session.receivers, self.config
-        checksum = config.checksum == "crc32"
+        algorithm = session.source.algorithm
         pause = SyncPause(sync_id, config.pause_mode, config.lease)
         acks: list[PauseAck] = await self._phase(
             "pause", timings, ask_all, targets, lambda _: pause, self._waiting()
         )
         progress[0] = "prepare"
-        prepare = SyncPrepare(sync_id, session.version, session.manifest, PROCESS_TOKEN, checksum)
+        prepare = SyncPrepare(sync_id, session.version, session.manifest, PROCESS_TOKEN, algorithm)
         await self._phase("prepare", timings, ask_all, targets, lambda _: prepare, self._waiting())
         progress[0] = "topology"
         await self._phase("topology", timings, self.transport.open, session)
         progress[0] = "broadcast"
         await self._phase("broadcast", timings, self.transport.broadcast, session)
         progress[0] = "finalize"
-        finalize = SyncFinalize(sync_id, tuple(session.checksums) if checksum else ())
+        finalize = SyncFinalize(sync_id, tuple(session.checksums) if algorithm else ())
         await self._phase(
             "finalize", timings, ask_all, targets, lambda _: finalize, self._waiting()
         )
@@ -375,9 +375,9 @@ class CheckpointEngine:
                     session.version,
                     session.manifest,
                     PROCESS_TOKEN,
-                    config.checksum == "crc32",
+                    session.source.algorithm,
                     data,
-                    tuple(session.checksums) if config.checksum == "crc32" else (),
+                    tuple(session.checksums) if session.source.algorithm else (),
                 )
                 answers: list[FusedAck] = await ask_all(targets, lambda _: fused, self._waiting())
             completed = True

@@ -21,6 +21,11 @@ class ManifestError(CheckpointError, ValueError):
     """
 
 
+class UnknownChecksum(ManifestError):
+    """The sender named a checksum algorithm this receiver cannot compute (it refuses the
+    sync at prepare, before any byte moves)."""
+
+
 class ChecksumMismatch(CheckpointError):
     """The bytes a receiver got for a bucket differ from the bytes the sender packed."""
 

@@ -4,7 +4,8 @@ For syncs across clusters (a shared file system), debugging, and resuming a run.
 writes bucket *k* as ``model-0000k-of-0000n.safetensors`` (whole tensors: this transport never
 splits one) in a hidden ``.v<version>-<sync>.partial`` directory and asks every receiver to read
 it (``ReadShard``) while it writes the next one (two shards in flight). Once every receiver
-verified the sync, the sender adds ``manifest.json`` (our manifest with each shard's CRC-32) and a
+verified the sync, the sender adds ``manifest.json`` (our manifest with each shard's digest and
+its algorithm) and a
 Hugging Face style ``model.safetensors.index.json``, renames the directory to ``v<version>``
 (atomic publish) and removes all but the newest ``keep_versions`` versions. A failed sync removes
 its partial directory. ``read_weights`` loads a published version back (verifying checksums).
@@ -19,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ import trio
 
 # models is a leaf (pure torch, no library imports): its safetensors codec is shared here.
 from ..models import deserialize_safetensors, serialize_safetensors
+from ._buckets import ALGORITHMS, CHUNK, hasher, resolve_checksum
 from ._errors import ChecksumMismatch, ManifestError
 from ._manifest import Manifest, dtype_of
 from ._messages import ReadShard
@@ -44,11 +45,21 @@ def _shard_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def read_shard(path: str, with_checksum: bool) -> tuple[dict[str, torch.Tensor], int]:
-    """The tensors of a shard file and the CRC-32 of its bytes (0 without checksums)."""
+def _digest(data: bytes, algorithm: str) -> int:
+    """The ``algorithm`` digest of ``data`` (0 for ``""``: no checksum)."""
+    if not algorithm:
+        return 0
+    digest = hasher(algorithm)
+    view = memoryview(data)
+    for i in range(0, len(view), CHUNK):
+        digest.update(view[i : i + CHUNK])
+    return int(digest.intdigest())
+
+
+def read_shard(path: str, algorithm: str) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of a shard file and the ``algorithm`` digest of its bytes (0 for ``""``)."""
     data = Path(path).read_bytes()
-    crc = zlib.crc32(data) if with_checksum else 0
-    return deserialize_safetensors(data).tensors, crc
+    return deserialize_safetensors(data).tensors, _digest(data, algorithm)
 
 
 class FileTransport:
@@ -86,7 +97,7 @@ class FileTransport:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
-        return zlib.crc32(data) if session.config.checksum == "crc32" else 0
+        return _digest(data, session.source.algorithm)
 
     async def broadcast(self, session: SyncSession) -> None:
         partial = self._partial[session.sync_id]
@@ -129,13 +140,13 @@ class FileTransport:
             names = [manifest.tensors[p.tensor].name for p in bucket.pieces]
             weight_map.update(dict.fromkeys(names, name))
             shards.append(
-                {"file": name, "crc32": session.checksums[bucket.index], "tensors": names}
+                {"file": name, "digest": session.checksums[bucket.index], "tensors": names}
             )
         record = {
             "format": FORMAT,
             "version": session.version,
             "sync_id": session.sync_id,
-            "checksum": session.config.checksum,
+            "checksum": session.source.algorithm or "none",
             "tensors": [
                 {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in manifest.tensors
             ],
@@ -167,7 +178,7 @@ def read_weights(
     directory: str | os.PathLike[str], version: int | None = None
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Load a version published by the file transport (the newest when ``version`` is None):
-    ``(version, tensors)``. Shards are checked against the manifest's CRC-32s and specs.
+    ``(version, tensors)``. Shards are checked against the manifest's digests and specs.
 
     Raises ``FileNotFoundError`` when there is no such version, ``ChecksumMismatch`` or
     ``ManifestError`` when the files do not match their manifest.
@@ -185,12 +196,14 @@ def read_weights(
     if record.get("format") != FORMAT:
         raise ManifestError(f"{folder}: unknown format {record.get('format')!r}")
     out: dict[str, torch.Tensor] = {}
+    algorithm = resolve_checksum(record["checksum"])
     for shard in record["shards"]:
-        tensors, crc = read_shard(str(folder / shard["file"]), record["checksum"] == "crc32")
-        if record["checksum"] == "crc32" and crc != shard["crc32"]:
+        tensors, digest = read_shard(str(folder / shard["file"]), algorithm)
+        want = shard.get("digest", shard.get("crc32"))  # "crc32": written before XXH3-64
+        if algorithm and digest != want:
             raise ChecksumMismatch(
-                f"{folder / shard['file']}: CRC-32 {crc:#010x} on disk, "
-                f"{shard['crc32']:#010x} in the manifest"
+                f"{folder / shard['file']}: {ALGORITHMS[algorithm]} {digest:#x} on disk, "
+                f"{want:#x} in the manifest"
             )
         out.update(tensors)
     for spec in record["tensors"]:

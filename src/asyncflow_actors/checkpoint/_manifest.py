@@ -10,7 +10,8 @@ exceed ``bucket_bytes`` by the size of a single large tensor.
 
 The manifest is a plain value (frozen attrs classes of ints and strs), sent to every receiver
 before the broadcast. Checksums are not in it: they are computed while packing and sent with the
-finalize request (``docs/weight_sync.md``).
+finalize request; the prepare request that carries the manifest names their algorithm
+(``docs/weight_sync.md``).
 """
 
 from __future__ import annotations

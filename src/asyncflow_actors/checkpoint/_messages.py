@@ -42,13 +42,14 @@ class SyncPause(Request[PauseAck]):
 @attrs.frozen
 class SyncPrepare(Request[int]):
     """The sync's version and manifest. ``sender`` is the sender's process token;
-    ``checksum``: compute each bucket's CRC-32."""
+    ``checksum``: the algorithm of the buckets' digests (``"xxh3"``, ``"crc32"``; ``""``: none),
+    which the receiver computes to verify them (it refuses one it does not know)."""
 
     sync_id: str
     version: int
     manifest: Manifest
     sender: str
-    checksum: bool
+    checksum: str
 
 
 @attrs.frozen
@@ -111,7 +112,8 @@ class FusedAck:
 class SyncFused(Request[FusedAck]):
     """``SyncPause``, ``SyncPrepare``, the one bucket (``data``; ``None`` when the manifest has
     no bucket) and ``SyncFinalize`` in one request: the receiver pauses, checks the manifest,
-    stages the bucket and verifies it against ``checksums`` before it answers."""
+    stages the bucket and verifies it against ``checksums`` (``checksum`` names their
+    algorithm, as in ``SyncPrepare``) before it answers."""
 
     sync_id: str
     mode: PauseMode
@@ -119,7 +121,7 @@ class SyncFused(Request[FusedAck]):
     version: int
     manifest: Manifest
     sender: str
-    checksum: bool
+    checksum: str
     data: torch.Tensor | None
     checksums: tuple[int, ...]
 

@@ -245,8 +245,8 @@ class WeightReceiver:
         if isinstance(msg, ReadShard):
             from ._file import read_shard
 
-            tensors, crc = await run_sync(self.offload, read_shard, msg.path, cache.with_checksum)
-            staged = cache.stage_tensors(msg.index, tensors, crc)
+            tensors, digest = await run_sync(self.offload, read_shard, msg.path, cache.algorithm)
+            staged = cache.stage_tensors(msg.index, tensors, digest)
             self._bytes += staged
             return staged
         if isinstance(msg, JoinGroup):
@@ -380,9 +380,7 @@ class WeightReceiver:
         sync.verified = None
         sync.cache = await run_sync(
             offloads(self.offload, manifest.bucket_total),
-            lambda: HostCache(
-                manifest, copy=msg.sender == PROCESS_TOKEN, with_checksum=msg.checksum
-            ),
+            lambda: HostCache(manifest, copy=msg.sender == PROCESS_TOKEN, algorithm=msg.checksum),
         )
         return manifest.bucket_total
 

@@ -119,8 +119,8 @@ class SyncSession:
         offload = offloads(self.config.offload, self.manifest.buckets[index].nbytes)
         data = source.direct(index, buffers.device)
         if data is not None:
-            if source.with_checksum:
-                self.checksums[index] = await run_sync(offload, checksum, data)
+            if source.algorithm:
+                self.checksums[index] = await run_sync(offload, checksum, data, source.algorithm)
             return data
         data = buffers.take(self.manifest.max_bucket)[slot][: self.manifest.buckets[index].nbytes]
         self.checksums[index] = await run_sync(offload, source.pack, index, data)

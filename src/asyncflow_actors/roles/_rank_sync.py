@@ -100,9 +100,9 @@ class GatheringSource(BucketSource):
         groups: Sequence[Sequence[int]],
         manifest: Manifest,
         *,
-        with_checksum: bool,
+        algorithm: str,
     ) -> None:
-        super().__init__([], manifest, with_checksum=with_checksum)
+        super().__init__([], manifest, algorithm=algorithm)
         self.params = dict(learner.learner.named_parameters())
         self.plan = list(plan)
         self.groups = [list(g) for g in groups]
@@ -186,7 +186,7 @@ class ShardedSyncEngine(CheckpointEngine):
         finally:
             source, self._source = self._source, None
             if source is None:  # the plan failed: gather the groups all the same
-                source = GatheringSource(self.learner, plan, groups, _EMPTY, with_checksum=False)
+                source = GatheringSource(self.learner, plan, groups, _EMPTY, algorithm="")
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(source.drain)
 
@@ -207,7 +207,7 @@ class ShardedSyncEngine(CheckpointEngine):
         session = super()._plan(version, weights)
         self._source = GatheringSource(
             self.learner, self._recipes, self._groups, session.manifest,
-            with_checksum=session.source.with_checksum,
+            algorithm=session.source.algorithm,
         )  # fmt: skip
         session.source = self._source
         return session
