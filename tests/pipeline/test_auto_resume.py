@@ -154,3 +154,82 @@ async def test_a_trainer_that_raises_resumes_from_the_start_without_checkpoints(
     assert [r.step for r in result.records] == list(range(1, len(result.records) + 1))
     assert calls[3] == 2  # the new Trainer trains on from the version it took
     _check_ledger(tmp_path, config, result)
+
+
+def _kill_while_starting(run: Pipeline, killed: list[int], times: int) -> list[int]:
+    """After the first kill, SIGKILL the Trainer's node ``times`` more times while a resumed
+    Trainer starts there (0.2 s into each spawn, once the node runs a new process: in its
+    ``on_start`` or just after); the pids killed there."""
+    assert run.resumer is not None
+    place = run.resumer.place
+    spawn = place.spawn
+    again: list[int] = []
+
+    async def new_pid() -> int:
+        while (pid := run.nodes["tr"].pid) is None or pid in killed:
+            await trio.sleep(0.05)
+        return pid
+
+    async def spawning(cls: Any, *, role: str, **kwargs: Any) -> Any:
+        if role != "trainer" or len(again) >= times:
+            return await spawn(cls, role=role, **kwargs)
+        with trio.fail_after(60):
+            pid = await new_pid()
+
+        async def kill() -> None:
+            await trio.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            again.append(pid)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kill)
+            try:  # raised outside the nursery: the resumer sees the spawn's own error
+                return await spawn(cls, role=role, **kwargs)
+            except Exception as exc:
+                error = exc
+        raise error
+
+    place.spawn = spawning  # type: ignore[method-assign]
+    return again
+
+
+async def test_a_trainer_killed_while_its_resume_starts_is_resumed_again(
+    tmp_path: Path,
+) -> None:
+    """Killed after step 3 (checkpoints every 2 steps: step 3 lost, its weights sent), then its
+    successor's node killed while it starts, 5 times: each is one more attempt, and the run
+    finishes with every prompt trained once (the rollbacks of the interrupted resumes lose
+    only what the dead Trainers reported)."""
+    config = _config(tmp_path, checkpoint_every=2, auto_resume_retries=6)
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        killed = _kill_trainer_at(run, 3)
+        again = _kill_while_starting(run, killed, 5)
+        with trio.fail_after(240):
+            result = await run.wait()
+    assert len(again) == 5 and len(killed) == 6
+    assert [r.attempt for r in result.resumes] == [2, 3, 4, 5, 6, 7]
+    assert all("NodeLost" in r.cause for r in result.resumes)
+    first = result.resumes[0]
+    assert (first.checkpoint, first.lost_steps) == (2, 1) and first.skipped >= 1
+    skipped = sum(r.skipped for r in result.resumes)
+    assert result.version == STEPS + skipped
+    assert [r.step for r in result.records] == list(range(1, len(result.records) + 1))
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, len(lines) + 1))
+    assert result.reinjected == sum(r.lost_prompts for r in result.resumes)
+    _check_ledger(tmp_path, config, result)
+
+
+async def test_deaths_while_resuming_spend_the_retries(tmp_path: Path) -> None:
+    """Each death of a starting Trainer is an attempt: with 2 retries, the kill at step 1 and
+    two kills while its successors start fail the run, naming the trainer."""
+    config = _config(tmp_path, checkpoint_every=1, auto_resume_retries=2)
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        killed = _kill_trainer_at(run, 1)
+        again = _kill_while_starting(run, killed, 2)
+        with trio.fail_after(120), pytest.raises(RunFailed) as info:
+            await run.wait()
+    assert len(again) == 2
+    assert info.value.role == "trainer-0"
+    assert isinstance(info.value.__cause__, afa.NodeLost)

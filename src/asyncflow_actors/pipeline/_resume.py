@@ -9,14 +9,18 @@ supervisor restarts the process, not the ``TEMPORARY`` Trainer) it
    steps no checkpoint holds are lost, their prompts injected again; ``roles._driver_resume``);
 2. logs one line (``trainer died (<cause>); resuming from checkpoint step K, attempt 2/4``);
 3. spawns a Trainer where the first one ran, on the checkpoint's weights, tagged with the
-   version the rollback chose, for a run that ends as many versions later as it skipped (the
-   spawn is tried again while the node it died with is restarting); its TQ holder name is the
-   dead one's, so the samples it held go back to the queue at once and it trains them
-   (nothing in the queue is generated again);
+   version the rollback chose, for a run that ends as many versions later as it skipped (when
+   the node died with the Trainer, once its supervisor has started a new process); its TQ
+   holder name is the dead one's, so the samples it held go back to the queue at once and it
+   trains them (nothing in the queue is generated again);
 4. sends its weights to every receiver if versions were skipped (they hold a lost step's).
 
-After ``train.auto_resume_retries`` resumes the next death fails the run with ``RunFailed``
-naming the root cause, as without auto-resume.
+A death at any point of a resume (the new Trainer's node killed while it starts, or while it
+resends its weights) counts as one more attempt and starts the next resume: the Driver's
+rollback then finds only what the new Trainer reported (it trains nothing before its start
+finished), and a resend the dead one owed is owed by the next. After
+``train.auto_resume_retries`` resumes the next death fails the run with ``RunFailed`` naming
+the root cause, as without auto-resume.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from ._placement import Placement, RunFailed
 log = logging.getLogger("asyncflow_actors.pipeline")
 
 ASK_S = 5.0  # a receiver or the queue that does not say its version within this is skipped
-SPAWN_ATTEMPTS = 5  # a spawn that meets the dead node: again after 0.5, 1, 2, 4 s
-SPAWN_RETRY_S = 0.5
+NODE_RESTART_S = 30.0  # a node that lost its process and has no new one within this: spawn
+NODE_POLL_S = 0.1
 
 
 @attrs.frozen
@@ -107,10 +111,13 @@ class TrainerResumer:
         self.resumes: list[Resume] = []
         self._send, self._receive = trio.open_memory_channel[Terminated](8)
         self._watches = 0
+        self._pid: int | None = None  # the Trainer's node process (None: in this process)
+        self._resend = False  # a resume skipped versions and its weights are not sent yet
 
     async def watch(self, ref: ActorRef[Any]) -> None:
         """Watch the Trainer ``ref`` (each incarnation)."""
         self._watches += 1
+        self._pid = self._node_pid()
         system: NodeSystem = self.place.system
         watch = await system.spawn(
             lambda: _Watch(ref, self._send),
@@ -119,29 +126,39 @@ class TrainerResumer:
         self.spawned.insert(0, watch)
 
     async def serve(self) -> None:
-        """Resume each Trainer that dies, until the retries are spent."""
+        """Resume each Trainer that dies, until the retries are spent; a new Trainer that dies
+        while it starts is one more attempt (the next resume starts at once)."""
         async for msg in self._receive:
-            if len(self.resumes) >= self.retries:
-                self._fail(msg.error)
-                return
-            try:
-                await self._resume(msg)
-            except Exception as exc:  # the resume itself failed: the run ends, naming it
-                log.warning("resuming the trainer failed: %r", exc)
-                self._fail(exc)
-                return
+            error = msg.error
+            while True:
+                if len(self.resumes) >= self.retries:
+                    self._fail(error)
+                    return
+                try:
+                    died = await self._resume(error)
+                except Exception as exc:  # the resume itself failed: the run ends, naming it
+                    log.warning("resuming the trainer failed: %r", exc)
+                    self._fail(exc)
+                    return
+                if died is None:
+                    break
+                error = died
 
     def _fail(self, error: BaseException | None) -> None:
         self.run.errors.append(RunFailed(self.worker, error))
         self.run.failed.set()
 
-    async def _resume(self, msg: Terminated) -> None:
+    async def _resume(self, error: BaseException | None) -> BaseException | None:
+        """One attempt: roll back, start a Trainer, send its weights if due. Returns the error
+        of a new Trainer that died while it started (``None``: it runs, watched)."""
         run = self.run
         floor = await self._newest_version()
+        # idempotent after an interrupted resume: the Driver lost what the dead Trainer
+        # reported since, nothing else (a Trainer that died while it started reported nothing)
         point = await run.refs["driver"].ask(TrainerLost(floor))
         attempt = len(self.resumes) + 2
-        error = root_error(msg.error) if msg.error is not None else None
-        cause = "stopped" if error is None else f"{type(error).__name__}: {error}"
+        root = root_error(error) if error is not None else None
+        cause = "stopped" if root is None else f"{type(root).__name__}: {root}"
         where = (
             f"checkpoint step {point.checkpoint_version}"
             if point.directory
@@ -151,6 +168,15 @@ class TrainerResumer:
             "trainer died (%s); resuming from %s, attempt %d/%d",
             cause, where, attempt, self.retries + 1,
         )  # fmt: skip
+        self.resumes.append(
+            Resume(
+                attempt, cause, point.checkpoint_version, point.version, point.lost_steps,
+                len(point.lost_prompts), point.skipped,
+            )
+        )  # fmt: skip
+        # the receivers hold a lost step's weights, from this rollback or one whose resume
+        # died before its resend: the checkpoint's weights must reach them under that tag
+        self._resend = self._resend or point.skipped > 0
         old = self.kwargs["spec"]
         spec = attrs.evolve(
             old,
@@ -158,42 +184,47 @@ class TrainerResumer:
             resume_from=point.directory,
             train=attrs.evolve(old.train, steps=point.end_version),
         )
-        ref = await self._spawn({**self.kwargs, "spec": spec})
+        if isinstance(root, NodeLost):
+            await self._node_restarted()
+        self._pid = self._node_pid()
+        try:
+            ref = await self.place.spawn(
+                Trainer, role="trainer", worker=self.worker, kwargs={**self.kwargs, "spec": spec},
+                restart=Restart.TEMPORARY,
+            )  # fmt: skip
+        except (ActorCrashed, NodeLost) as exc:  # it died while it started: one more attempt
+            log.warning("the resumed trainer died while it started: %r", exc)
+            return exc
         dead = run.refs[self.worker]
         self.spawned[:] = [ref if r is dead else r for r in self.spawned]
         run.refs[self.worker] = ref
         run.hooks.trainer = ref
-        await self.watch(ref)
-        self.resumes.append(
-            Resume(
-                attempt, cause, point.checkpoint_version, point.version, point.lost_steps,
-                len(point.lost_prompts), point.skipped,
-            )
-        )  # fmt: skip
-        if point.skipped:  # the receivers hold a lost step's weights
+        await self.watch(ref)  # a death from here on reaches serve as a Terminated
+        if self._resend:
             try:
                 await ref.ask(ResendWeights())
-            except Exception as exc:  # its next step's sync reaches them anyway
+            except Exception as exc:  # its next step's sync reaches them anyway; died: the
+                # next resume sends them
                 log.warning("resending the resumed trainer's weights failed: %r", exc)
+            else:
+                self._resend = False
+        return None
 
-    async def _spawn(self, kwargs: dict[str, Any]) -> ActorRef[Any]:
-        """The new Trainer, where the first one ran. The spawn may race the loss of the node
-        it died with (the Trainer's death can be heard before its node's): a spawn that meets
-        a lost node is tried again once the node's supervisor has had time to restart it."""
-        delay = SPAWN_RETRY_S
-        for attempt in range(SPAWN_ATTEMPTS):
-            try:
-                return await self.place.spawn(
-                    Trainer, role="trainer", worker=self.worker, kwargs=kwargs,
-                    restart=Restart.TEMPORARY,
-                )  # fmt: skip
-            except (ActorCrashed, NodeLost) as exc:
-                if attempt == SPAWN_ATTEMPTS - 1 or not isinstance(root_error(exc), NodeLost):
-                    raise
-                log.info("the trainer's node is restarting (%s); spawning again", exc)
-            await trio.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+    def _node_pid(self) -> int | None:
+        """The process of the Trainer's node (``None``: the Trainer runs in this one)."""
+        node = self.place.nodes.get(self.place.config.placement_of("trainer", self.worker))
+        return node.pid if node is not None else None
+
+    async def _node_restarted(self) -> None:
+        """Wait (bounded) until the node the Trainer died with runs a new process: a spawn
+        before that may meet the dying one (the Trainer's death can be heard before its
+        node's), which would count as one more death."""
+        with trio.move_on_after(NODE_RESTART_S):
+            # polled: the node's peer may still hold the dying process (no event says "new")
+            pid = self._pid
+            while pid is not None and self._node_pid() in (pid, None):  # noqa: ASYNC110
+                await trio.sleep(NODE_POLL_S)
+        await trio.lowlevel.checkpoint()
 
     async def _newest_version(self) -> int:
         """The newest version a weight receiver holds (or has pending) or the queue has."""
