@@ -36,9 +36,17 @@ def _install(session: nox.Session, *extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (the README's test command)."""
+    """Run the test suite (the README's test command), all but the ``heavy`` runs."""
     _install(session, "dev")
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", "-m", "not heavy", *session.posargs)
+
+
+@nox.session
+def tests_heavy(session: nox.Session) -> None:
+    """The longest fault and placement runs (marked ``heavy``: a Trainer killed again while
+    it resumes, ranks and forward ranks on a local Ray); in ``.ci/run`` after the suite."""
+    _install(session, "dev")
+    session.run("pytest", "-q", "-m", "heavy", *session.posargs)
 
 
 @nox.session

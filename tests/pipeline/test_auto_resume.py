@@ -194,6 +194,7 @@ def _kill_while_starting(run: Pipeline, killed: list[int], times: int) -> list[i
     return again
 
 
+@pytest.mark.heavy
 async def test_a_trainer_killed_while_its_resume_starts_is_resumed_again(
     tmp_path: Path,
 ) -> None:
@@ -221,6 +222,7 @@ async def test_a_trainer_killed_while_its_resume_starts_is_resumed_again(
     _check_ledger(tmp_path, config, result)
 
 
+@pytest.mark.heavy
 async def test_deaths_while_resuming_spend_the_retries(tmp_path: Path) -> None:
     """Each death of a starting Trainer is an attempt: with 2 retries, the kill at step 1 and
     two kills while its successors start fail the run, naming the trainer."""

@@ -15,7 +15,7 @@ from .conftest import global_batch, run_spec
 
 ray = pytest.importorskip("ray", reason="ray is not installed (the `ray` extra)")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")
