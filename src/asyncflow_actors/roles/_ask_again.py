@@ -7,7 +7,9 @@ of the group, so asking again is safe; one such error escaping the rollout crash
 next incarnation met the same restart until its supervisor gave up (the soak's Reward kills). So
 the ask is made again, with a growing pause, for up to ``ASK_AGAIN_S`` seconds; past that the
 node is not coming back and the error goes on (the run fails loudly). Other errors (the actor
-itself failed) go on at once.
+itself failed) go on at once. The stations get from the queue the same way after a storage unit
+restarted empty (``StorageUnavailable``: the failed get returned its lease), until the
+controller knows.
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ def node_restarting(exc: BaseException) -> bool:
 
 
 async def ask_again(
-    call: Callable[[], Awaitable[T]], what: str, *, within: float = ASK_AGAIN_S
+    call: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    within: float = ASK_AGAIN_S,
+    transient: Callable[[BaseException], bool] = node_restarting,
 ) -> T:
-    """``await call()``, again after each error of a node restarting (``node_restarting``), for
+    """``await call()``, again after each ``transient`` error (default: a node restarting), for
     up to ``within`` seconds; ``what`` names it in the log."""
     deadline = trio.current_time() + within
     pause = 0.05
@@ -46,7 +52,7 @@ async def ask_again(
         try:
             return await call()
         except Exception as exc:
-            if not node_restarting(exc) or trio.current_time() + pause > deadline:
+            if not transient(exc) or trio.current_time() + pause > deadline:
                 raise
             log.warning("%s failed (%r); asking again in %.2f s", what, exc, pause)
         await trio.sleep(pause)
