@@ -485,6 +485,7 @@ class Mesh:
         options = attrs.evolve(
             self.options, connect_timeout=max(0.0, deadline - trio.current_time())
         )
+        failure: Exception | None = None
         try:
             async with trio.open_nursery() as race:
 
@@ -493,18 +494,23 @@ class Mesh:
                     race.cancel_scope.cancel()
 
                 race.start_soon(give_up_when_moved)
-                result = await self.open_link(
-                    peer.name,
-                    address,
-                    curve=self.curve,
-                    options=options,
-                    start_soon=link_nursery.start_soon,
-                    stack=stack,
-                    on_gone=peer.on_gone,
-                    on_rejected=peer.on_rejected,
-                    on_lost=lost,
-                )
+                try:
+                    result = await self.open_link(
+                        peer.name,
+                        address,
+                        curve=self.curve,
+                        options=options,
+                        start_soon=link_nursery.start_soon,
+                        stack=stack,
+                        on_gone=peer.on_gone,
+                        on_rejected=peer.on_rejected,
+                        on_lost=lost,
+                    )
+                except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                    failure = exc
                 race.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         except BaseException:
             with trio.CancelScope(shield=True):
                 await stack.aclose()
