@@ -83,6 +83,23 @@ async def test_killing_the_rollout_process_loses_no_group_and_the_run_finishes(
     assert check.ok and check.trained == 6 * BATCH, check
 
 
+async def test_killing_the_reward_process_mid_run_and_the_run_finishes() -> None:
+    """kill -9 of the Reward actor's node mid-run, the rollout on a node of its own: the
+    rollout's ``Score`` asks in flight fail with the node, and those made while it restarts
+    wait for it; the rollout asks again (``roles._ask_again``) instead of crashing. It
+    crash-looped until its supervisor gave up, failing the run (6 of 7 kills, #27 §1b)."""
+    config = tiny(
+        "async",
+        train={"steps": 5},
+        rollout={"reward": "actor"},
+        placement={"default": "local", "roles": {"reward": "rw", "rollout": "gen"}},
+    )
+    with trio.fail_after(120):
+        result, rollout = await kill_mid_run(config, "rw", "rollout-0", after_steps=1)
+    assert [r.samples for r in result.records] == [BATCH] * 5
+    assert rollout.samples > 0
+
+
 async def test_a_cancelled_run_stops_every_process(tmp_path: Path) -> None:
     aft.warm_up_zmq()
     before = aft.ResourceSnapshot.take()

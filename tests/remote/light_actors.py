@@ -67,3 +67,23 @@ class Watcher(afa.Actor[Watch | Heard | afa.Terminated]):
             return self.error
         await trio.lowlevel.checkpoint()
         return None
+
+
+@attrs.frozen
+class Poll(afa.Request[str]):
+    """Ask ``target`` a ``Hi`` (within ``within`` s); reply with its answer, or the error."""
+
+    target: afa.ActorRef[Hi]
+    text: str
+    within: float = 2.0
+
+
+class Poller(afa.Actor[Poll]):
+    """Asks another node's actor and survives its failures (they are the answer)."""
+
+    async def receive(self, msg: Poll, ctx: afa.ActorContext[Any]) -> str:
+        try:
+            with trio.fail_after(msg.within):
+                return await msg.target.ask(Hi(msg.text))
+        except (afa.ActorCrashed, trio.TooSlowError) as exc:
+            return f"error: {exc!r}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import trio
 
 import asyncflow_actors as afa
 from asyncflow_actors import transfer_queue as tq
+from tests.remote.light_actors import Hi
 from tests.remote.mesh_actors import (
     ROW,
     Consume,
@@ -155,3 +157,20 @@ async def test_many_senders_share_one_actor_each_with_its_own_credits() -> None:
             while echo.statistics().mailbox_depth:
                 await trio.sleep(0.01)
         _ = Ping  # (kept in the import list for readers: the relay asks Ping)
+
+
+async def test_a_peer_that_does_not_answer_raises_actor_crashed_caused_by_node_lost() -> None:
+    """A connect that times out fails the ask with ``ActorCrashed`` (``NodeLost``), never an
+    ``ExceptionGroup`` (the connect races the peer's owner moving it, in a nursery)."""
+    from asyncflow_actors.actors.remote._address import ActorAddress
+
+    options = afa.NodeOptions(connect_timeout=0.5)
+    async with afa.open_actor_system(node_options=options) as system:
+        with socket.socket() as sock:  # a port nobody answers on (bound, not listening)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            address = ActorAddress("ghost", "x", (f"tcp://127.0.0.1:{port}",), 1, "")
+            ref = system.mesh.resolve(address)
+            with trio.fail_after(10), pytest.raises(afa.ActorCrashed) as info:
+                await ref.ask(Hi("anyone"))
+    assert isinstance(info.value.error, afa.NodeLost)

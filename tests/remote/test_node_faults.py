@@ -9,7 +9,17 @@ import signal
 import trio
 
 import asyncflow_actors as afa
-from tests.remote.light_actors import Forward, Forwarder, Heard, Hello, Hi, Watch, Watcher
+from tests.remote.light_actors import (
+    Forward,
+    Forwarder,
+    Heard,
+    Hello,
+    Hi,
+    Poll,
+    Poller,
+    Watch,
+    Watcher,
+)
 
 ALLOW = ["tests.remote"]
 RESTARTS = 10
@@ -39,6 +49,45 @@ async def test_a_restarted_node_is_reached_by_other_nodes_after_every_restart() 
                 await _killed(b)
                 # A asks B's new process (its link to the old one dropped with it)
                 assert await forwarder.ask(Forward(hello, str(i))) == f"hello:{i}"
+
+
+async def test_a_node_asking_while_another_restarts_waits_for_it() -> None:
+    """A node that keeps asking another one while that one is killed and restarted: the ask in
+    flight at the death fails (its process is gone), the next ones wait for the new process
+    and reach it. They failed at once, again and again, with ``where node 'b' listens is not
+    known here`` while b restarted (its socket file went with the old process), and a rollout
+    asking its Reward node crash-looped until its supervisor gave up (the soak)."""
+    strategy = afa.OneForOne(max_restarts=10, within=120.0)
+    async with afa.open_actor_system(strategy=strategy) as system:
+        a = await system.start_node("a", allow=ALLOW)
+        b = await system.start_node("b", allow=ALLOW)
+        poller = await a.spawn(Poller, name="poller")
+        hello = await b.spawn(Hello, name="hello")
+        assert await poller.ask(Poll(hello, "0")) == "hello:0"
+        for i in range(1, 4):
+            errors: list[str] = []
+            killed = trio.Event()
+
+            async def poll(text: str, errors: list[str], killed: trio.Event) -> None:
+                """Ask until an answer comes after the kill; keep the errors met."""
+                while True:
+                    answer = await poller.ask(Poll(hello, text, within=30.0))
+                    if answer.startswith("error"):
+                        errors.append(answer)
+                    elif killed.is_set():
+                        assert answer == f"hello:{text}"
+                        return
+                    await trio.sleep(0.01)
+
+            with trio.fail_after(40):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(poll, str(i), errors, killed)
+                    await trio.sleep(0.2)
+                    await _killed(b)
+                    killed.set()
+            # at most the ask in flight at the death failed, and for that reason
+            assert len(errors) <= 1, errors
+            assert all("dropped" in e or "restarted" in e for e in errors), errors
 
 
 async def test_watchers_hear_when_a_temporary_actor_dies_with_its_node() -> None:

@@ -14,7 +14,11 @@ from asyncflow_actors.rl import grpo_advantages
 from asyncflow_actors.roles import ActorForward, GetRoleStats, RunSpec, topic_specs
 from asyncflow_actors.roles import _schema as S
 from asyncflow_actors.roles._settings import ModelSettings, RolloutSettings, TrainSettings
-from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
+from asyncflow_actors.transfer_queue import (
+    StorageUnavailable,
+    TransferQueueConfig,
+    open_transfer_queue,
+)
 
 SPEC = RunSpec(
     mode="async",
@@ -127,3 +131,50 @@ async def test_samples_that_left_the_lease_before_the_write_back_return_it_witho
         (topic,) = [t for t in view.controller.state.topics if t.topic == S.ROLLOUT]
         (fwd,) = [c for c in topic.consumers if c.consumer == "actor_fwd"]
         assert (fwd.leased, fwd.consumed, topic.live) == (0, 0, 2)  # returned: to compute again
+
+
+class _RestartedEmpty:
+    """A queue client whose storage unit restarted empty: the first gets fail with
+    ``StorageUnavailable`` (each returned its lease), and so does every write-back."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+        self.gets = 0
+        self.nacked: list[Any] = []
+
+    async def get(self, *args: Any, **kwargs: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        self.gets += 1
+        if self.gets <= 2:
+            raise StorageUnavailable("storage unit 'unit-0' failed: it restarted empty since")
+        return self.batch
+
+    async def put_columns(self, lease: Any, data: Any) -> None:
+        await trio.lowlevel.checkpoint()
+        raise StorageUnavailable("storage unit 'unit-0' failed: it restarted empty since")
+
+    async def nack(self, batch: Any) -> None:
+        await trio.lowlevel.checkpoint()
+        self.nacked.append(batch)
+
+
+async def test_a_storage_unit_that_restarted_empty_does_not_crash_a_station() -> None:
+    """A unit killed and restarted empty: the station's gets fail until the controller knows
+    (they returned their lease) and it gets again; its write-back finds the samples gone with
+    the unit and returns the lease, as for ``UnknownSample``. Each station crashed on it, and
+    one whose get kept failing crash-looped until its supervisor failed the run (the soak's
+    unit kills, #27 §1 item 9)."""
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("test")
+        await put_groups(client, 1)
+        batch = await client.get(S.ROLLOUT, "actor_fwd", [S.RESPONSE_IDS], 4)
+        assert batch is not None
+        station = ActorForward(SPEC, queue.controller, "fwd-0")
+        restarted = _RestartedEmpty(batch)
+        station.client = restarted  # type: ignore[assignment]
+        assert await station.fetch([S.RESPONSE_IDS], 4, whole_groups=False) is batch
+        assert restarted.gets == 3
+        old = [torch.zeros(len(r)) for r in batch[S.RESPONSE_IDS]]
+        assert not await station.write_back(batch, range(4), {S.OLD: old})
+        assert restarted.nacked == [batch]

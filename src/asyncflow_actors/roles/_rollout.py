@@ -34,6 +34,7 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..checkpoint import SYNC_MESSAGES, SyncMessage, SyncResume, WeightReceiver
 from ..observe import clock_ns, get_registry
 from . import _schema as S
+from ._ask_again import ask_again
 from ._batcher import _Batcher
 from ._evaluation import evaluate
 from ._generation import _Slot, group_request, group_rows, least_busy, oldest_version
@@ -291,7 +292,9 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
 
         texts = tuple(self.tokenizer.decode(list(c.token_ids)) for c in completions)
         if self.reward is not None:
-            scored: Scored = await self.reward.ask(Score(prompt, answer, texts, record))
+            reward, score = self.reward, Score(prompt, answer, texts, record)
+            # the Reward node restarting is transient: ask again (``_ask_again``)
+            scored: Scored = await ask_again(lambda: reward.ask(score), f"{self.worker}: score")
             return scored
         try:
             score = await self._scorer.submit(to_score(prompt, answer, record, texts))

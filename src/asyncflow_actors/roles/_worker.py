@@ -43,11 +43,13 @@ from ..transfer_queue import (
     Batch,
     Lease,
     Sampler,
+    StorageUnavailable,
     TransferQueueClient,
     TransferQueueError,
     UnknownSample,
     WholeGroups,
 )
+from ._ask_again import ask_again
 from ._messages import GetRoleStats, RoleStatistics
 from ._schema import ROLLOUT
 from ._settings import RunSpec
@@ -269,16 +271,23 @@ class Station(Actor[Any]):
         start = clock_ns()
         shared = self.dp.size > 1
         self._claiming = (topic, count, trio.current_time())
+        client = self.client
         try:
-            batch = await self.client.get(
-                topic,
-                self.consumer,
-                columns,
-                count,
-                sampler=self.dp.sampler(whole_groups),
-                min_count=min_count,
-                share_key=f"{self.consumer}:{self._step_no}" if shared else None,
-                share_count=self.dp.size,
+            # a storage unit that restarted empty fails the fetch (its lease is returned: nothing
+            # was taken) until the controller knows: get again, as the Driver puts again
+            batch = await ask_again(
+                lambda: client.get(
+                    topic,
+                    self.consumer,
+                    columns,
+                    count,
+                    sampler=self.dp.sampler(whole_groups),
+                    min_count=min_count,
+                    share_key=f"{self.consumer}:{self._step_no}" if shared else None,
+                    share_count=self.dp.size,
+                ),
+                f"{self.role} {self.worker}: get",
+                transient=_storage_unavailable,
             )
         finally:
             self._claiming = None
@@ -298,7 +307,9 @@ class Station(Actor[Any]):
         lease = batch.lease if len(rows) == len(batch) else sub_lease(batch.lease, rows)
         try:
             await self.client.put_columns(lease, data)
-        except UnknownSample as exc:
+        except (UnknownSample, StorageUnavailable) as exc:
+            # StorageUnavailable: a unit of the lease restarted empty (or did not answer), so
+            # its samples left the lease (the queue reports them lost): as a missing ack
             log.info("%s %s: samples left lease %d: %s", self.role, self.worker, lease.id, exc)
             if self.dp.size > 1:
                 return True
@@ -371,3 +382,7 @@ def take(batch: Batch, rows: Sequence[int], name: str) -> list[Any]:
     """Column ``name`` of ``batch`` at ``rows`` as a list (shared columns expanded)."""
     values = columns(batch, name)
     return [values[k] for k in rows]
+
+
+def _storage_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, StorageUnavailable)

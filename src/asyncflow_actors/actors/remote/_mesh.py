@@ -327,6 +327,7 @@ class Mesh:
             lost = P.NodeLost(f"node {update.name!r} restarted: its process died")
             peer.lost_with_process(lost, update.actors)
         if not update.up:
+            peer.stop()
             for actor in list(peer.watchers):
                 peer.notify_watchers(actor, P.NodeLost(f"node {update.name!r} stopped"))
 
@@ -428,7 +429,14 @@ class Mesh:
 
     async def connect(self, peer: Peer) -> None:
         """Open a link to a mesh peer (one connect at a time per peer); ``ActorCrashed`` if
-        it cannot be reached."""
+        it cannot be reached within ``connect_timeout``.
+
+        A peer whose place its owner told (``peer_update``) and whose process is gone (its
+        socket file removed) is restarting: the connect waits for the owner's word of where
+        the new process listens, as a supervised peer's calls wait while it restarts. A
+        connect to where the peer was gives up as soon as the owner says it moved, and tries
+        the new place (a connect to the dead process's endpoint would wait out the timeout).
+        """
         while peer._connecting is not None:
             await peer._connecting.wait()
             if peer.link is not None and peer.link.closed is None:
@@ -437,45 +445,93 @@ class Mesh:
             raise ActorCrashed(peer.alias, P.NodeLost("the actor system is closed"))
         peer._connecting = event = trio.Event()
         try:
-            address = _pick_endpoint(peer.endpoints)
-            if address is None:
-                raise P.NodeLost(f"where node {peer.name!r} listens is not known here")
-            curve = self.curve
-            stack = contextlib.AsyncExitStack()
-            link_nursery = self._nursery
-
-            def lost(error: BaseException) -> None:
-                if peer.link is link:
-                    peer.detach()
-                link_nursery.start_soon(stack.aclose)
-
-            try:
-                link, info = await self.open_link(
-                    peer.name,
-                    address,
-                    curve=curve,
-                    options=self.options,
-                    start_soon=link_nursery.start_soon,
-                    stack=stack,
-                    on_gone=peer.on_gone,
-                    on_rejected=peer.on_rejected,
-                    on_lost=lost,
-                )
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()
-                raise
-            if info.name != peer.name:
-                link.close(P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}"))
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()
-                raise P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}")
-            peer.attach(link, info, address, authoritative=False)
+            deadline = trio.current_time() + self.options.connect_timeout
+            while True:
+                moved = peer.moved
+                address = _pick_endpoint(peer.endpoints)
+                if address is None and (not peer.authoritative or peer.stopped):
+                    raise P.NodeLost(f"where node {peer.name!r} listens is not known here")
+                if address is None:  # restarting: its owner tells where it is once it is up
+                    with trio.move_on_at(deadline):
+                        await moved.wait()
+                    if not moved.is_set():
+                        raise P.NodeLost(
+                            f"node {peer.name!r} did not come back within "
+                            f"{self.options.connect_timeout}s (its process is gone)"
+                        )
+                    continue
+                if await self._connect_at(peer, address, moved, deadline):
+                    return
         except P.NodeLost as exc:
             raise ActorCrashed(peer.alias, exc, detail="unreachable") from exc
         finally:
             peer._connecting = None
             event.set()
+
+    async def _connect_at(
+        self, peer: Peer, address: str, moved: trio.Event, deadline: float
+    ) -> bool:
+        """Link ``peer`` at ``address``; False if its owner moved it meanwhile (try again)."""
+        assert self._nursery is not None
+        stack = contextlib.AsyncExitStack()
+        link_nursery = self._nursery
+        result: tuple[NodeLink, P.NodeInfo] | None = None
+
+        def lost(error: BaseException) -> None:
+            if result is not None and peer.link is result[0]:
+                peer.detach()
+            link_nursery.start_soon(stack.aclose)
+
+        options = attrs.evolve(
+            self.options, connect_timeout=max(0.0, deadline - trio.current_time())
+        )
+        failure: Exception | None = None
+        try:
+            async with trio.open_nursery() as race:
+
+                async def give_up_when_moved() -> None:
+                    await moved.wait()
+                    race.cancel_scope.cancel()
+
+                race.start_soon(give_up_when_moved)
+                try:
+                    result = await self.open_link(
+                        peer.name,
+                        address,
+                        curve=self.curve,
+                        options=options,
+                        start_soon=link_nursery.start_soon,
+                        stack=stack,
+                        on_gone=peer.on_gone,
+                        on_rejected=peer.on_rejected,
+                        on_lost=lost,
+                    )
+                except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                    failure = exc
+                race.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stack.aclose()
+            raise
+        if result is None:  # moved while connecting: the old place is not where it is
+            with trio.CancelScope(shield=True):
+                await stack.aclose()
+            return False
+        link, info = result
+        if info.name != peer.name:
+            link.close(P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}"))
+            with trio.CancelScope(shield=True):
+                await stack.aclose()
+            raise P.NodeLost(f"{address} is node {info.name!r}, not {peer.name!r}")
+        if moved.is_set():  # the answer came from where the peer was: not current
+            link.close(P.NodeLost(f"node {peer.name!r} moved while connecting"))
+            with trio.CancelScope(shield=True):
+                await stack.aclose()
+            return False
+        peer.attach(link, info, address, authoritative=False)
+        return True
 
 
 async def _serve_zap(

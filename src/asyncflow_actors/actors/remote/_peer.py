@@ -52,6 +52,10 @@ class Peer:
         self.authoritative = False  # where it listens came from an authoritative source
         self.address = ""  # the endpoint the current link connected to
         self.up = trio.Event()
+        # set (and replaced) each time an authoritative source moves the peer: a connect to
+        # where it was gives up then, and one waiting for its restart goes on (``Mesh.connect``)
+        self.moved = trio.Event()
+        self.stopped = False  # its owner said it stopped for good
         self.cell: ActorCell | None = None  # the NodeActor of a supervised peer
         # supervised: what to spawn again after a restart of the node, in spawn order
         self.specs: dict[str, P.SpawnRequest] = {}
@@ -84,7 +88,17 @@ class Peer:
             return False
         changed = incarnation != self.incarnation or endpoints != self.endpoints
         self.incarnation, self.endpoints, self.authoritative = incarnation, endpoints, True
+        self.stopped = False
+        if changed:
+            self.moved.set()
+            self.moved = trio.Event()
         return changed
+
+    def stop(self) -> None:
+        """Its owner says it stopped for good: a connect waiting for its restart gives up."""
+        self.stopped = True
+        self.moved.set()
+        self.moved = trio.Event()
 
     def attach(
         self, link: NodeLink, info: P.NodeInfo, address: str, *, authoritative: bool

@@ -1,0 +1,59 @@
+"""Asking again an actor whose node is restarting: the rollout's side of a Reward node's death.
+
+A rollout scores each group by asking the Reward actor (``reward.placement``). When the Reward
+node's process dies, the asks in flight fail with ``ActorCrashed`` caused by ``NodeLost``, and
+the node's supervisor brings it back within moments (issue #27 §1b). Scoring is a pure function
+of the group, so asking again is safe; one such error escaping the rollout crashed it, and its
+next incarnation met the same restart until its supervisor gave up (the soak's Reward kills). So
+the ask is made again, with a growing pause, for up to ``ASK_AGAIN_S`` seconds; past that the
+node is not coming back and the error goes on (the run fails loudly). Other errors (the actor
+itself failed) go on at once. The stations get from the queue the same way after a storage unit
+restarted empty (``StorageUnavailable``: the failed get returned its lease), until the
+controller knows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from ..actors import ActorCrashed
+from ..actors.remote import NodeLost
+
+T = TypeVar("T")
+
+ASK_AGAIN_S = 60.0  # a node's restart takes seconds; one down this long is not coming back
+log = logging.getLogger("asyncflow_actors.roles")
+
+
+def node_restarting(exc: BaseException) -> bool:
+    """Whether ``exc`` says the asked actor's node process was lost (it is restarted), rather
+    than that the actor failed."""
+    if isinstance(exc, NodeLost):
+        return True
+    return isinstance(exc, ActorCrashed) and isinstance(exc.error, NodeLost)
+
+
+async def ask_again(
+    call: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    within: float = ASK_AGAIN_S,
+    transient: Callable[[BaseException], bool] = node_restarting,
+) -> T:
+    """``await call()``, again after each ``transient`` error (default: a node restarting), for
+    up to ``within`` seconds; ``what`` names it in the log."""
+    deadline = trio.current_time() + within
+    pause = 0.05
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not transient(exc) or trio.current_time() + pause > deadline:
+                raise
+            log.warning("%s failed (%r); asking again in %.2f s", what, exc, pause)
+        await trio.sleep(pause)
+        pause = min(2 * pause, 1.0)
