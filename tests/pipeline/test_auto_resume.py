@@ -203,7 +203,15 @@ async def test_a_trainer_killed_while_its_resume_starts_is_resumed_again(
     finishes with every prompt trained once (the rollbacks of the interrupted resumes lose
     only what the dead Trainers reported)."""
     config = _config(tmp_path, checkpoint_every=2, auto_resume_retries=6)
-    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+    # Six deaths of one node within seconds: the root supervisor's restart intensity (3 in 5 s
+    # by default) would end the run first on a quick machine (SupervisorFailed: a crash loop
+    # of the node, the supervisor's call); this test is about the resumer, so the system
+    # allows the restarts and auto_resume_retries alone bounds them.
+    strategy = afa.OneForOne(max_restarts=10)
+    async with (
+        afa.open_actor_system(strategy=strategy) as system,
+        open_pipeline(system, config) as run,
+    ):
         killed = _kill_trainer_at(run, 3)
         again = _kill_while_starting(run, killed, 5)
         with trio.fail_after(240):

@@ -200,7 +200,8 @@ async def test_a_stopped_run_and_its_resume_keep_the_ledger_exact(tmp_path: Path
     records = read_samples(str(tmp_path))
     assert len(_trained(records)) == result.samples == len(result.records) * BATCH
     assert {r.reason for r in records if r.kind == "not_trained"} == {"unfinished"}
-    assert check_samples(records, group_size=GROUP, staleness=1).ok
+    first = check_samples(records, group_size=GROUP, staleness=1)
+    assert first.ok, first
     steps = result.version + 2
     more = tiny("async", run_dir=str(tmp_path), train={"steps": steps})
     await run_pipeline(more, resume=str(tmp_path))

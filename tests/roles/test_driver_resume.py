@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from asyncflow_actors.pipeline import check_samples, read_samples
+from asyncflow_actors.roles._driver_resume import UnsavedSteps
 from asyncflow_actors.roles._ledger import SampleLedger
-from asyncflow_actors.roles._messages import StepDone, TrainedSamples
+from asyncflow_actors.roles._messages import StepDone, StepTrained, TrainedSamples
 
 GROUP = 2
 
@@ -55,3 +56,16 @@ async def test_lost_steps_are_taken_back_and_their_prompts_trained_once(tmp_path
     assert all(r.reinjected for r in records if r.kind == "not_trained")
     assert sorted({r.step for r in records if r.kind == "trained"}) == [1, 4, 5]
     assert ledger.mark() == len(records)  # a later checkpoint's mark counts the file
+
+
+def test_a_step_trained_but_not_reported_keeps_its_prompts_pending() -> None:
+    """``StepTrained`` takes a step's groups out of ``inflight`` before its ``StepDone``: a
+    stop or checkpoint in between must still count their prompts as not trained (a stopped
+    run's ledger once missed them: neither trained nor unfinished)."""
+    inflight = {10: 4, 11: 5, 12: 6}  # group id -> prompt index
+    unsaved = UnsavedSteps()
+    unsaved.trained(StepTrained(2, (10, 11), (0, 1, 2, 3)), inflight)
+    assert inflight == {12: 6}
+    assert unsaved.unreported() == {4, 5}
+    unsaved.released(2)  # its StepDone came: trained, reported
+    assert unsaved.unreported() == set()

@@ -453,8 +453,12 @@ class Driver(Actor[_Msg]):
         return directory
 
     def pending(self) -> set[int]:
-        """The prompts taken and not trained: in flight, waiting, being admitted."""
-        return set(self.inflight.values()) | set(self.backlog) | self.admitting
+        """The prompts taken and not trained: in flight, waiting, being admitted, and those of
+        a step the Trainer trained (``StepTrained`` took them out of ``inflight``) but has not
+        reported yet (no ``StepDone``: the step is not this Driver's version, so neither a
+        checkpoint nor the ledger counts it trained)."""
+        pending = set(self.inflight.values()) | set(self.backlog) | self.admitting
+        return pending | self.unsaved.unreported()
 
     async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
         ledger = getattr(self, "ledger", None)

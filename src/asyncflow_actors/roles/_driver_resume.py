@@ -86,6 +86,11 @@ class UnsavedSteps:
         if step is not None:
             self.steps[version] = _Step(step.prompts, (), released=True)
 
+    def unreported(self) -> set[int]:
+        """The prompts of the steps trained but not yet reported (no ``StepDone``): out of
+        ``inflight``, not trained as far as a checkpoint or the ledger can tell."""
+        return {p for step in self.steps.values() if not step.released for p in step.prompts}
+
     def saved(self, version: int) -> None:
         for v in [v for v in self.steps if v <= version]:
             del self.steps[v]
