@@ -7,9 +7,11 @@ of the group, so asking again is safe; one such error escaping the rollout crash
 next incarnation met the same restart until its supervisor gave up (the soak's Reward kills). So
 the ask is made again, with a growing pause, for up to ``ASK_AGAIN_S`` seconds; past that the
 node is not coming back and the error goes on (the run fails loudly). Other errors (the actor
-itself failed) go on at once. The stations get from the queue the same way after a storage unit
-restarted empty (``StorageUnavailable``: the failed get returned its lease), until the
-controller knows.
+itself failed) go on at once. The same loop serves ``StorageUnavailable`` (``storage_unavailable``),
+which stores and takes nothing: the Driver puts prompts and opens groups again after a storage
+unit's death (it is ``TEMPORARY``: one such error failed the whole run), and the stations get
+again after a unit restarted empty (the failed get returned its lease), until the controller
+knows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import trio
 
 from ..actors import ActorCrashed
 from ..actors.remote import NodeLost
+from ..transfer_queue import StorageUnavailable
 
 T = TypeVar("T")
 
@@ -35,6 +38,11 @@ def node_restarting(exc: BaseException) -> bool:
     if isinstance(exc, NodeLost):
         return True
     return isinstance(exc, ActorCrashed) and isinstance(exc.error, NodeLost)
+
+
+def storage_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` is the queue's ``StorageUnavailable``: nothing was stored or taken."""
+    return isinstance(exc, StorageUnavailable)
 
 
 async def ask_again(

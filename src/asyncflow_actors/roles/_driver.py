@@ -45,6 +45,7 @@ from ..actors.remote import NodeLost
 from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
+from ._ask_again import ask_again, storage_unavailable
 from ._driver_resume import TrainerLost, UnsavedSteps, roll_back
 from ._driver_state import DriverState as DriverState
 from ._driver_tasks import DriverTasks
@@ -64,7 +65,6 @@ from ._messages import (
     SyncReport,
     SyncWeights,
 )
-from ._put_again import put_again
 from ._reward import record_json
 from ._settings import CHECKPOINTS, FINAL, RunSpec
 from ._worker import Meter, in_thread, load_compute
@@ -233,9 +233,10 @@ class Driver(Actor[_Msg]):
                 for k, attempt in zip(fresh, attempts, strict=True)
             ]
             size = self.spec.rollout.group_size
-            slots = await put_again(
+            slots = await ask_again(  # a storage unit's death stored nothing: again
                 lambda: self.client.open_groups(S.ROLLOUT, [size] * len(fresh), shared),
                 "opening prompt groups",
+                transient=storage_unavailable,
             )
             for k, slot, attempt in zip(fresh, slots, attempts, strict=True):
                 given[k] = slot.group_id
@@ -253,8 +254,10 @@ class Driver(Actor[_Msg]):
             S.MIN_VERSION: torch.full((len(indexes),), version, dtype=torch.int64),
             S.RECORD: [record_json(p) for p in problems],
         }
-        samples = await put_again(
-            lambda: self.client.put(S.PROMPTS, data, version=0), "putting prompts"
+        samples = await ask_again(
+            lambda: self.client.put(S.PROMPTS, data, version=0),
+            "putting prompts",
+            transient=storage_unavailable,
         )
         for sample, group in zip(samples, opened, strict=True):
             self.prompt_samples[sample] = group

@@ -49,7 +49,7 @@ from ..transfer_queue import (
     UnknownSample,
     WholeGroups,
 )
-from ._ask_again import ask_again
+from ._ask_again import ask_again, storage_unavailable
 from ._messages import GetRoleStats, RoleStatistics
 from ._schema import ROLLOUT
 from ._settings import RunSpec
@@ -287,7 +287,7 @@ class Station(Actor[Any]):
                     share_count=self.dp.size,
                 ),
                 f"{self.role} {self.worker}: get",
-                transient=_storage_unavailable,
+                transient=storage_unavailable,
             )
         finally:
             self._claiming = None
@@ -382,7 +382,3 @@ def take(batch: Batch, rows: Sequence[int], name: str) -> list[Any]:
     """Column ``name`` of ``batch`` at ``rows`` as a list (shared columns expanded)."""
     values = columns(batch, name)
     return [values[k] for k in rows]
-
-
-def _storage_unavailable(exc: BaseException) -> bool:
-    return isinstance(exc, StorageUnavailable)
