@@ -295,9 +295,9 @@ def main(seeds: int, names: list[str], quick: bool, ours: tuple[str, ...] = ()) 
                 order = ("trl", "ours") if seed % 2 else ("ours", "trl")
                 for side in order:
                     runs[side].append(one_run(side, name, folder, seed, threads, steps, ours))
-            ours = statistics.median(r["seconds"] for r in runs["ours"])
-            trl = statistics.median(r["seconds"] for r in runs["trl"])
-            emit(f"peer_trl_time_to_reward_{name}", ours, "s", trl)
+            ours_s = statistics.median(r["seconds"] for r in runs["ours"])
+            trl_s = statistics.median(r["seconds"] for r in runs["trl"])
+            emit(f"peer_trl_time_to_reward_{name}", ours_s, "s", trl_s)
             with open(os.path.join(folder, "threshold.json")) as f:
                 threshold = json.load(f)
             print(f"# {name}: threshold {threshold} over {WINDOW} steps; "
