@@ -1,6 +1,6 @@
-"""A storage unit's death as the Driver meets it (issue #27 §5's soak found it): a prompt put
-or group opening that fails with ``StorageUnavailable`` stored nothing, and the Driver puts it
-again instead of failing the run."""
+"""A storage unit's death as the Driver and the rollout meet it (issue #27 §5's soak found it): a
+prompt put, group opening or group put that fails with ``StorageUnavailable`` stored nothing,
+and is made again instead of failing the run or crashing the worker."""
 
 from __future__ import annotations
 
@@ -45,3 +45,19 @@ async def test_the_driver_opens_groups_again_after_a_refused_opening(monkeypatch
         result = await run_pipeline(tiny("async"))
     assert refused == ["rollout"] * 2
     assert [r.samples for r in result.records] == [16] * 3
+
+
+async def test_the_rollout_puts_its_groups_again_after_a_refused_put(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    # a group put that met a unit's death stored nothing: the worker puts it again instead
+    # of crashing (its supervisor restarted it and its groups were generated again)
+    refused = refuse(monkeypatch, "put", "rollout", times=2)
+    with trio.fail_after(60):
+        result = await run_pipeline(tiny("async"))
+    assert refused == ["rollout"] * 2
+    assert [r.samples for r in result.records] == [16] * 3
+    crashed = [r.getMessage() for r in caplog.records if "crashed" in r.getMessage()]
+    assert crashed == []
+    again = [r.getMessage() for r in caplog.records if "asking again" in r.getMessage()]
+    assert len(again) == 2 and all("put of" in m for m in again)

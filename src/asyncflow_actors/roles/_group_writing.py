@@ -4,6 +4,11 @@ Each group is written once, into the group the Driver opened for its prompt. The
 together reach one writer call (``_Batcher``), which puts the groups of one version in one
 multi-group put (three queue requests instead of three per group).
 
+A put that meets a storage unit's death (``StorageUnavailable`` not caused by its samples
+leaving the queue) stored nothing: it is put again (``ask_again``), as the Driver puts its prompts
+again, until the controller knows of the loss; one such error crashed the rollout worker (the
+soak's unit kills; its supervisor restarted it and the groups it held were generated again).
+
 A put can be refused for reasons that are not errors of the run (``_put_outcome``): the
 group's oldest token fell out of the staleness window (*stale*: generate it again with the
 current weights), or the group is no longer in the queue or already full (*gone*: its storage
@@ -30,6 +35,7 @@ from ..transfer_queue import (
     UnknownSample,
 )
 from . import _schema as S
+from ._ask_again import ask_again
 from ._messages import GroupDropped
 
 log = logging.getLogger("asyncflow_actors.roles")
@@ -64,8 +70,10 @@ async def write_groups(
     async def one(k: int) -> None:
         group = groups[k]
         try:
-            indexes = await client.put(
-                S.ROLLOUT, group.data, version=group.version, group=group.gid
+            indexes = await ask_again(
+                lambda: client.put(S.ROLLOUT, group.data, version=group.version, group=group.gid),
+                f"put of group {group.gid}",
+                transient=_unit_lost,
             )
         except Exception as exc:  # this group's own: stale, gone or a real error
             results[k] = outcome.Error(exc)
@@ -79,7 +87,11 @@ async def write_groups(
         data = _concat_rows([groups[k].data for k in ks])
         gids = [groups[k].gid for k in ks for _ in range(_rows(groups[k].data))]
         try:
-            indexes = await client.put(S.ROLLOUT, data, version=version, group=gids)
+            indexes = await ask_again(
+                lambda: client.put(S.ROLLOUT, data, version=version, group=gids),
+                f"put of {len(ks)} groups",
+                transient=_unit_lost,
+            )
         except Exception as exc:
             if _put_outcome(exc) is None:
                 for k in ks:
@@ -133,6 +145,12 @@ def _put_outcome(exc: BaseException) -> Literal["stale", "gone"] | None:
     if all(isinstance(e, (StaleVersionError, GroupError)) or _unknown(e) for e in leaves):
         return "gone"
     return None
+
+
+def _unit_lost(exc: BaseException) -> bool:
+    """Whether a put failed on a storage unit's death and stored nothing (put it again), as
+    opposed to its samples having left the queue (``_unknown``: the group is gone)."""
+    return isinstance(exc, StorageUnavailable) and not _unknown(exc)
 
 
 def _vanished(exc: BaseException) -> bool:
