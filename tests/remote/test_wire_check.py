@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 import pytest
 
-from asyncflow_actors.actors.remote import MalformedMessage, MessageRegistry, decode, encode
-from asyncflow_actors.actors.remote._wire_check import compile_check
+from asyncflow_actors.actors.remote import (
+    MalformedMessage,
+    MessageRegistry,
+    compile_check,
+    decode,
+    encode,
+)
 
 
 class Color(enum.Enum):
@@ -39,6 +47,19 @@ CASES: list[tuple[object, object, bool]] = [
     (Any, object(), True),
     (frozenset[int], frozenset({1}), True),
     (list[int], (1,), False),
+    # the TransferQueue's checks are these too (one mechanism): its cases
+    (int, np.int64(3), True),  # an index taken from a numpy array
+    (float, np.float32(0.5), True),
+    (list[int], [1, np.int64(2)], True),
+    (list[int], [1, 2.0], False),
+    (Literal[1], True, False),  # the same type and value
+    (Hashable, (1, "a"), True),
+    (Hashable, [1], False),
+    (set[int], {1}, True),
+    (set[int], frozenset({1}), False),  # a handler may add to it
+    (AbstractSet[int], frozenset({1}), True),
+    (dict[str, int], types.MappingProxyType({"a": 1}), False),
+    (Mapping[str, int], types.MappingProxyType({"a": 1}), True),
 ]
 
 

@@ -56,6 +56,8 @@ from ._wire import UnsupportedValue as UnsupportedValue
 from ._wire import WireError as WireError
 from ._wire import decode as decode
 from ._wire import encode as encode
+from ._wire_check import Check as Check
+from ._wire_check import compile_check as compile_check
 from ._zmq import SendTracker as SendTracker
 from ._zmq import TrioSocket as TrioSocket
 from ._zmq import open_zmq_socket as open_zmq_socket
