@@ -19,22 +19,25 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
 - ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
   which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
   one rank holds).
-- ``trainer_sync_peak_rise_2ranks``, ``..._4ranks`` (bytes): how far rank 0's resident memory
-  rose above its level at the sync's start during a sync (``VmHWM`` after resetting it through
-  ``/proc/self/clear_refs``; the largest of the measured syncs); baseline: 1 rank. About a
-  bucket's worth of gathered parameters at a time, never the model a second time: no rank-0
-  funnel of memory. (Rank 0 still sends every byte to the receivers: the engine packs the
-  gathered buckets there.)
+- ``trainer_sync_peak_rise_1rank``, ``..._2ranks``, ``..._4ranks`` (bytes): how far rank 0's
+  resident memory rises during its first sync (``sync_memory``: a fresh process each, 8 MiB
+  buckets, the receiver on a node process, glibc mapping every block from 1 MiB on by itself);
+  baseline: the same with a rank-0 funnel (the full state dict gathered on rank 0, then sent by
+  a plain ``CheckpointEngine``). A few buckets and one gathered group, never the model a second
+  time. (Rank 0 still sends every byte to the receivers: the engine packs the gathered buckets
+  there, so the sync time does not fall with the ranks.)
 - ``trainer_lora_sync_bytes`` (bytes): a LoRA (r 8, q/k/v/o) adapters-only sync's payload;
   baseline: the full model's (what a merged sync sends).
 - ``trainer_lora_optimizer_bytes`` (bytes): AdamW's state after a step with LoRA (the
   adapters' moments), summed over the 2 ranks; baseline: full fine-tuning's.
 - ``trainer_bf16_step`` (s): a 2-rank step with ``dtype = "bf16"``; baseline: fp32.
 
-A ``#`` line on stderr gives the load average at the start and the end, and rank 0's resident
-memory before and at the peak of each sync.
+A ``#`` line on stderr gives the load average at the start and the end, rank 0's resident
+memory before each memory figure's sync and its rise, and ``DistributedLearner.memory()`` of
+full fine-tuning and of LoRA.
 
-Run: ``PYTHONPATH=benchmarks:src python benchmarks/bench_trainer.py`` (about 4-6 minutes).
+Run: ``PYTHONPATH=benchmarks:src python benchmarks/bench_trainer.py`` (about 6 minutes on a
+quiet 2-core host; 13 at load 12-19).
 """
 
 from __future__ import annotations
