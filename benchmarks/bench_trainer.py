@@ -36,8 +36,8 @@ A ``#`` line on stderr gives the load average at the start and the end, rank 0's
 memory before each memory figure's sync and its rise, and ``DistributedLearner.memory()`` of
 full fine-tuning and of LoRA.
 
-Run: ``PYTHONPATH=benchmarks:src python benchmarks/bench_trainer.py`` (about 6 minutes on a
-quiet 2-core host; 13 at load 12-19).
+Run: ``PYTHONPATH=benchmarks:src python benchmarks/bench_trainer.py`` (13 minutes at load
+12-19 on 2 cores; no quiet run timed).
 """
 
 from __future__ import annotations
