@@ -22,7 +22,11 @@ VLLM_GPU = os.environ.get("AFA_VLLM_SPEC", "vllm==0.32.0")
 # Its torch wheels for vision/audio are not built for the CPU torch ("operator torchvision::nms
 # does not exist" at import); the adapter needs none of them.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-VLLM_TESTS = ("tests/rollout/test_vllm_engine.py", "tests/pipeline/test_vllm_pipeline.py")
+VLLM_TESTS = (
+    "tests/rollout/test_vllm_engine.py",
+    "tests/rollout/test_vllm_lora.py",
+    "tests/pipeline/test_vllm_pipeline.py",
+)
 TEST_DEPS = ("pytest>=8", "pytest-trio>=0.8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 # What the vllm extra adds besides vLLM (installed apart: the vLLM wheel is pinned above)
 VLLM_EXTRA_DEPS = ("xxhash>=3.0",)
