@@ -270,3 +270,15 @@ async def test_an_adapter_sync_mid_generation_labels_each_token(
     assert k >= 5 and done.versions == (old,) * k + (new,) * (120 - k)
     after = await _sample(lora_engine)
     assert set(after.versions) == {new} and _max_diff(after, peft_model) < 1e-4
+
+
+@needs_vllm
+async def test_an_empty_load_relabels_the_version_only(lora_engine: Any, peft_model: _Peft) -> None:
+    """``load_weights({}, v)`` (a worker adopting a version whose weights it has): the label
+    changes, the adapter does not, and the engine keeps serving."""
+    await _sync(lora_engine, peft_model.adapter(6))
+    _version[0] += 1
+    await lora_engine.load_weights({}, _version[0])
+    assert lora_engine.version == _version[0]
+    done = await _sample(lora_engine)
+    assert set(done.versions) == {_version[0]} and _max_diff(done, peft_model) < 1e-4
