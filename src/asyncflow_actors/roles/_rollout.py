@@ -120,7 +120,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
                 folder = os.path.join(spec.resume_from, "policy")
             self.tokenizer = HFTokenizer(await in_thread(_auto_tokenizer, folder))
             args = {"model": folder, **dict(spec.rollout.vllm_args)}
-            return rollout.open_vllm_engine(args, version=spec.start_version)
+            lora = spec.model.lora
+            adapter = (
+                rollout.VLLMLora(lora.r, lora.alpha, lora.target_modules)
+                if spec.rollout.vllm_lora
+                else None
+            )
+            return rollout.open_vllm_engine(args, version=spec.start_version, lora=adapter)
         model, self.tokenizer = await self._model()
         config = rollout.EngineConfig(
             max_batch=spec.engine_rows,

@@ -224,7 +224,9 @@ class RolloutSettings:
     ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
     expensive rewards). ``pause_mode``: how engines pause for a weight sync; ``"none"`` (the
     default) does not pause them: the stations load new weights lazily, at their next group or
-    batch boundary, so nothing needs to stop while the bytes arrive.
+    batch boundary, so nothing needs to stop while the bytes arrive. ``vllm_lora`` (with
+    ``engine = "vllm"`` and ``model.lora``): vLLM serves the base model with the adapter and
+    each sync sends the adapters alone (``docs/training.md``); off, it gets merged weights.
     """
 
     group_size: int = attrs.field(default=8, validator=_positive)
@@ -241,6 +243,7 @@ class RolloutSettings:
     reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
     engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
     vllm_args: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    vllm_lora: bool = False
     pause_mode: str = attrs.field(
         default="none", validator=_one_of("none", "drain", "abort", "keep", "wait_batch")
     )

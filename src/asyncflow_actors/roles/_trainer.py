@@ -192,9 +192,12 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         if ranked:  # weights gathered from the ranks as they are sent (LoRA: merged)
             from ._rank_sync import ShardedSyncEngine
 
+            # rollout.vllm_lora: the adapters alone (vLLM serves them; forward stations merge)
+            adapters = spec.rollout.vllm_lora
             self.sync_engine = ShardedSyncEngine(
-                self.learner.dist, self.targets, CheckpointConfig(pause_mode=mode),
-                merged=spec.model.lora.enabled,
+                self.learner.dist, self.targets,
+                CheckpointConfig(pause_mode=mode, lora_only=adapters),
+                merged=spec.model.lora.enabled and not adapters,
             )  # fmt: skip
         else:
             self.sync_engine = CheckpointEngine(self.targets, CheckpointConfig(pause_mode=mode))
