@@ -62,6 +62,7 @@ from ..transfer_queue import (
     open_transfer_queue,
 )
 from ._config import PipelineConfig
+from ._driver_resumer import DriverResumer, spawn_driver
 from ._placement import Placement, Watcher
 from ._plot import plot_run
 from ._preflight import preflight
@@ -117,7 +118,8 @@ class PipelineResult:
     run_dir: str | None
     stopped: bool = False
     latest_checkpoint: str | None = None
-    resumes: tuple[Resume, ...] = ()  # the Trainer's automatic resumes (``train.auto_resume``)
+    resumes: tuple[Resume, ...] = ()  # automatic resumes (``train.auto_resume``): the
+    # Trainer's, then the Driver's (``Resume.role``)
     warmup: WarmedUp | None = None
 
     @property
@@ -189,6 +191,7 @@ class Pipeline:
         self.reports: Reports | None = None
         self.trainer: tuple[str, dict[str, Any]] | None = None  # its worker name and kwargs
         self.resumer: TrainerResumer | None = None
+        self.driver_resumer: DriverResumer | None = None
 
     def stop(self) -> None:
         """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
@@ -250,7 +253,8 @@ class Pipeline:
             latest_checkpoint=(
                 self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
             ),
-            resumes=tuple(self.resumer.resumes) if self.resumer else (),
+            resumes=(tuple(self.resumer.resumes) if self.resumer else ())
+            + (tuple(self.driver_resumer.resumes) if self.driver_resumer else ()),
             warmup=self.warmup,
         )
 
@@ -405,12 +409,10 @@ async def _spawn_roles(
     # The Driver keeps the run's own [model] (what a checkpoint records, a resume compares);
     # the roles start from the warmed-up policy of a run that warms up.
     driver_spec, spec = spec, roles_spec(config, spec)
-    driver = await place.system.spawn(
-        lambda: Driver(driver_spec, controller, hooks, resume),
-        name=f"driver.{place.suffix}",
-        restart=Restart.TEMPORARY,
+    driver, stop, run.driver_resumer = await spawn_driver(
+        place, lambda previous: Driver(driver_spec, controller, hooks, resume, previous), hooks
     )
-    spawned.append(driver)
+    spawned.append(stop)
     run.refs["driver"] = driver
     reward: ActorRef[Any] | None = None
     targets: list[ActorRef[Any]] = []

@@ -40,6 +40,13 @@ def node_restarting(exc: BaseException) -> bool:
     return isinstance(exc, ActorCrashed) and isinstance(exc.error, NodeLost)
 
 
+def driver_resuming(exc: BaseException) -> bool:
+    """Whether ``exc`` is what an ask to a Driver that raised fails with: with
+    ``train.auto_resume`` a new incarnation takes over in the same cell (``_driver_rebuild``)
+    and answers the ask made again; a Driver gone for good fails the run meanwhile."""
+    return isinstance(exc, ActorCrashed)
+
+
 def storage_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` is the queue's ``StorageUnavailable``: nothing was stored or taken."""
     return isinstance(exc, StorageUnavailable)
