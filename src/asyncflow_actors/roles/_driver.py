@@ -308,6 +308,13 @@ class Driver(Actor[_Msg]):
         await self._put_prompt(index)
         return True
 
+    async def _gone(self, msg: GroupGone) -> None:
+        # (taken out of ``inflight`` and into ``admitting`` before the task's first await: a
+        # Driver that raises meanwhile leaves it to its resumed successor)
+        if await self._reinject(msg.group_id, "lost"):
+            log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
+                     msg.worker)  # fmt: skip
+
     async def receive(self, msg: _Msg, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, StopRun):
             return await self._stop()
@@ -320,16 +327,18 @@ class Driver(Actor[_Msg]):
             return await roll_back(self, msg.floor)
         if isinstance(msg, GroupDropped):
             await trio.lowlevel.checkpoint()
-            self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
+            try:
+                self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
+            except Exception:
+                ctx.cell.request_terminate(None)  # for good: a resume would meet it again
+                raise
             index = self.inflight.pop(msg.group_id, None)
             if index is not None:
                 self.ledger.not_trained(index, "dropped", reinjected=False)
                 self.flow.release(self.spec.rollout.group_size)  # another prompt instead
             return None
-        if isinstance(msg, GroupGone):
-            if await self._reinject(msg.group_id, "lost"):
-                log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
-                         msg.worker)  # fmt: skip
+        if isinstance(msg, GroupGone):  # answered at once (the rollout asks it)
+            ctx.start_soon(self._gone, msg)
             return None
         if isinstance(msg, NeedWeights):
             ctx.start_soon(self._resend, msg.worker)
@@ -482,7 +491,8 @@ class Driver(Actor[_Msg]):
 
     async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
         ledger = getattr(self, "ledger", None)
-        if ledger is not None and error is not None and self.hooks.driver_resumes_left > 0:
+        resumed = self.hooks.driver_resumes_left > 0 and not ctx.cell.terminate_requested
+        if ledger is not None and error is not None and resumed:
             with trio.CancelScope(shield=True):
                 await ledger.flush()  # a resumed Driver goes on with it
         elif ledger is not None:  # the run ends: what is still in flight stays unfinished
