@@ -63,7 +63,9 @@ async def test_a_driver_that_raises_in_a_step_is_resumed_and_the_run_finishes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, placement: str
 ) -> None:
     """In this process, and with one process per role (the Trainer asks its ``StepDone``
-    again across the wire): the step is handled once, nothing generated again."""
+    again across the wire): the step is handled once, nothing generated again. No checkpoint
+    was written (``checkpoint_every = 0``): the Driver resumes from the state it held, which
+    no checkpoint is needed for."""
     _raise_once_in_step(monkeypatch, 2)
     config = tiny(
         "async", run_dir=str(tmp_path), train={"steps": STEPS},
@@ -77,6 +79,7 @@ async def test_a_driver_that_raises_in_a_step_is_resumed_and_the_run_finishes(
     assert resume.attempt == 2
     assert resume.cause == "RuntimeError: driver bug at step 2 (test)"
     assert (resume.lost_steps, resume.lost_prompts, resume.skipped) == (0, 0, 0)
+    assert (resume.checkpoint, resume.version) == (0, 2)  # none yet; raised in step 2
     assert result.reinjected == 0  # every group the queue held was trained
     _check(tmp_path, config, result)
 

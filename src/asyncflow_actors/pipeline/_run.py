@@ -52,6 +52,7 @@ from ..roles import (
     Trainer,
     topic_specs,
 )
+from ..roles._ask_again import ask_again, driver_resuming
 from ..roles._shared import forget_shared_policy
 from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
@@ -204,7 +205,10 @@ class Pipeline:
         if driver is None:  # not started yet: nothing trained, nothing to save
             self._stopped = Stopped(self.version, self.resumed_from or "")
             return
-        answer = await driver.ask(StopRun())
+        # asked again while a Driver that raised is resumed (``_driver_resumer``)
+        answer = await ask_again(
+            lambda: driver.ask(StopRun()), "stopping the run", transient=driver_resuming
+        )
         if answer.pending:  # the Driver saves at the step the Trainer is reporting
             await self.hooks.done.wait()
             assert self.hooks.stopped is not None

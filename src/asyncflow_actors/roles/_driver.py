@@ -352,7 +352,11 @@ class Driver(Actor[_Msg]):
     async def _step_done(self, msg: StepDone) -> StepAck:
         trainer = self.hooks.trainer
         assert trainer is not None, "the pipeline sets hooks.trainer before training starts"
-        self.ledger.trained(msg)
+        # a step asked again (the Trainer's, to a resumed Driver) is recorded and releases its
+        # slots once: both happen with no await between them, before the sync
+        again = msg.version <= self.released
+        if not again:
+            self.ledger.trained(msg)
         for gid in msg.groups:
             self.inflight.pop(gid, None)
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
@@ -367,7 +371,7 @@ class Driver(Actor[_Msg]):
             # starts their groups only once its weights reach it. Releasing after the sync
             # instead put the injection (a TQ put and a group per prompt) on every step's
             # critical path.
-            if msg.version > self.released:  # (not again: asked again after a resume)
+            if not again:
                 self.released = msg.version
                 self.flow.release(msg.samples)
                 self.unsaved.released(msg.version)
