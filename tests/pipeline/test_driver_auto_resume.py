@@ -153,3 +153,49 @@ async def test_without_auto_resume_a_driver_that_raises_fails_the_run(
             await run.wait()
     assert info.value.role == "driver"
     assert isinstance(info.value.error, RuntimeError)
+
+
+def _raise_on_call(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, call: int) -> None:
+    """``owner.name`` raises on its ``call``-th call (at entry: nothing of it done)."""
+    inner = getattr(owner, name)
+    calls: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError(f"{name} failed (test)")
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "step trained",  # the Trainer's StepTrained: asked again
+        "after the sync",  # the step synced, its record not yet reported
+        "checkpoint mark",  # the Trainer saved, the Driver's state not yet written
+    ],
+)
+async def test_a_driver_raising_at_each_point_of_a_step_resumes_exactly_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
+) -> None:
+    from asyncflow_actors.roles._driver_resume import UnsavedSteps
+    from asyncflow_actors.roles._driver_tasks import DriverTasks
+    from asyncflow_actors.roles._ledger import SampleLedger
+
+    if where == "step trained":
+        _raise_on_call(monkeypatch, UnsavedSteps, "trained", 2)
+    elif where == "after the sync":
+        _raise_on_call(monkeypatch, DriverTasks, "with_metrics", 2)
+    else:
+        _raise_on_call(monkeypatch, SampleLedger, "save_mark", 2)
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": STEPS, "checkpoint_every": 1})
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        with trio.fail_after(120):
+            result = await run.wait()
+    (resume,) = result.resumes
+    assert resume.role == "driver" and "failed (test)" in resume.cause
+    assert result.reinjected == 0
+    assert (tmp_path / "checkpoints" / "step-000002" / "driver.json").exists()
+    _check(tmp_path, config, result)

@@ -13,7 +13,8 @@ Advantage station and the Trainer (which gets the refs of every weight holder). 
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
 (``RunFailed``); stations that crash are restarted by their supervisors meanwhile, and a
-Trainer that dies is resumed from the newest checkpoint (``train.auto_resume``: ``_resume``).
+Trainer that dies is resumed from the newest checkpoint (``train.auto_resume``: ``_resume``),
+a Driver that raises from the state it held (``_driver_resumer``).
 A run that makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a diagnosis
 (``_watchdog``).
 """

@@ -324,7 +324,10 @@ class Driver(Actor[_Msg]):
                 self.unsaved.trained(msg, self.inflight)  # (not again: asked again)
             return None
         if isinstance(msg, TrainerLost):
-            return await roll_back(self, msg.floor)
+            # whole or not at all: a raise elsewhere in this Driver must not cut it short (its
+            # resumed successor could not tell what was rolled back; ``_driver_rebuild``)
+            with trio.CancelScope(shield=True):
+                return await roll_back(self, msg.floor)
         if isinstance(msg, GroupDropped):
             await trio.lowlevel.checkpoint()
             try:
