@@ -327,7 +327,8 @@ class Driver(Actor[_Msg]):
             # whole or not at all: a raise elsewhere in this Driver must not cut it short (its
             # resumed successor could not tell what was rolled back; ``_driver_rebuild``)
             with trio.CancelScope(shield=True):
-                return await roll_back(self, msg.floor)
+                point = await roll_back(self, msg.floor)
+            return point
         if isinstance(msg, GroupDropped):
             await trio.lowlevel.checkpoint()
             try:
