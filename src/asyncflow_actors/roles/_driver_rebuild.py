@@ -65,7 +65,7 @@ async def start_resumed(driver: Driver, ctx: ActorContext[Any]) -> None:
     ctx.start_soon(driver.ledger.serve)
     ctx.start_soon(_readmit_then_inject, driver, readmission(driver))
     ctx.start_soon(driver._watch_events)
-    ctx.start_soon(driver._resend, "the resumed driver")
+    ctx.start_soon(driver._resend, "the driver")
 
 
 async def _readmit_then_inject(driver: Driver, prompts: list[tuple[int, int | None]]) -> None:
