@@ -199,3 +199,16 @@ async def test_a_driver_raising_at_each_point_of_a_step_resumes_exactly_once(
     assert result.reinjected == 0
     assert (tmp_path / "checkpoints" / "step-000002" / "driver.json").exists()
     _check(tmp_path, config, result)
+
+
+async def test_a_resumed_driver_that_raises_again_is_resumed_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The step asked again raises again: a second resume, from the first one's state."""
+    _raise_once_in_step(monkeypatch, 2, times=2)
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": STEPS})
+    async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+        with trio.fail_after(120):
+            result = await run.wait()
+    assert [(r.role, r.attempt) for r in result.resumes] == [("driver", 2), ("driver", 3)]
+    _check(tmp_path, config, result)
