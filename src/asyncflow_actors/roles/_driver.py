@@ -24,6 +24,8 @@
   ``run_dir/final`` instead: a run with a ``run_dir`` always ends with its model saved.
 - **Sample ledger.** It writes ``run_dir/samples.jsonl`` (``_ledger``): what each step trained,
   each attempt injected again or dropped, the prompts in flight at the end.
+- **Resume.** With ``train.auto_resume`` a Driver that raises is started again in its cell and
+  takes over the state it held (``_driver_rebuild``); a step asked again is handled once.
 - **Stops.** On ``StopRun`` it saves ``run_dir/final`` at the last step unless the newest
   checkpoint holds it already; if the Trainer has moved on to the next version meanwhile, it
   saves at that step instead (whose ``StepDone`` is on its way) and ends the run there.

@@ -18,8 +18,12 @@ short is settled here (``start_resumed``):
   failed with ``ActorCrashed``); the Driver handles a step asked again without releasing its
   slots or reporting its record twice (``released``, ``reported``), and syncs its weights and
   writes its checkpoint again;
-- **the weights**: a rollout's ``NeedWeights`` may have been lost with the mailbox, so the
-  resumed Driver has the Trainer send the weights it holds once.
+- **the rollouts' reports** (``GroupGone``, ``GroupDropped``, ``NeedWeights``) are asked, not
+  told (``_ask_again.tell_driver``): one queued when the Driver raised fails and is asked again
+  of the new incarnation; a ``GroupGone`` is answered at once and its prompt moved into
+  ``admitting`` before the handling task's first await;
+- **the weights**: the resumed Driver has the Trainer send the weights it holds once (a
+  restarted rollout's ``NeedWeights`` may have been in the dead incarnation's hands).
 
 Nothing in the queue is generated again, no prompt admitted is left behind, and the ledger
 (the same writer, flushed by the old incarnation) records each sample once.
