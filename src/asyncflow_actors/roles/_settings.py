@@ -284,7 +284,8 @@ class TrainSettings:
     ``keep_last`` of them kept (0: all). ``torch_threads``: intra-op threads in every process
     of the run. ``auto_resume``: a Trainer that dies is started again from the newest
     checkpoint (the run's start without one), at most ``auto_resume_retries`` times; the
-    samples in the TransferQueue stay (``pipeline._resume``).
+    samples in the TransferQueue stay (``pipeline._resume``); a Driver that raises is resumed
+    from the state it held, at most as many times again (``pipeline._driver_resumer``).
     ``stream``: when stages stream (async) and a global batch is one update (``mini_batches``
     and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
     while the others are still generating, accumulating the gradient, and takes the one
@@ -314,8 +315,8 @@ class TrainSettings:
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     keep_last: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
-    # a Trainer that dies restarts from the newest checkpoint (docs/pipeline.md, "Automatic
-    # resume"), at most ``auto_resume_retries`` times a run
+    # a Trainer that dies restarts from the newest checkpoint, a Driver that raises from its
+    # state (docs/pipeline.md, "Automatic resume"), at most ``auto_resume_retries`` times each
     auto_resume: bool = True
     auto_resume_retries: int = attrs.field(default=3, validator=_non_negative)
     stream: bool = True
