@@ -99,6 +99,8 @@ if TYPE_CHECKING:
     from ._soak import node_base_name as node_base_name
     from ._soak import open_fault_campaign as open_fault_campaign
     from ._soak import open_link_faults as open_link_faults
+    from ._soak import roles_at as roles_at
+    from ._soak import target_node as target_node
     from ._soak_run import LedgerMissing as LedgerMissing
     from ._soak_run import SoakResult as SoakResult
     from ._soak_run import require_ledger as require_ledger
@@ -132,6 +134,8 @@ _LAZY = {
     "node_base_name": "._soak",
     "open_fault_campaign": "._soak",
     "open_link_faults": "._soak",
+    "roles_at": "._soak",
+    "target_node": "._soak",
     "LedgerMissing": "._soak_run",
     "SoakResult": "._soak_run",
     "require_ledger": "._soak_run",
