@@ -18,6 +18,7 @@
 - leak checks: ``ResourceSnapshot``, ``check_no_leaks``, ``no_leaks``;
 - whole runs under random faults (the soak): ``FaultSchedule`` (a seeded plan),
   ``open_fault_campaign`` (carried out against a pipeline run), ``open_link_faults``,
+  ``roles_at``/``target_node`` (what a fault's process holds, folded stations included),
   ``run_soak`` (a run under a campaign, judged from its ledger: ``SoakResult``).
 
 The parts built on hypothesis (state machines, strategies, models), on the TransferQueue and on
