@@ -6,7 +6,11 @@ storage units in processes of their own) for ``--minutes``, while ``asyncflow_ac
 ``FaultSchedule`` (seeded) injects a random fault every ``--every`` seconds: ``kill -9`` of a
 station's node or of a storage unit, a stall (SIGSTOP) of a station, a cut, a blip or a delay
 of the driver's link to a node, ``kill -9`` of the Trainer's node (the run resumes it:
-``train.auto_resume``); ``--kinds`` picks. Then the run is stopped and judged:
+``train.auto_resume``); ``--kinds`` picks. ``--placement folded`` runs the layout
+``docs/pipeline.md`` recommends for small models instead: ActorForward and Advantage folded into
+the Trainer (``placement.roles.actor_fwd = advantage = "trainer"``), so their kills are kills of
+the Trainer's process (``--targets actor_fwd-0`` hits it; each fault's line names what its
+process held). Then the run is stopped and judged:
 
 - ``soak_faults_injected`` and ``soak_faults_<kind>``: what was done;
 - ``soak_samples_lost`` (prompts admitted whose fate the ledger does not record; target 0),
@@ -23,8 +27,8 @@ Exit status 1 if anything was lost, duplicated or stale, the run did not finish,
 never followed by a step, or anything leaked; 2 if this asyncflow_actors has no ledger.
 
 ``nox -s soak -- --minutes 30`` or ``python benchmarks/soak.py [--minutes N] [--every S]
-[--seed N] [--kinds kill_role,stall,...] [--targets reward-0,...] [--baseline-minutes M]
-[--run-dir DIR]``
+[--seed N] [--kinds kill_role,stall,...] [--targets reward-0,...] [--placement process|folded]
+[--baseline-minutes M] [--run-dir DIR]``
 """
 
 from __future__ import annotations
@@ -41,11 +45,18 @@ import trio
 from asyncflow_actors import testing as aft
 from asyncflow_actors.pipeline import PipelineConfig
 
+# the role placements the soak runs: one process per role, or ActorForward and Advantage folded
+# into the Trainer (docs/pipeline.md §1, "Folding stations into the trainer")
+PLACEMENTS: dict[str, dict[str, str]] = {
+    "process": {},
+    "folded": {"actor_fwd": "trainer", "advantage": "trainer"},
+}
 
-def soak_config(run_dir: str) -> PipelineConfig:
-    """The soak's run: the tiny model, every role and storage unit in a process of its own,
-    steps without end (the soak stops it), every Trainer death resumed from a checkpoint of
-    the last 5 steps."""
+
+def soak_config(run_dir: str, placement: str = "process") -> PipelineConfig:
+    """The soak's run: the tiny model, every role (``placement``: or ActorForward and
+    Advantage folded into the Trainer) and storage unit in a process of its own, steps without
+    end (the soak stops it), every Trainer death resumed from a checkpoint of the last 5 steps."""
     table: dict[str, Any] = {
         "mode": "async",
         "staleness": 1,
@@ -65,7 +76,12 @@ def soak_config(run_dir: str) -> PipelineConfig:
             "checkpoint_every": 5,
             "keep_last": 2,
         },
-        "placement": {"default": "process", "tq_placement": "process", "tq_units": 2},
+        "placement": {
+            "default": "process",
+            "tq_placement": "process",
+            "tq_units": 2,
+            "roles": PLACEMENTS[placement],
+        },
     }
     return PipelineConfig.from_dict(table)
 
@@ -83,7 +99,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--targets",
         default=None,
-        help="hit only these nodes, comma-separated (rollout-0, reward-0, unit-0...)",
+        help="hit only these, comma-separated (rollout-0, reward-0, unit-0...; a folded "
+        "station's worker, actor_fwd-0, hits the process that holds it)",
+    )
+    p.add_argument(
+        "--placement",
+        default="process",
+        choices=sorted(PLACEMENTS),
+        help="process: one process per role (default); folded: ActorForward and Advantage "
+        "in the Trainer's process",
     )
     p.add_argument(
         "--baseline-minutes",
@@ -111,27 +135,39 @@ async def main(args: argparse.Namespace) -> int:
         return 2
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     root = args.run_dir or tempfile.mkdtemp(prefix="afa-soak-")
-    config = soak_config(os.path.join(root, "soak"))
+    config = soak_config(os.path.join(root, "soak"), args.placement)
     try:
-        only = None if args.targets is None else args.targets.split(",")
+        only = None if args.targets is None else _targets(config, args.targets.split(","))
         schedule = aft.FaultSchedule(
             every=args.every, seed=args.seed, weights=dict.fromkeys(kinds, 1), only=only
         )
     except ValueError as exc:
         say(f"error: {exc}")
         return 2
+    # the links the run will proxy: every node and unit (what open_link_faults opens)
+    links = list(aft.roles_at(config))
+    plan = schedule.plan(60 * args.minutes, aft.fault_targets(config, links=links))
+    if not plan:
+        say(f"error: no fault of {', '.join(kinds)} hits {args.targets or 'this run'} "
+            f"in the {args.placement} placement")  # fmt: skip
+        return 2
+    for node, held in aft.roles_at(config).items():
+        say(f"{node}: {', '.join(held)}")
     baseline_minutes = (
         min(args.minutes, 3.0) if args.baseline_minutes is None else args.baseline_minutes
     )
     baseline = None
     if baseline_minutes > 0:
         say(f"baseline: {baseline_minutes:g} min undisturbed")
-        steady = soak_config(os.path.join(root, "baseline"))
+        steady = soak_config(os.path.join(root, "baseline"), args.placement)
         baseline = await aft.run_soak(steady, None, seconds=60 * baseline_minutes)
         say(
             f"baseline: {baseline.steps} steps, finished {baseline.finished} {baseline.error or ''}"
         )
-    say(f"soak: {args.minutes:g} min, a fault every {args.every:g} s ({', '.join(kinds)})")
+    say(
+        f"soak: {args.minutes:g} min, {args.placement} placement, a fault every "
+        f"{args.every:g} s ({', '.join(kinds)}): {len(plan)} planned"
+    )
     result = await aft.run_soak(config, schedule, seconds=60 * args.minutes, on_fault=say)
     for row in result.metrics(baseline):
         emit(row)
@@ -149,6 +185,17 @@ async def main(args: argparse.Namespace) -> int:
         say(f"leak: {leak}")
     say(f"run directory: {root}")
     return 0 if result.ok else 1
+
+
+def _targets(config: PipelineConfig, names: list[str]) -> list[str]:
+    """The processes ``--targets`` names (a folded station's worker: the one holding it)."""
+    out = []
+    for name in (n.strip() for n in names if n.strip()):
+        node = aft.target_node(config, name)
+        if node != name:
+            say(f"target {name} is in {node}'s process: its faults hit {node}")
+        out.append(node)
+    return out
 
 
 if __name__ == "__main__":

@@ -49,19 +49,30 @@ class Heard(afa.Request[str]):
     """Wait for the watched actor's ``Terminated``; reply with its error's type name."""
 
 
-class Watcher(afa.Actor[Watch | Heard | afa.Terminated]):
-    """Watches one actor; ``Heard`` waits until its ``Terminated`` arrived."""
+@attrs.frozen
+class Seen(afa.Request[str]):
+    """Reply at once with the watched actor's ``Terminated`` error's type name ("" before it:
+    ``Heard`` blocks the watcher's loop, so it must come after the ``Terminated``)."""
+
+
+class Watcher(afa.Actor[Watch | Heard | Seen | afa.Terminated]):
+    """Watches one actor; ``Heard`` waits until its ``Terminated`` arrived, ``Seen`` does not."""
 
     def __init__(self) -> None:
         self.heard = trio.Event()
         self.error = ""
 
-    async def receive(self, msg: Watch | Heard | afa.Terminated, ctx: afa.ActorContext[Any]) -> Any:
+    async def receive(
+        self, msg: Watch | Heard | Seen | afa.Terminated, ctx: afa.ActorContext[Any]
+    ) -> Any:
         if isinstance(msg, Watch):
             ctx.watch(msg.target)
         elif isinstance(msg, afa.Terminated):
             self.error = type(msg.error).__name__
             self.heard.set()
+        elif isinstance(msg, Seen):
+            await trio.lowlevel.checkpoint()
+            return self.error
         else:
             await self.heard.wait()
             return self.error

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import trio
 
 import asyncflow_actors as afa
@@ -17,6 +18,7 @@ from tests.remote.light_actors import (
     Hi,
     Poll,
     Poller,
+    Seen,
     Watch,
     Watcher,
 )
@@ -107,6 +109,28 @@ async def test_watchers_hear_when_a_temporary_actor_dies_with_its_node() -> None
             assert await here.ask(Heard()) == "NodeLost"
             assert await there.ask(Heard()) == "NodeLost"
             assert await kept.ask(Hi("again")) == "kept:again"  # a PERMANENT one came back
+
+
+@pytest.mark.parametrize("restart", list(afa.Restart))
+async def test_watchers_hear_when_a_node_that_is_not_restarted_dies(restart: afa.Restart) -> None:
+    """Whatever an actor's own restart policy, its watchers hear its death (``NodeLost``) when
+    its node process dies for good (the node itself ``TEMPORARY``): nothing brings it back."""
+    async with afa.open_actor_system() as system:
+        a = await system.start_node("a", allow=ALLOW)
+        b = await system.start_node("b", allow=ALLOW, restart=afa.Restart.TEMPORARY)
+        actor = await b.spawn(Hello, name="actor", restart=restart)
+        here = await system.spawn(Watcher, name="here")
+        there = await a.spawn(Watcher, name="there")
+        await here.ask(Watch(actor))
+        await there.ask(Watch(actor))
+        pid = b.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with trio.fail_after(afa.NodeOptions().heartbeat_timeout):
+            for watcher in (here, there):
+                while not await watcher.ask(Seen()):
+                    await trio.sleep(0.02)
+                assert await watcher.ask(Seen()) == "NodeLost"
 
 
 async def test_a_client_on_another_node_reaches_a_restarted_storage_unit() -> None:

@@ -42,6 +42,38 @@ def test_the_targets_of_a_run_follow_its_placement() -> None:
     assert local["kill_role"] == ["gen"] and local["kill_unit"] == local["kill_trainer"] == []
 
 
+def test_a_kill_hits_what_the_process_holds_folded_stations_included() -> None:
+    """In the folded placement ActorForward and Advantage live in the Trainer's process: a
+    kill of that process is a kill of each, and a fault meant for them hits it."""
+    folded = tiny(
+        "async",
+        rollout={"reward": "actor"},
+        algorithm={"kl_coef": 0.01},
+        placement={"default": "process", "tq_placement": "process", "tq_units": 1,
+                   "roles": {"actor_fwd": "trainer", "advantage": "trainer"}},
+    )  # fmt: skip
+    held = aft.roles_at(folded)
+    assert held == {
+        "reward-0": ("reward-0",),
+        "rollout-0": ("rollout-0",),
+        "ref_fwd-0": ("ref_fwd-0",),
+        "trainer-0": ("trainer-0", "actor_fwd-0", "advantage-0"),
+        "unit-0": ("unit-0",),
+    }
+    targets = aft.fault_targets(folded)
+    assert targets["kill_role"] == ["reward-0", "rollout-0", "ref_fwd-0"]
+    assert targets["kill_trainer"] == ["trainer-0"]
+    assert aft.target_node(folded, "actor_fwd-0") == "trainer-0"
+    assert aft.target_node(folded, "advantage-0") == "trainer-0"
+    assert aft.target_node(folded, "rollout-0") == "rollout-0"
+    with pytest.raises(ValueError, match="no process of this run holds 'critic-0'"):
+        aft.target_node(folded, "critic-0")
+    # one process per role: each holds its own
+    assert aft.roles_at(process_config())["actor_fwd-0"] == ("actor_fwd-0",)
+    fused = tiny("async", placement={"default": "process", "roles": {"advantage": "actor_fwd"}})
+    assert aft.target_node(fused, "advantage-0") == "actor_fwd-0"
+
+
 def test_a_schedule_is_a_seeded_plan() -> None:
     targets = aft.fault_targets(process_config(), links=["rollout-0", "unit-1"])
     schedule = aft.FaultSchedule(every=20, seed=3)

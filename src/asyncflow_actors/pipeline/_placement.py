@@ -7,11 +7,18 @@ the run's transformers classes imported in a worker thread), then its roles; the
 while this process loads its own roles (``start_soon``), and a role spawned on a node waits
 for that node only. Moving a role between processes is a change of configuration only:
 the role receives the same kwargs (its ``RunSpec`` and refs) wherever it runs.
+
+With ``train.auto_resume`` the node that hosts the Trainer is supervised apart (a supervisor of
+its own, ``trainer-node.<run>``, restarting it without limit, with a backoff): the resumer's
+``train.auto_resume_retries`` bound the Trainer's deaths, and the root supervisor's restart
+intensity (3 in 5 s by default), which counts the restarts of every node of the system, no
+longer ends the run with ``SupervisorFailed`` when the Trainer is killed in quick succession.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
@@ -22,17 +29,33 @@ from ..actors import (
     ActorContext,
     ActorCrashed,
     ActorRef,
+    Backoff,
+    OneForOne,
     Restart,
+    StartChild,
+    Supervisor,
     Terminated,
     root_error,
 )
-from ..actors.remote import Node, NodeSystem
+from ..actors.remote import (
+    ConnectLauncher,
+    GetNode,
+    Launcher,
+    Node,
+    NodeSystem,
+    SubprocessLauncher,
+    node_spec,
+)
 from ..roles.preload import Preload
 from ._config import DRIVER, PipelineConfig
 
 ALLOW = ("asyncflow_actors",)
 # the roles that load the policy model (a node hosting one preloads its transformers classes)
 _MODEL_ROLES = frozenset({"rollout", "actor_fwd", "ref_fwd", "trainer"})
+# the Trainer's node under auto-resume: restarted whatever the rate (the resumer's retries are
+# the limit), after a pause that grows while it keeps dying (a node that cannot start does not
+# spin)
+_TRAINER_NODE = OneForOne(max_restarts=sys.maxsize, within=5.0, backoff=Backoff())
 
 
 class RunFailed(RuntimeError):
@@ -83,6 +106,7 @@ class Placement:
         self.nodes: dict[str, Node] = {}
         self.local: list[str] = []  # names of actors spawned in this process, in order
         self._ready: dict[str, trio.Event] = {}
+        self._supervisors: list[ActorRef[Any]] = []  # the nodes supervised apart (stopped last)
         # called with each node once it is up, before any role is spawned on it (the observer
         # attaches there, so that it sees every span of the node's roles)
         self.on_node_up: Callable[[Node], Awaitable[object]] | None = None
@@ -145,7 +169,14 @@ class Placement:
         async def one(name: str) -> None:
             alias = f"{name}.{self.suffix}"
             address = place.nodes.get(name)
-            if address is not None:
+            if self.supervised_apart(name):
+                launcher: Launcher = (
+                    ConnectLauncher(address)
+                    if address is not None
+                    else SubprocessLauncher(allow, transport=place.transport, env=env)
+                )
+                node = await self._start_apart(alias, launcher)
+            elif address is not None:
                 node = await self.system.connect_node(address, name=alias)
             else:
                 node = await self.system.start_node(
@@ -162,6 +193,20 @@ class Placement:
         async with trio.open_nursery() as nursery:
             for name in self.node_names():
                 nursery.start_soon(one, name)
+
+    def supervised_apart(self, node: str) -> bool:
+        """Whether ``node`` has a supervisor of its own (it hosts the Trainer, and the run
+        resumes a Trainer that dies: see the module docstring)."""
+        return self.config.train.auto_resume and self.hosts(node, ("trainer",))
+
+    async def _start_apart(self, alias: str, launcher: Launcher) -> Node:
+        sup = await self.system.spawn(
+            lambda: Supervisor((), _TRAINER_NODE), name=f"trainer-node.{self.suffix}"
+        )
+        self._supervisors.append(sup)
+        ref = await sup.ask(StartChild(node_spec(alias, launcher, mesh=self.system.mesh)))
+        node: Node = await ref.ask(GetNode())
+        return node
 
     async def spawn(
         self,
@@ -215,3 +260,9 @@ class Placement:
             async with trio.open_nursery() as nursery:
                 for node in self.nodes.values():
                     nursery.start_soon(stop_node, node)
+            for sup in self._supervisors:  # empty by now
+                with trio.move_on_after(5):
+                    try:
+                        await sup.stop()
+                    except ActorCrashed:
+                        pass

@@ -18,6 +18,7 @@
 - leak checks: ``ResourceSnapshot``, ``check_no_leaks``, ``no_leaks``;
 - whole runs under random faults (the soak): ``FaultSchedule`` (a seeded plan),
   ``open_fault_campaign`` (carried out against a pipeline run), ``open_link_faults``,
+  ``roles_at``/``target_node`` (what a fault's process holds, folded stations included),
   ``run_soak`` (a run under a campaign, judged from its ledger: ``SoakResult``).
 
 The parts built on hypothesis (state machines, strategies, models), on the TransferQueue and on
@@ -99,6 +100,8 @@ if TYPE_CHECKING:
     from ._soak import node_base_name as node_base_name
     from ._soak import open_fault_campaign as open_fault_campaign
     from ._soak import open_link_faults as open_link_faults
+    from ._soak import roles_at as roles_at
+    from ._soak import target_node as target_node
     from ._soak_run import LedgerMissing as LedgerMissing
     from ._soak_run import SoakResult as SoakResult
     from ._soak_run import require_ledger as require_ledger
@@ -132,6 +135,8 @@ _LAZY = {
     "node_base_name": "._soak",
     "open_fault_campaign": "._soak",
     "open_link_faults": "._soak",
+    "roles_at": "._soak",
+    "target_node": "._soak",
     "LedgerMissing": "._soak_run",
     "SoakResult": "._soak_run",
     "require_ledger": "._soak_run",

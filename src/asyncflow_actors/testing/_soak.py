@@ -23,6 +23,12 @@ shorter than the heartbeat timeout: a long GC pause, not a death), and three fau
 driver's link to one node (through a ``LinkProxy``, ``open_link_faults``): ``link_cut`` (a
 partition longer than the heartbeat timeout: the link drops), ``link_blip`` (a short partition
 that TCP rides out) and ``link_delay`` (every message held back for a while).
+
+Faults hit processes: a station folded into another role's process (``placement.roles.actor_fwd
+= "trainer"``) dies with that process, so in such a placement ``kill_trainer`` kills ActorForward
+and Advantage too; ``roles_at`` says what each target holds (each kill's ``detail`` names it)
+and ``target_node`` which process a fault meant for a role's worker hits. A process the campaign
+killed is never hit again: a fault that finds it still there waits for its successor.
 """
 
 from __future__ import annotations
@@ -180,6 +186,47 @@ def fault_targets(
     }
 
 
+def roles_at(config: PipelineConfig) -> dict[str, tuple[str, ...]]:
+    """What each process a fault can hit in a run of ``config`` holds: node name -> the
+    workers placed there and the stations folded into them (``placement.roles.actor_fwd =
+    "trainer"``: the Trainer computes the old log-probs, so its process holds ActorForward's
+    work; ``advantage = "actor_fwd"`` or ``"trainer"`` likewise), ``"unit-N"`` -> the storage
+    unit. A kill of that process is a kill of each of them."""
+    from ..pipeline._config import DRIVER
+
+    out: dict[str, list[str]] = {}
+    for role, worker in config.instances():
+        where = config.placement_of(role, worker)
+        if where == DRIVER:
+            continue
+        held = out.setdefault(where, [])
+        held.append(worker)
+        if role == "trainer":
+            held += [f"{r}-0" for r, folded in (("actor_fwd", config.trainer_forward),
+                                                 ("advantage", config.trainer_advantage))
+                     if folded]  # fmt: skip
+        if role == "actor_fwd" and config.fused_advantage:
+            held.append(f"advantage-{worker.rpartition('-')[2]}")
+    if config.placement.tq_placement == "process":
+        out |= {f"unit-{i}": [f"unit-{i}"] for i in range(config.placement.tq_units)}
+    return {name: tuple(held) for name, held in out.items()}
+
+
+def target_node(config: PipelineConfig, name: str) -> str:
+    """The process a fault meant for ``name`` hits in a run of ``config``: ``name`` itself for
+    a node or a storage unit; for a station folded into another role (``"actor_fwd-0"`` with
+    ``placement.roles.actor_fwd = "trainer"``), the node of the process that holds it.
+    ``ValueError`` if no process of the run holds ``name``."""
+    held = roles_at(config)
+    if name in held:
+        return name
+    for node, workers in held.items():
+        if name in workers:
+            return node
+    known = sorted({w for workers in held.values() for w in workers} | set(held))
+    raise ValueError(f"no process of this run holds {name!r}; known: {', '.join(known)}")
+
+
 def node_base_name(name: str) -> str:
     """The configured name of a run's node from the name its link is opened under: a role's
     node ``"rollout-0.<run>"`` -> ``"rollout-0"``, a storage unit's ``"tq.<run>-unit-1"`` ->
@@ -247,6 +294,8 @@ class FaultCampaign:
         self.injected: list[InjectedFault] = []
         self.skipped: list[tuple[PlannedFault, str]] = []  # (fault, why it could not be done)
         self.pids: set[int] = set()  # every node process seen (to check none outlives the run)
+        self.killed: set[int] = set()  # never hit twice: a fault waits for the next process
+        self.held = roles_at(run.config)  # what a kill of each target hits
         self.started = 0.0
         self._done = trio.Event()
 
@@ -295,7 +344,10 @@ class FaultCampaign:
                 await self._stall(fault, pid)
             else:
                 kill9(pid)
-                self.injected.append(InjectedFault(fault, trio.current_time(), f"pid {pid}"))
+                self.killed.add(pid)
+                held = ", ".join(self.held.get(fault.target, (fault.target,)))
+                detail = f"pid {pid}: {held}"
+                self.injected.append(InjectedFault(fault, trio.current_time(), detail))
         except _Skip as skip:
             self.skipped.append((fault, str(skip)))
 
@@ -328,11 +380,12 @@ class FaultCampaign:
         await trio.sleep(fault.seconds)
 
     async def _pid(self, target: str) -> int:
-        """The process of ``target`` once it runs (a node restarting has none yet)."""
+        """The process of ``target`` once it runs (a node restarting has none yet; one this
+        campaign killed is not counted twice: the fault waits for its successor)."""
         with trio.move_on_after(30):
             while True:
                 pid = await self._pid_now(target)
-                if pid is not None and alive(pid):
+                if pid is not None and pid not in self.killed and alive(pid):
                     return pid
                 await trio.sleep(0.1)
         raise _Skip(f"{target!r} had no process for 30 s")
