@@ -130,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     trio.run(_main, args)
-    exit_now(0)
+    _exit_now(0)
 
 
-def exit_now(code: int) -> None:
+def _exit_now(code: int) -> None:
     """End the process now that the node stopped cleanly (its actors stopped, its sockets
     closed), skipping the interpreter's teardown of every module and object: with torch
     loaded it takes seconds, which its owner would wait out at every stop (``multiprocessing``
