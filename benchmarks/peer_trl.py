@@ -75,6 +75,7 @@ from typing import Any
 
 HERE = os.path.abspath(__file__)
 WINDOW = 10  # steps the mean reward is taken over
+STOP_S = 60  # a run stopped at its threshold ends within this (else it is killed)
 GROUP = 8
 
 
@@ -257,9 +258,15 @@ def one_run(
             rewards.append(row["reward"])
             if len(rewards) >= WINDOW and statistics.mean(rewards[-WINDOW:]) >= threshold:
                 result.update(seconds=row["t"], steps=row["step"])
-                proc.kill()
+                # a clean stop (ours: the run stops its node processes), not a kill that
+                # would leave them running into the next measured run
+                proc.terminate()
                 break
-        proc.wait()
+        try:
+            proc.communicate(timeout=STOP_S)  # (what it still prints is read, not blocked on)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
     result["last_mean"] = statistics.mean(rewards[-WINDOW:]) if rewards else None
     return result
 

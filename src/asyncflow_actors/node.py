@@ -10,6 +10,7 @@ explicit ``--insecure``. A node exits on SIGTERM/SIGINT after stopping its actor
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
@@ -61,12 +62,13 @@ def _read_keys(path: str) -> list[bytes]:
         return [line.strip().encode() for line in f if line.strip() and not line.startswith("#")]
 
 
-async def _watch_stdin(scope: trio.CancelScope) -> None:
+async def _stdin_closed() -> None:
+    """Return once stdin closes: the process that launched this node, holding its other end,
+    exited."""
     stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
     async with stream:
         while await stream.receive_some(4096):
             pass
-    scope.cancel()
 
 
 async def _watch_signals(scope: trio.CancelScope) -> None:
@@ -89,8 +91,6 @@ async def _main(args: argparse.Namespace) -> None:
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, nursery.cancel_scope)
-        if args.exit_on_stdin_eof:
-            nursery.start_soon(_watch_stdin, nursery.cancel_scope)
 
         async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
             await serve_node(
@@ -104,6 +104,7 @@ async def _main(args: argparse.Namespace) -> None:
                 peer_timeout=args.peer_timeout,
                 owner_token=os.environ.pop(OWNER_TOKEN_ENV, ""),
                 options=options,
+                watch_owner=_stdin_closed if args.exit_on_stdin_eof else None,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()
@@ -129,6 +130,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     trio.run(_main, args)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End the process now that the node stopped cleanly (its actors stopped, its sockets
+    closed), skipping the interpreter's teardown of every module and object: with torch
+    loaded it takes seconds, which its owner would wait out at every stop (``multiprocessing``
+    ends its children the same way). Exit handlers still run first (rank groups end their
+    processes there; logging flushes)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # closed, or its reader is gone: nothing more can reach it
+    os._exit(code)
 
 
 if __name__ == "__main__":

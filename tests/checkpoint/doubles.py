@@ -88,6 +88,7 @@ class World:
     corrupt_engine: int | None = None
     slow_pause: float = 0.0
     slow_engine: int | None = None
+    silent_on: str | None = None  # a message class name: never answer it (the handler hangs)
     log: list[tuple[str, int]] = attrs.Factory(list)  # ("acked" | "bucket", engine)
     engines: dict[int, EngineDouble] = attrs.Factory(dict)  # the live incarnation of each
     receivers: dict[int, WeightReceiver] = attrs.Factory(dict)
@@ -338,6 +339,8 @@ class DoubleActor(afa.Actor[DoubleMsg]):
         return msg
 
     async def receive(self, msg: DoubleMsg, ctx: afa.ActorContext[DoubleMsg]) -> Any:
+        if self.world is not None and self.world.silent_on == type(msg).__name__:
+            await trio.sleep_forever()
         stalls = isinstance(msg, (PutBucket, SyncFused))
         if stalls and self.stall_file and not os.path.exists(self.stall_file):
             Path(self.stall_file).write_text(str(os.getpid()))  # tell the test, once: kill us

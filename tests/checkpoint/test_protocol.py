@@ -31,6 +31,7 @@ from asyncflow_actors.checkpoint import (
     SyncPause,
     SyncTargetActor,
 )
+from asyncflow_actors.checkpoint._engine import CANCELLED_RESUME_S
 from asyncflow_actors.checkpoint._manifest import tensor_bytes
 from tests.checkpoint.doubles import (
     SPECS,
@@ -299,6 +300,24 @@ async def test_a_cancel_during_the_resume_still_completes_the_sync(autojump_cloc
         assert result.version == 0  # committed before the cancel: it completed
         await settle()
         check_engines(world, 0)
+
+
+async def test_a_cancelled_sync_does_not_wait_out_the_resume_deadline(
+    autojump_clock: Any,
+) -> None:
+    """Its sender stopping (a cancel) and receivers that never answer the resume: the sync
+    gives the resume ``CANCELLED_RESUME_S``, not the whole deadline (the sender's stop would
+    wait it out, shielded); the receivers resume on their own when their lease runs out."""
+    world = World(cancel_on="PutBucket", silent_on="SyncResume")
+    async with afa.open_actor_system() as system:
+        refs = await spawn(system, world, tick=0)  # (no decode loop: they pause at once)
+        started = trio.current_time()
+        chosen = config()
+        with trio.CancelScope() as world.scope:
+            await CheckpointEngine(refs, chosen).sync(0, weights_of(0))
+        assert trio.current_time() - started <= CANCELLED_RESUME_S + 0.1 < FAST.resume
+        await settle(chosen.lease)
+        assert not any(engine.paused for engine in world.engines.values())
 
 
 async def test_a_receiver_killed_mid_broadcast(autojump_clock: Any) -> None:

@@ -49,7 +49,12 @@ async def stall(config: Any) -> Diagnosis:
     """Run ``config`` (which stalls): the diagnosis of the ``RunStalled`` it fails with."""
     with trio.fail_after(60):  # no watchdog (a regression): fail, do not hang
         try:
-            async with afa.open_actor_system() as system, open_pipeline(system, config) as run:
+            # a planted stall may leave its actor stuck for good (a handler that never
+            # returns): its stop is killed past the grace, here a short one
+            async with (
+                afa.open_actor_system(shutdown_grace=1.0) as system,
+                open_pipeline(system, config) as run,
+            ):
                 await run.wait()
         except (RunStalled, BaseExceptionGroup) as exc:  # alone, or in the run's group
             error = stalled(exc)

@@ -57,6 +57,11 @@ log = logging.getLogger("asyncflow_actors.checkpoint")
 
 T = TypeVar("T")
 
+# A sync cancelled from outside (its sender is stopping) resumes its targets for at most this
+# long: those that answer resume now, a silent one on its own when its lease runs out. The whole
+# resume deadline would hold the sender's stop past any grace (the resume is shielded).
+CANCELLED_RESUME_S = 1.0
+
 
 @attrs.frozen
 class SyncResult:
@@ -417,7 +422,10 @@ class CheckpointEngine:
         if failure is not None:
             cause, receiver = _root_cause(failure)
             gone = receiver if isinstance(cause, ActorCrashed) else None
-        resumed, errors = await self._end(session, committed, timings, skip=gone)
+        limit = self.config.deadlines.resume
+        if failure is not None and _cancelled(failure):
+            limit = min(limit, CANCELLED_RESUME_S)
+        resumed, errors = await self._end(session, committed, timings, skip=gone, limit=limit)
         total = time.perf_counter() - started
         timings = {p: timings.get(p, 0.0) for p in PHASES}
         unresumed = ""
@@ -503,10 +511,16 @@ class CheckpointEngine:
         return result
 
     async def _end(
-        self, session: SyncSession, committed: bool, timings: dict[str, float], skip: str | None
+        self,
+        session: SyncSession,
+        committed: bool,
+        timings: dict[str, float],
+        skip: str | None,
+        *,
+        limit: float,
     ) -> tuple[list[Resumed | None], list[tuple[str, BaseException]]]:
-        """Close the transport and resume every target (but ``skip``): shielded, under the
-        resume deadline."""
+        """Close the transport and resume every target (but ``skip``): shielded, for at most
+        ``limit`` seconds (the resume deadline; ``CANCELLED_RESUME_S`` for a cancelled sync)."""
         started = time.perf_counter()
         targets = session.receivers
         if self._progress is not None:
@@ -532,7 +546,7 @@ class CheckpointEngine:
             if self._progress is not None:
                 self._progress.waiting.discard(targets[i].name)
 
-        with trio.CancelScope(shield=True), trio.move_on_after(self.config.deadlines.resume):
+        with trio.CancelScope(shield=True), trio.move_on_after(limit):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(close)
                 for i in range(len(targets)):

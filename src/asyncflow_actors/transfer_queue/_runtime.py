@@ -12,6 +12,7 @@ from ..actors import Actor as Actor
 from ..actors import ActorContext as ActorContext
 from ..actors import ActorCrashed as ActorCrashed
 from ..actors import ActorRef as ActorRef
+from ..actors import ActorState as ActorState
 from ..actors import ActorSystem as ActorSystem
 from ..actors import ChildSpec as ChildSpec
 from ..actors import OneForOne as OneForOne

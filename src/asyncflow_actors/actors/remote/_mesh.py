@@ -114,6 +114,7 @@ class Mesh:
         self.endpoints: tuple[str, ...] = ()
         self.server: NodeServer | None = None
         self.peers: dict[str, Peer] = {}
+        self.owner: str | None = None  # the system that owns this node (its last owner hello)
         # CURVE for the links this mesh opens to its peers: the cluster-key model (every node
         # listens with the same keypair and authorizes it), set when it listens with CURVE
         self.curve: CurveClient | None = None
@@ -304,9 +305,26 @@ class Mesh:
             return
         peer = self.peer(hello.name)
         if owner and not peer.supervised:
+            self.owner = hello.name
             peer.move(hello.incarnation, hello.endpoints)
         else:
             peer.learn(hello.incarnation, hello.endpoints)
+
+    def owner_exited(self) -> None:
+        """This node's owner's process is gone (``serve_node``'s ``watch_owner`` says so): its
+        actors are gone for good. Calls to them fail at once (``ActorCrashed``, ``NodeLost``)
+        instead of waiting for a connection that cannot come back, so that the clean-ups of
+        this node's actors as it stops (a TransferQueue client returning its leases) are
+        prompt; watchers of its actors hear of their end."""
+        peer = self.peers.get(self.owner) if self.owner is not None else None
+        if peer is None or peer.supervised:
+            return
+        lost = P.NodeLost(f"the owner of this node, {peer.name!r}, exited")
+        link = peer.detach()
+        if link is not None:
+            link.close(lost)
+        peer.stop(lost)
+        peer.lost_with_process(lost, ())
 
     def peer_update(self, update: P.PeerUpdate) -> None:
         """This node's owner (the supervisor of the node named) says where that node is now,
@@ -448,8 +466,10 @@ class Mesh:
             deadline = trio.current_time() + self.options.connect_timeout
             while True:
                 moved = peer.moved
+                if peer.stopped:  # for good: where it was, nothing will answer again
+                    raise _stopped_error(peer)
                 address = _pick_endpoint(peer.endpoints)
-                if address is None and (not peer.authoritative or peer.stopped):
+                if address is None and not peer.authoritative:
                     raise P.NodeLost(f"where node {peer.name!r} listens is not known here")
                 if address is None:  # restarting: its owner tells where it is once it is up
                     with trio.move_on_at(deadline):
@@ -553,6 +573,11 @@ def new_incarnation() -> int:
     """A node's incarnation: later starts draw larger ones (milliseconds since the epoch,
     then 20 random bits), so that an address from a newer start is recognised as newer."""
     return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
+
+
+def _stopped_error(peer: Peer) -> P.NodeLost:
+    error = peer.stop_error
+    return error if isinstance(error, P.NodeLost) else P.NodeLost(f"node {peer.name!r} stopped")
 
 
 def _pick_endpoint(endpoints: Iterable[str]) -> str | None:

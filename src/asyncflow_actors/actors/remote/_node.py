@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -37,6 +38,8 @@ from ._ref import RemoteActorRef
 from ._typeinfo import register_actor_types, register_value_types
 
 M = TypeVar("M")
+
+log = logging.getLogger("asyncflow_actors.node")
 
 
 @attrs.frozen
@@ -213,6 +216,13 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
                     if process is not None:
                         await process.wait()
                 if process is not None and process.returncode is None:
+                    log.warning(
+                        "node %r (pid %d) did not exit within its shutdown grace of %.3g s: "
+                        "terminating it",
+                        self.peer.alias,
+                        process.pid,
+                        self.options.shutdown_grace,
+                    )
                     process.terminate()
                     with trio.move_on_after(2.0):
                         await process.wait()

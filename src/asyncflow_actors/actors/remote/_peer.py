@@ -55,7 +55,8 @@ class Peer:
         # set (and replaced) each time an authoritative source moves the peer: a connect to
         # where it was gives up then, and one waiting for its restart goes on (``Mesh.connect``)
         self.moved = trio.Event()
-        self.stopped = False  # its owner said it stopped for good
+        self.stopped = False  # its owner said it stopped for good (or, our owner, it exited)
+        self.stop_error: BaseException | None = None  # why, when known
         self.cell: ActorCell | None = None  # the NodeActor of a supervised peer
         # supervised: what to spawn again after a restart of the node, in spawn order
         self.specs: dict[str, P.SpawnRequest] = {}
@@ -88,15 +89,18 @@ class Peer:
             return False
         changed = incarnation != self.incarnation or endpoints != self.endpoints
         self.incarnation, self.endpoints, self.authoritative = incarnation, endpoints, True
-        self.stopped = False
+        self.stopped, self.stop_error = False, None
         if changed:
             self.moved.set()
             self.moved = trio.Event()
         return changed
 
-    def stop(self) -> None:
-        """Its owner says it stopped for good: a connect waiting for its restart gives up."""
+    def stop(self, error: BaseException | None = None) -> None:
+        """It stopped for good (its owner says so; or it owned this node and its process
+        exited, ``error`` saying so): a connect waiting for its restart gives up, and calls to
+        its actors fail at once."""
         self.stopped = True
+        self.stop_error = error
         self.moved.set()
         self.moved = trio.Event()
 
@@ -122,7 +126,11 @@ class Peer:
 
     @property
     def terminated(self) -> bool:
-        return self.cell is not None and self.cell.state is ActorState.TERMINATED
+        """It will not come back: a supervised peer's ``NodeActor`` terminated for good, a
+        mesh peer stopped for good (``stop``)."""
+        if self.cell is not None:
+            return self.cell.state is ActorState.TERMINATED
+        return self.stopped
 
     async def wait_link(self, actor: str) -> NodeLink:
         """The live link; a supervised peer's calls wait while it (re)starts, a mesh peer's
@@ -149,7 +157,7 @@ class Peer:
         name = f"{self.alias}/{actor}"
         if actor in self.gone:
             return ActorCrashed(name, self.gone[actor], detail="terminated on its node")
-        cause = self.cell.last_error if self.cell is not None else None
+        cause = self.cell.last_error if self.cell is not None else self.stop_error
         return ActorCrashed(name, cause, detail=f"node {self.alias!r} terminated")
 
     def learn_actor(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -196,16 +196,21 @@ async def serve_node(
     owner_token: str = "",
     options: NodeOptions | None = None,
     context: zmq.Context[Any] | None = None,
+    watch_owner: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a node until its owner asks it to shut down (or the caller cancels it).
+    """Run a node until its owner asks it to shut down, its owner exits, or the caller cancels
+    it.
 
     ``bind``: endpoints (``tcp://127.0.0.1:*`` picks a port); ``task_status.started`` reports the
     resolved ones. ``allow``: module prefixes actors may be spawned from. ``curve`` requires
     CURVE and ``authorized_keys`` (Z85 public keys) lists the clients let in; binding beyond
     loopback without CURVE needs ``insecure=True``. ``peer_timeout``: stop a session's actors once
     all its connections have been gone that long. ``owner_token``: the secret of the process
-    allowed to shut the node down (its launcher).
+    allowed to shut the node down (its launcher). ``watch_owner`` returns once the owner's
+    process has exited (a launched node: its stdin closed); the node then stops, and its
+    actors' calls to the owner's actors fail at once (``Mesh.owner_exited``) rather than wait
+    for a connection that cannot come back.
     """
     chosen = strategy if strategy is not None else OneForOne(max_restarts=3, within=5.0)
     shutdown = trio.Event()
@@ -223,7 +228,27 @@ async def serve_node(
             context=context,
         )
         task_status.started(endpoints)
-        await shutdown.wait()
+        async with trio.open_nursery() as nursery:
+            if watch_owner is not None:
+                owner = watch_owner  # (narrowed for the closure)
+
+                async def owner_exited() -> None:
+                    await owner()
+                    # Every actor stops first (their work is cancelled within a scheduling
+                    # round), then calls to the owner's actors fail at once: the work ends
+                    # quietly, not failing and crashing its actor, and the clean-ups as the
+                    # actors stop meet the dead owner at once.
+                    root = system.lookup("")
+                    if root is not None and root.ctx is not None:
+                        for child in root.ctx.children:
+                            child.request_stop(None)
+                    await trio.lowlevel.checkpoint()
+                    system.mesh.owner_exited()
+                    shutdown.set()
+
+                nursery.start_soon(owner_exited)
+            await shutdown.wait()
+            nursery.cancel_scope.cancel()
 
 
 @attrs.frozen

@@ -41,7 +41,7 @@ from .._errors import (
     UnknownSample,
 )
 from .._results import GroupSlot, Lease
-from .._runtime import ActorCrashed, ActorRef
+from .._runtime import ActorCrashed, ActorRef, ActorState
 from .._samplers import FIFO, Sampler
 from .._spec import TopicSpec
 from ._batch import Batch, assemble, materialize, prepare
@@ -91,8 +91,14 @@ class TransferQueueClient:
             raise TransferQueueError(f"unknown topic {topic!r} (known: {sorted(self.specs)})")
         return spec
 
+    def _controller_gone(self) -> bool:
+        """The controller terminated for good (no restart will answer): its leases, waits and
+        uncommitted writes went with it."""
+        return self.controller.statistics().state is ActorState.TERMINATED
+
     async def _ask(self, msg: Any) -> Any:
-        """Ask the controller, again if a restart interrupted the request."""
+        """Ask the controller, again if a restart interrupted the request (not if it
+        terminated for good: no restart will answer)."""
         delay = 0.01
         failure: ActorCrashed | None = None
         for _ in range(_RETRIES):
@@ -100,6 +106,8 @@ class TransferQueueClient:
                 return await self.controller.ask(msg)
             except ActorCrashed as exc:
                 failure = exc
+            if self._controller_gone():
+                raise ControllerUnavailable(f"the controller is gone: {failure}") from failure
             self._restarts += 1
             await trio.sleep(delay)
             delay *= 2
@@ -504,9 +512,13 @@ class TransferQueueClient:
         the same holder does first, for a predecessor that died holding or waiting.
 
         It never raises (it runs in clean-ups, where an error would hide the one that led
-        there): if the controller does not confirm within ``CLEANUP_S`` seconds (or is gone),
-        it logs a warning naming the holder and what is left behind until it times out."""
+        there): if the controller does not confirm within ``CLEANUP_S`` seconds (or cannot be
+        reached), it logs a warning naming the holder and what is left behind until it times
+        out. A controller that terminated for good took all of that with it: nothing to say."""
         self.io.close()
+        if self._controller_gone():
+            await trio.lowlevel.checkpoint()
+            return
         why = f"no answer in {CLEANUP_S:.0f} s"
         with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_S):
             try:
@@ -514,6 +526,8 @@ class TransferQueueClient:
                 return
             except TransferQueueError as exc:
                 why = str(exc)
+        if self._controller_gone():
+            return
         log.warning(
             "TransferQueue client %r: the controller did not release its holder (%s): its "
             "leases come back at lease_ttl, its uncommitted writes and open group slots at "
