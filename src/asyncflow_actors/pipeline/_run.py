@@ -44,6 +44,7 @@ from ..roles import (
     Reward,
     RoleStatistics,
     Rollout,
+    RunSpec,
     StepDone,
     Stopped,
     StopRun,
@@ -295,7 +296,7 @@ async def open_pipeline(
 async def _open_run(
     system: NodeSystem,
     config: PipelineConfig,
-    spec: Any,
+    spec: RunSpec,
     place: Placement,
     resumed: tuple[str | None, DriverState | None],
     overwrite: bool,
