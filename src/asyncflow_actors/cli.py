@@ -281,7 +281,8 @@ def _stop_line(args: argparse.Namespace, result: Any) -> str:
 def _train(args: argparse.Namespace) -> int:
     import attrs
 
-    from .pipeline import PipelineConfig, PipelineConfigError, preflight
+    from .pipeline import PipelineConfig, PipelineConfigError
+    from .pipeline._preflight import check_paths
 
     config = PipelineConfig.from_toml(args.config)
     try:
@@ -293,7 +294,9 @@ def _train(args: argparse.Namespace) -> int:
             config = attrs.evolve(config, train=attrs.evolve(config.train, steps=args.steps))
     except ValueError as exc:  # a settings validator: the override's own key
         raise PipelineConfigError(f"--{str(exc).replace('_', '-')}") from exc
-    resume = preflight(config, resume=args.resume, overwrite=args.overwrite)  # before anything
+    # the quick checks before anything; the slower ones run while the nodes start
+    # (``open_pipeline``), and fail the same way
+    resume = check_paths(config, resume=args.resume, overwrite=args.overwrite)
     stops = _Stops()
     result = trio.run(_train_run, config, resume, args.overwrite, stops)
     if stops.signum is not None and (result is None or result.stopped):

@@ -162,7 +162,19 @@ class PipelineConfig:
             run_id=uuid.uuid4().hex,
             start_version=start_version,
             resume_from=resume_from,
+            processes=self.processes,
         )
+
+    @property
+    def processes(self) -> int:
+        """The run's processes that compute: the driver's and one per node its roles use (each
+        rank of a rank group beyond the first counted too): what ``train.torch_threads =
+        "auto"`` shares the CPUs among."""
+        instances = self.instances()
+        places = {self.placement_of(role, worker) for role, worker in instances}
+        forwards = sum(role in ("actor_fwd", "ref_fwd") for role, _ in instances)
+        ranks = self.train.ranks - 1 + (self.train.forward_ranks - 1) * forwards
+        return len(places | {DRIVER}) + ranks
 
     @property
     def fused_advantage(self) -> bool:

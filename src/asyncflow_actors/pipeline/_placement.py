@@ -110,6 +110,9 @@ class Placement:
         # called with each node once it is up, before any role is spawned on it (the observer
         # attaches there, so that it sees every span of the node's roles)
         self.on_node_up: Callable[[Node], Awaitable[object]] | None = None
+        # set by ``observe``: nodes started before the run's observer exists wait for it
+        self._observed: trio.Event | None = None
+        self._stopped = False  # the nodes were stopped (``stop``)
 
     def node_names(self) -> list[str]:
         names: list[str] = []
@@ -153,11 +156,25 @@ class Placement:
                 out.append(module)
         return tuple(out)
 
-    def start_soon(self, nursery: trio.Nursery, modules: Mapping[str, str]) -> None:
-        """Start ``start`` in ``nursery``: ``spawn`` on a node waits for that node."""
+    def start_soon(
+        self, nursery: trio.Nursery, modules: Mapping[str, str], *, observe_later: bool = False
+    ) -> None:
+        """Start ``start`` in ``nursery``: ``spawn`` on a node waits for that node.
+        ``observe_later``: the nodes start before the run knows its observer; each, once up,
+        waits for ``observe`` before its roles may spawn."""
         for name in self.node_names():
             self._ready.setdefault(name, trio.Event())
+        if observe_later:
+            self._observed = trio.Event()
         nursery.start_soon(self.start, modules)
+
+    def observe(self, on_node_up: Callable[[Node], Awaitable[object]] | None) -> None:
+        """Call ``on_node_up`` with each node once it is up, before any role spawns on it
+        (``None``: nothing to call); releases the nodes ``start_soon(observe_later=True)``
+        holds."""
+        self.on_node_up = on_node_up
+        if self._observed is not None:
+            self._observed.set()
 
     async def start(self, modules: Mapping[str, str] | None = None) -> None:
         """Start or connect every node, concurrently, and preload on each the modules of its
@@ -169,23 +186,28 @@ class Placement:
         async def one(name: str) -> None:
             alias = f"{name}.{self.suffix}"
             address = place.nodes.get(name)
-            if self.supervised_apart(name):
-                launcher: Launcher = (
-                    ConnectLauncher(address)
-                    if address is not None
-                    else SubprocessLauncher(allow, transport=place.transport, env=env)
-                )
-                node = await self._start_apart(alias, launcher)
-            elif address is not None:
-                node = await self.system.connect_node(address, name=alias)
-            else:
-                node = await self.system.start_node(
-                    alias, allow=allow, transport=place.transport, env=env
-                )
-            self.nodes[name] = node  # stopped by ``stop`` from now on
+            # shielded: a start cancelled half way (a failed check beside it) would leave a
+            # node that ``stop`` does not know; this way it is known, and stopped
+            with trio.CancelScope(shield=True):
+                if self.supervised_apart(name):
+                    launcher: Launcher = (
+                        ConnectLauncher(address)
+                        if address is not None
+                        else SubprocessLauncher(allow, transport=place.transport, env=env)
+                    )
+                    node = await self._start_apart(alias, launcher)
+                elif address is not None:
+                    node = await self.system.connect_node(address, name=alias)
+                else:
+                    node = await self.system.start_node(
+                        alias, allow=allow, transport=place.transport, env=env
+                    )
+                self.nodes[name] = node  # stopped by ``stop`` from now on
             warm = hf if self.hosts(name, _MODEL_ROLES) else None
             preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": warm}
             await node.spawn(Preload, name=f"preload.{self.suffix}", kwargs=preload)
+            if self._observed is not None:
+                await self._observed.wait()
             if self.on_node_up is not None:
                 await self.on_node_up(node)
             self._ready.setdefault(name, trio.Event()).set()
@@ -239,7 +261,8 @@ class Placement:
     ) -> None:
         """Stop the roles (in reverse start order), await ``before_nodes`` (the observer's last
         pull: the nodes' agents answer only while their processes live), then stop the nodes
-        (together: each takes a second or more to exit); shielded, bounded."""
+        (together: each takes a second or more to exit; once: a later call stops none);
+        shielded, bounded."""
 
         async def stop_node(node: Node) -> None:
             with trio.move_on_after(15):
@@ -257,8 +280,9 @@ class Placement:
                         pass  # gone already
             if before_nodes is not None:
                 await before_nodes()
+            nodes, self._stopped = ([] if self._stopped else list(self.nodes.values())), True
             async with trio.open_nursery() as nursery:
-                for node in self.nodes.values():
+                for node in nodes:
                     nursery.start_soon(stop_node, node)
             for sup in self._supervisors:  # empty by now
                 with trio.move_on_after(5):

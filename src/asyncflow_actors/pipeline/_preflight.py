@@ -8,6 +8,11 @@ to resume exists, lies before ``train.steps`` and
 holds the same ``[model]``, a new run's ``run_dir`` holds no run.
 Each problem raises ``PipelineConfigError`` naming the key, within a second or two: the
 cheapest checks (paths) come first, those that import torch (the task) last.
+
+``preflight`` is ``check_paths`` (milliseconds: files, directories, the checkpoint to resume,
+no import) then ``check_contents`` (seconds: transformers loads the model's config, the task
+and its dataset build). ``open_pipeline`` starts the run's node processes after the first and
+beside the second (they spend those seconds importing torch), and stops them on its error.
 """
 
 from __future__ import annotations
@@ -32,15 +37,22 @@ def preflight(
     """Check ``config`` (and ``resume``) as far as possible without starting anything; returns
     the checkpoint directory ``resume`` means (``None`` without one). A new run's ``run_dir``
     must not hold a run unless ``overwrite``."""
+    checkpoint = check_paths(config, resume=resume, overwrite=overwrite)
+    check_contents(config, checkpoint)
+    return checkpoint
+
+
+def check_paths(
+    config: PipelineConfig, *, resume: str | None = None, overwrite: bool = False
+) -> str | None:
+    """The first, quick half of ``preflight`` (no import, no file read beyond a few small
+    JSON files): the checkpoint ``resume`` means, the ``run_dir``, the optional packages, the
+    model's files; returns the checkpoint directory (``None`` without one)."""
     checkpoint = resolve_resume(resume) if resume else None
     _check_vllm_lora(config, checkpoint)
     check_run_dir(config, resume=checkpoint, overwrite=overwrite)
     _check_extras(config)
-    if config.report.report_to:
-        from ._trackers import check_trackers
-
-        check_trackers(config)
-    max_seq_len = _check_model(config)
+    _check_model_files(config)
     if checkpoint is not None:
         check_model(config, checkpoint)
         version = checkpoint_version(checkpoint)
@@ -50,13 +62,24 @@ def preflight(
                 f"train.steps: {config.train.steps} is not beyond the checkpoint's step "
                 f"{version} ({checkpoint}): give more steps, e.g. --steps {version * 2}"
             )
+    return checkpoint
+
+
+def check_contents(config: PipelineConfig, checkpoint: str | None) -> None:
+    """The second, slower half of ``preflight`` (after ``check_paths``, whose checkpoint it
+    takes): the trackers are installed, the model's config loads, the task builds and its
+    prompts fit."""
+    if config.report.report_to:
+        from ._trackers import check_trackers
+
+        check_trackers(config)
+    max_seq_len = _check_model(config)
     task = _check_task(config)
     check_warmup(config, task, resume=checkpoint)
     # a dataset's prompts are held to its own max_prompt_length (filtered, truncated or
     # refused when read, by task.dataset.overlong)
     if max_seq_len is not None and config.task.kind != "dataset":
         _check_lengths(config, task, max_seq_len)
-    return checkpoint
 
 
 def _check_extras(config: PipelineConfig) -> None:
@@ -70,8 +93,8 @@ def _check_extras(config: PipelineConfig) -> None:
         )
 
 
-def _check_model(config: PipelineConfig) -> int | None:
-    """The model's files exist and load their config; its ``max_seq_len`` if known."""
+def _check_model_files(config: PipelineConfig) -> None:
+    """The model's files exist (``_check_model`` loads them)."""
     model = config.model
     if model.hf is not None:
         if not os.path.isdir(model.hf):
@@ -80,6 +103,16 @@ def _check_model(config: PipelineConfig) -> int | None:
             raise PipelineConfigError(
                 f"model.hf: {model.hf} is not a Hugging Face model folder (no config.json)"
             )
+    elif model.init is not None and not os.path.isfile(model.init):
+        raise PipelineConfigError(f"model.init: no such file: {model.init}")
+
+
+def _check_model(config: PipelineConfig) -> int | None:
+    """The model's files (``_check_model_files``) load their config; its ``max_seq_len`` if
+    known."""
+    _check_model_files(config)
+    model = config.model
+    if model.hf is not None:
         try:
             from transformers import AutoConfig
 
@@ -92,8 +125,6 @@ def _check_model(config: PipelineConfig) -> int | None:
             raise PipelineConfigError(f"model.hf: {model.hf} does not load: {_line(exc)}") from exc
         return None  # prompt lengths are in its tokenizer's tokens: known once it loads
     if model.init is not None:
-        if not os.path.isfile(model.init):
-            raise PipelineConfigError(f"model.init: no such file: {model.init}")
         meta = _safetensors_metadata(model.init)
         try:
             return int(json.loads(meta["config"])["max_seq_len"])

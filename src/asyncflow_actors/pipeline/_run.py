@@ -21,7 +21,6 @@ A run that makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -46,6 +45,7 @@ from ..roles import (
     Reward,
     RoleStatistics,
     Rollout,
+    RunSpec,
     StepDone,
     Stopped,
     StopRun,
@@ -63,11 +63,11 @@ from ..transfer_queue import (
     TransferQueueConfig,
     open_transfer_queue,
 )
-from ._config import PipelineConfig
+from ._config import PipelineConfig, PipelineConfigError
 from ._driver_resumer import DriverResumer, spawn_driver
 from ._placement import Placement, Watcher
 from ._plot import plot_run
-from ._preflight import preflight
+from ._preflight import check_paths
 from ._report import (
     Progress,
     StepRecord,
@@ -78,6 +78,7 @@ from ._report import (
 from ._reports import Reports, open_reports
 from ._resume import Resume, TrainerResumer
 from ._rundir import clear_run_dir, trim_steps
+from ._start import open_nodes_beside_checks
 from ._warmup import roles_spec, warm_up
 from ._watchdog import RunStalled, Watchdog, gather_diagnosis
 
@@ -149,17 +150,21 @@ async def run_pipeline(
     (``run_dir/final``, ``run_dir/checkpoints/step-N``) or a run directory to continue from;
     ``overwrite``: replace the run in ``run_dir`` (a new run refuses one otherwise). ``on_step`` sees every ``StepRecord``."""
     if system is None:
-        # checked before the system's nursery: a bad config raises PipelineConfigError itself
+        # the quick checks before the system's nursery, the others caught inside it: a bad
+        # config raises PipelineConfigError itself, not in a group
         resume = await trio.to_thread.run_sync(
-            lambda: preflight(config, resume=resume, overwrite=overwrite)
+            lambda: check_paths(config, resume=resume, overwrite=overwrite)
         )
-        async with (
-            open_actor_system() as own,
-            open_pipeline(
-                own, config, resume=resume, overwrite=overwrite, on_step=on_step, checked=True
-            ) as run,
-        ):
-            return await run.wait()
+        failed: list[PipelineConfigError] = []
+        async with open_actor_system() as own:
+            try:
+                pipeline = open_pipeline(own, config, resume=resume, on_step=on_step,
+                                         overwrite=overwrite)  # fmt: skip
+                async with pipeline as run:
+                    return await run.wait()
+            except PipelineConfigError as exc:  # raised by the checks, before any role
+                failed.append(exc)
+        raise failed[0]
     async with open_pipeline(
         system, config, resume=resume, overwrite=overwrite, on_step=on_step
     ) as run:
@@ -276,23 +281,43 @@ async def open_pipeline(
 ) -> AsyncIterator[Pipeline]:
     """Start a run under ``system``; stop everything when the block exits. ``resume``: a
     checkpoint directory, or a run directory (its newest checkpoint). Everything checkable is
-    checked first (``preflight``: ``PipelineConfigError`` before any process starts) unless
-    ``checked``: ``preflight`` already passed on this ``config`` and ``resume`` (``run_pipeline``)."""
+    checked first (``preflight``: ``PipelineConfigError`` before any role starts; the node
+    processes start beside its slower half, ``_start``) unless ``checked``: ``preflight``
+    already passed on this ``config`` and ``resume``."""
     if not checked:
         resume = await trio.to_thread.run_sync(
-            lambda: preflight(config, resume=resume, overwrite=overwrite)
+            lambda: check_paths(config, resume=resume, overwrite=overwrite)
         )
-    # torch and the roles load in a worker thread: this event loop serves the TQ and the run
-    await trio.to_thread.run_sync(importlib.import_module, "asyncflow_actors.roles._compute")
     state = DriverState.read(resume) if resume else None
     spec = config.run_spec(
         start_version=state.version if state else 0,
         resume_from=_absolute(resume),
     )
+    place = Placement(system, config, spec.run_id[:8])
+    async with (
+        open_nodes_beside_checks(place, config, resume, _role_modules(), checked=checked),
+        _open_run(system, config, spec, place, (resume, state), overwrite, on_step) as run,
+    ):
+        yield run
+
+
+@asynccontextmanager
+async def _open_run(
+    system: NodeSystem,
+    config: PipelineConfig,
+    spec: RunSpec,
+    place: Placement,
+    resumed: tuple[str | None, DriverState | None],
+    overwrite: bool,
+    on_step: OnStep | None,
+) -> AsyncIterator[Pipeline]:
+    """``open_pipeline`` once the checks passed and the nodes are starting (``resumed``: the
+    checkpoint resumed from and its Driver state, or none)."""
+    resume, state = resumed
     total = config.train.steps - spec.start_version
     earlier: list[dict[str, Any]] = []  # the step records before the checkpoint resumed
     if config.run_dir:
-        if overwrite and resume is None:
+        if overwrite and state is None:
             await trio.to_thread.run_sync(clear_run_dir, config.run_dir)
         if state is not None:
             earlier = await trio.to_thread.run_sync(trim_steps, config.run_dir, state.version)
@@ -313,7 +338,6 @@ async def open_pipeline(
         transport=config.placement.transport,
         name=f"tq.{suffix}",
     )
-    place = Placement(system, config, suffix)
     spawned: list[ActorRef[Any]] = []
     steps_jsonl = os.path.join(config.run_dir, "steps.jsonl") if config.run_dir else None
     try:
@@ -328,10 +352,9 @@ async def open_pipeline(
             try:
                 async with trio.open_nursery() as nursery:
                     run.queue = queue
-                    # the nodes start and preload while this process spawns its own roles
-                    if observer is not None:  # attached to each node before its roles start
-                        place.on_node_up = observer.attach_node
-                    place.start_soon(nursery, _role_modules())
+                    # the nodes start and preload while this process spawns its own roles;
+                    # the observer attaches to each before its roles start
+                    place.observe(observer.attach_node if observer is not None else None)
                     client = await queue.client(f"pipeline.{suffix}")
                     if observer is not None:
                         observer.watch_transfer_queue(client)

@@ -23,6 +23,7 @@ from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import RankGroup, backend_for
 from ._ray_ranks import RayRanks, ray_host, start_ray_ranks
 from ._settings import RunSpec
+from ._threads import intra_op_threads
 
 
 def ray_ranks(parallel: ParallelSettings) -> RayRanks | None:
@@ -52,7 +53,7 @@ def open_group(
         backend=backend_for(spec.model.device),
         timeout_s=parallel.timeout_s,
         env=env,
-        threads=spec.train.torch_threads,
+        threads=intra_op_threads(spec),
         spawn=None if placement is None else functools.partial(start_ray_ranks, placement),
     )
 

@@ -70,6 +70,7 @@ from ._messages import (
 )
 from ._reward import record_json
 from ._settings import CHECKPOINTS, FINAL, RunSpec
+from ._threads import intra_op_threads
 from ._worker import Meter, in_thread, load_compute
 
 log = logging.getLogger("asyncflow_actors.roles")
@@ -156,7 +157,7 @@ class Driver(Actor[_Msg]):
         if self.resumed:
             await start_resumed(self, ctx)
             return
-        self.compute = await load_compute(self.spec.train.torch_threads)
+        self.compute = await load_compute(intra_op_threads(self.spec))
         self.task = await in_thread(self.spec.task.build)
         self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
         # a dataset's prompts rendered and checked, the evaluation set (``_driver_tasks``)

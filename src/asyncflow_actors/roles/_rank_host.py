@@ -26,6 +26,7 @@ from ._rank_learner import RankLearner, blocks, gather, gather_many
 from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import receive_command
 from ._settings import RunSpec
+from ._threads import intra_op_threads
 
 _ROWS = ("prompt_ids", "response_ids")
 
@@ -88,7 +89,7 @@ class RankHost:
             return self._forward(op, header, tensors)
         if op == "setup":
             spec = spec_from_wire(header["spec"])
-            setup_torch(spec.train.torch_threads)
+            setup_torch(intra_op_threads(spec))
             lora = header.get("lora")
             self.learner = RankLearner(
                 spec,
@@ -133,7 +134,7 @@ class RankHost:
         """A forward station's commands (module docstring)."""
         if op == "forward_setup":
             spec = spec_from_wire(header["spec"])
-            setup_torch(spec.train.torch_threads)
+            setup_torch(intra_op_threads(spec))
             parallel = ParallelSettings(**header["parallel"])
             self.forward = RankForward(spec, parallel, path=header.get("path"))
             return None

@@ -20,6 +20,7 @@ from ..actors import Actor, ActorContext
 from ..tasks._functions import function_name
 from ._messages import Score, Scored
 from ._settings import RunSpec
+from ._threads import intra_op_threads
 from ._worker import in_thread, load_compute
 
 __all__ = ["Reward", "reward_names", "reward_part_metrics", "score_groups", "to_score"]
@@ -91,7 +92,7 @@ class Reward(Actor[Score]):
         self.worker = worker
 
     async def on_start(self, ctx: ActorContext[Score]) -> None:
-        await load_compute(self.spec.train.torch_threads)
+        await load_compute(intra_op_threads(self.spec))
         self.task = await in_thread(self.spec.task.build)
         self.runner = await in_thread(reward_runner, self.spec, self.task)
 

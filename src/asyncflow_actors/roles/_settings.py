@@ -43,6 +43,14 @@ def _non_negative(inst: object, attribute: attrs.Attribute[Any], value: Any) -> 
         raise SettingsError(f"{attribute.name}: expected a number >= 0, got {value!r}")
 
 
+def _threads(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A number > 0 or ``"auto"``."""
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SettingsError(f"{attribute.name}: expected an int > 0 or 'auto', got {value!r}")
+
+
 def _fraction(inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """A number in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
@@ -282,7 +290,8 @@ class TrainSettings:
     a queue round trip per group; ``checkpoint_every``: save a resumable checkpoint every so many
     steps (0: never; the run's last step is always saved, in ``run_dir/final``), the newest
     ``keep_last`` of them kept (0: all). ``torch_threads``: intra-op threads in every process
-    of the run. ``auto_resume``: a Trainer that dies is started again from the newest
+    of the run, or ``"auto"`` (``_threads``: every CPU when the run is on-policy, else the CPUs
+    shared among the run's processes). ``auto_resume``: a Trainer that dies is started again from the newest
     checkpoint (the run's start without one), at most ``auto_resume_retries`` times; the
     samples in the TransferQueue stay (``pipeline._resume``); a Driver that raises is resumed
     from the state it held, at most as many times again (``pipeline._driver_resumer``).
@@ -314,7 +323,7 @@ class TrainSettings:
     forward_workers: int = attrs.field(default=1, validator=_positive)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     keep_last: int = attrs.field(default=0, validator=_non_negative)
-    torch_threads: int = attrs.field(default=1, validator=_positive)
+    torch_threads: int | str = attrs.field(default=1, validator=_threads)
     # a Trainer that dies restarts from the newest checkpoint, a Driver that raises from its
     # state (docs/pipeline.md, "Automatic resume"), at most ``auto_resume_retries`` times each
     auto_resume: bool = True
@@ -359,7 +368,8 @@ class RunSpec:
     ``trainer_forward``: no ActorForward station; the trainer takes its own policy's log-probs
     before its first update of a batch as the old log-probs. ``trainer_advantage``: no
     Advantage station; the trainer computes the advantages of the whole groups it takes.
-    ``start_version``/``resume_from``: a resumed run.
+    ``start_version``/``resume_from``: a resumed run. ``processes``: the run's processes that
+    compute (the driver's and its nodes'; what ``train.torch_threads = "auto"`` divides).
     """
 
     mode: str
@@ -381,6 +391,7 @@ class RunSpec:
     run_id: str = ""
     start_version: int = 0
     resume_from: str | None = None
+    processes: int = 1
 
     @property
     def batch_size(self) -> int:

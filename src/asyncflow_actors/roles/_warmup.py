@@ -19,6 +19,7 @@ import attrs
 
 from ..actors import Actor, ActorContext, Request
 from ._settings import RunSpec
+from ._threads import intra_op_threads
 
 EVAL_EVERY = 10  # steps between held-out measurements when a target accuracy can stop it
 
@@ -83,7 +84,7 @@ def warm_up_policy(spec: RunSpec, path: str) -> WarmedUp:
     from ..rl import sft_warmup
     from ._compute import build_policy
 
-    torch.set_num_threads(spec.train.torch_threads)
+    torch.set_num_threads(intra_op_threads(spec))
     train = spec.train
     task = spec.task.build()
     model, tokenizer = build_policy(spec.model, task)

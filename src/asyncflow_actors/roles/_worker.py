@@ -53,6 +53,7 @@ from ._ask_again import ask_again, storage_unavailable
 from ._messages import GetRoleStats, RoleStatistics
 from ._schema import ROLLOUT
 from ._settings import RunSpec
+from ._threads import intra_op_threads
 
 log = logging.getLogger("asyncflow_actors.roles")
 
@@ -245,7 +246,7 @@ class Station(Actor[Any]):
         self._claiming: tuple[str, int, float] | None = None  # topic, count, since (a fetch)
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
-        self.compute = await load_compute(self.spec.train.torch_threads)
+        self.compute = await load_compute(intra_op_threads(self.spec))
         self.client = await TransferQueueClient.connect(self.controller, holder=self.worker)
         await self.client.aclose()  # leases a crashed incarnation of this worker still holds
         await self.setup(ctx)

@@ -1,0 +1,58 @@
+"""The start of a run: its node processes launch beside the slower half of the checks.
+
+A node process spends its first seconds importing torch (and transformers, for a Hugging Face
+model); ``preflight``'s second half (``check_contents``: the model's config through
+transformers, the task and its dataset) and this process's own import of the stations' compute
+module take about as long. They run together here: the nodes start once the quick half
+(``check_paths``) passed, and a failed check stops them before any role is spawned on them and
+raises its ``PipelineConfigError`` as such (not inside a group).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import trio
+
+from ._config import PipelineConfig, PipelineConfigError
+from ._placement import Placement
+from ._preflight import check_contents
+
+COMPUTE = "asyncflow_actors.roles._compute"
+
+
+@asynccontextmanager
+async def open_nodes_beside_checks(
+    place: Placement,
+    config: PipelineConfig,
+    checkpoint: str | None,
+    modules: Mapping[str, str],
+    *,
+    checked: bool,
+) -> AsyncIterator[None]:
+    """Start ``place``'s nodes in the background (each, once up, waits for ``place.observe``
+    before its roles may spawn) while ``check_contents`` (unless ``checked``: it passed
+    already) and the import of the compute module (torch) run in worker threads; then the
+    block runs. The nodes are stopped on the way out unless the block stopped them
+    (``Placement.stop``)."""
+    failed: list[PipelineConfigError] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            place.start_soon(nursery, modules, observe_later=True)
+            try:
+                if not checked:
+                    await trio.to_thread.run_sync(check_contents, config, checkpoint)
+            except PipelineConfigError as exc:
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+            if not failed:
+                # torch loads in a worker thread: this event loop serves the TQ and the run
+                await trio.to_thread.run_sync(importlib.import_module, COMPUTE)
+                yield
+                nursery.cancel_scope.cancel()  # a node still starting: the run is over
+    finally:
+        await place.stop([])
+    if failed:
+        raise failed[0]
