@@ -416,10 +416,15 @@ class Driver(Actor[_Msg]):
 
     async def _sync_weights(self, trainer: ActorRef[Any], version: int) -> SyncReport | None:
         """The Trainer's report of the sync of ``version``; ``None`` if it died meanwhile and
-        ``train.auto_resume`` restarts it (else its death fails the run, as the error)."""
+        ``train.auto_resume`` restarts it (else its death fails the run, as the error), or if
+        the run is stopping (its stop ends the Trainer: a Ctrl-C between a step and its sync
+        printed a warning besides the one line naming the resume command)."""
         try:
             report: SyncReport = await trainer.ask(SyncWeights(version))
         except (ActorCrashed, NodeLost) as exc:
+            if self.stopping:
+                log.debug("the sync of version %d ended with the run's stop: %r", version, exc)
+                return None
             if not self.spec.train.auto_resume:
                 raise
             log.warning("the sync of version %d ended with its Trainer: %r", version, exc)
