@@ -46,6 +46,7 @@ from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
 from ._ask_again import ask_again, storage_unavailable
+from ._driver_replaced import Replacements, settle_replaced
 from ._driver_resume import TrainerLost, UnsavedSteps, roll_back
 from ._driver_state import DriverState as DriverState
 from ._driver_tasks import DriverTasks
@@ -130,6 +131,7 @@ class Driver(Actor[_Msg]):
         # checkpoint must name them (the cursor has passed them).
         self.admitting: set[int] = set()
         self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
+        self.replaced = Replacements()  # groups whose prompts were injected again
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
         self.stopping = False
@@ -291,6 +293,7 @@ class Driver(Actor[_Msg]):
         if index is None:
             return False
         self.ledger.not_trained(index, reason, reinjected=True)
+        self.replaced.replaced(gid, index, self.version)  # it may be trained all the same
         self.hooks.reinjected += 1
         await self._put_prompt(index)
         return True
@@ -332,6 +335,8 @@ class Driver(Actor[_Msg]):
         self.ledger.trained(msg)
         for gid in msg.groups:
             self.inflight.pop(gid, None)
+        # a group reported lost and trained all the same: its prompt's newer attempt goes
+        withheld = await settle_replaced(self, msg)
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
         self.version = msg.version
         self.meter.set_version(msg.version)
@@ -344,7 +349,7 @@ class Driver(Actor[_Msg]):
             # starts their groups only once its weights reach it. Releasing after the sync
             # instead put the injection (a TQ put and a group per prompt) on every step's
             # critical path.
-            self.flow.release(msg.samples)
+            self.flow.release(msg.samples - withheld)
             self.unsaved.released(msg.version)
             self.hooks.waiting = f"the trainer's answer to the weight sync of version {msg.version}"
             report = await self._sync_weights(trainer, msg.version)

@@ -1,0 +1,64 @@
+"""A group reported lost that the Trainer trained all the same (issue #27 §5: the 30-minute
+soak's steady evictions). A storage unit that dies while the Trainer holds a fetched lease makes
+the queue report the lease's groups lost; when that event reaches the Driver before the step's
+``StepDone``, the Driver has injected the prompt again keeping its slots, and the ``StepDone``
+released them once more: one prompt in flight too many for the rest of the run (evicted over and
+over) and the prompt trained twice. The race is played here deterministically: the Driver takes
+the event for one group of a step just before that step's ``StepDone``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from asyncflow_actors.pipeline import check_samples, run_pipeline
+from asyncflow_actors.pipeline import read_samples as read_ledger
+from asyncflow_actors.roles._driver import Driver
+from asyncflow_actors.roles._messages import StepDone, StepTrained
+
+from .kit import tiny
+
+LOST_AT = (2, 5)  # the steps one of whose groups is reported lost before their StepDone
+
+
+def lost_before_the_report(monkeypatch: Any) -> list[tuple[int, int]]:
+    """Before the Trainer's first report of each step of ``LOST_AT`` (``StepTrained`` with
+    ``train.auto_resume``, else ``StepDone``), the Driver takes a ``lost`` event for the step's
+    first group (as ``_watch_events`` does for a unit's loss)."""
+    real = Driver.receive
+    played: list[tuple[int, int]] = []
+
+    async def receive(self: Driver, msg: Any, ctx: Any) -> Any:
+        first = isinstance(msg, (StepTrained, StepDone)) and msg.version not in [
+            v for v, _ in played
+        ]
+        if first and msg.version in LOST_AT and msg.groups:
+            played.append((msg.version, msg.groups[0]))
+            assert await self._reinject(msg.groups[0], "lost")
+        return await real(self, msg, ctx)
+
+    monkeypatch.setattr(Driver, "receive", receive)
+    return played
+
+
+async def test_a_group_reported_lost_and_trained_leaves_no_prompt_in_flight_too_many(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    played = lost_before_the_report(monkeypatch)
+    steps = 12
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": steps})
+    with trio.fail_after(120):
+        result = await run_pipeline(config)
+    assert [v for v, _ in played] == list(LOST_AT)
+    assert [r.samples for r in result.records] == [16] * steps
+    records = read_ledger(str(tmp_path))
+    check = check_samples(records, group_size=4, staleness=config.effective_staleness)
+    # the prompt's newer attempt was withdrawn: trained once, and no prompt in flight beyond
+    # the slots (each would be evicted again and again)
+    assert check.ok, check
+    reasons = [r.reason for r in records if r.kind == "not_trained"]
+    assert reasons.count("lost") == len(LOST_AT)
+    assert reasons.count("withdrawn") == len(LOST_AT)
+    assert "evicted" not in reasons
