@@ -17,6 +17,7 @@ from asyncflow_actors.pipeline import check_samples, run_pipeline
 from asyncflow_actors.pipeline import read_samples as read_ledger
 from asyncflow_actors.roles._driver import Driver
 from asyncflow_actors.roles._messages import StepDone, StepTrained
+from asyncflow_actors.transfer_queue import GroupError, TransferQueueClient
 
 from .kit import tiny
 
@@ -62,3 +63,31 @@ async def test_a_group_reported_lost_and_trained_leaves_no_prompt_in_flight_too_
     assert reasons.count("lost") == len(LOST_AT)
     assert reasons.count("withdrawn") == len(LOST_AT)
     assert "evicted" not in reasons
+
+
+async def test_an_attempt_that_cannot_be_withdrawn_keeps_the_slots(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    # the newer attempt's group refuses the withdrawal (as when a member was written already):
+    # it is trained too, and the trained group's slots stay with it instead of being released
+    played = lost_before_the_report(monkeypatch)
+    refused: list[int] = []
+
+    async def shrink_group(self: TransferQueueClient, topic: str, group: Any, slots: int) -> None:
+        await trio.lowlevel.checkpoint()
+        refused.append(int(group))
+        raise GroupError(f"topic {topic!r}: group {group} has a member written (test)")
+
+    monkeypatch.setattr(TransferQueueClient, "shrink_group", shrink_group)
+    steps = 12
+    config = tiny("async", run_dir=str(tmp_path), train={"steps": steps})
+    with trio.fail_after(120):
+        result = await run_pipeline(config)
+    assert len(played) == len(refused) == len(LOST_AT)
+    assert [r.samples for r in result.records] == [16] * steps
+    records = read_ledger(str(tmp_path))
+    check = check_samples(records, group_size=4, staleness=config.effective_staleness)
+    assert not (check.lost or check.duplicated or check.stale)
+    assert len(check.retrained) == len(LOST_AT)  # the price of a written attempt
+    reasons = [r.reason for r in records if r.kind == "not_trained"]
+    assert "evicted" not in reasons and "withdrawn" not in reasons
