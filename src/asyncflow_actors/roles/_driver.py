@@ -46,7 +46,7 @@ from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
 from ._ask_again import ask_again, storage_unavailable
-from ._driver_replaced import Replacements, settle_replaced
+from ._driver_replaced import LostGroups, Replacements, settle_replaced
 from ._driver_resume import TrainerLost, UnsavedSteps, roll_back
 from ._driver_state import DriverState as DriverState
 from ._driver_tasks import DriverTasks
@@ -132,6 +132,7 @@ class Driver(Actor[_Msg]):
         self.admitting: set[int] = set()
         self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
         self.replaced = Replacements()  # groups whose prompts were injected again
+        self.lost = LostGroups()  # groups reported lost, perhaps in the Trainer's hands
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
         self.stopping = False
@@ -275,6 +276,9 @@ class Driver(Actor[_Msg]):
                     # committing them (its restarted successor's release drops them). It
                     # writes a group's rows in one put, so the group went whole: the restarted
                     # worker finds it gone and drops its prompt, which lives again only here.
+                    if event.kind == "lost":  # the Trainer may be training it: see its reports
+                        self.lost.defer(event.group_ids, self.version)
+                        continue
                     reason = "evicted" if event.kind == "evicted" else "lost"
                     for gid in event.group_ids:
                         await self._reinject(gid, reason)
@@ -337,6 +341,8 @@ class Driver(Actor[_Msg]):
             self.inflight.pop(gid, None)
         # a group reported lost and trained all the same: its prompt's newer attempt goes
         withheld = await settle_replaced(self, msg)
+        for gid in self.lost.decided(msg.version, self.inflight):  # not trained: again
+            await self._reinject(gid, "lost")
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
         self.version = msg.version
         self.meter.set_version(msg.version)

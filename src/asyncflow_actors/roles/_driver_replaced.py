@@ -15,6 +15,14 @@ it gone) and its attempt recorded ``withdrawn``. If it cannot be withdrawn (bein
 written already, trained in the same step, gone), the trained group's slots stay with it
 instead (``withheld``): the accounting is right either way, and only then is the prompt trained
 twice.
+
+That came too late in a 3-minute campaign of unit kills every 10 s (2 of 3 newer attempts were
+written before the step's report: a tiny model generates in milliseconds), so a ``lost`` group
+is first kept in flight (``LostGroups``) until the Trainer's reports show it was not in the step
+it was training: the Trainer holds at most the batch of the step after the Driver's version, so
+a group the reports of version ``version + 2`` do not name was not trained, and its prompt is
+injected again then (a group the rollout finds gone is injected again at once: never written,
+never held). ``settle_replaced`` stays as the net for any other way a replaced group is trained.
 """
 
 from __future__ import annotations
@@ -50,6 +58,25 @@ class Replacements:
     def forget_before(self, version: int) -> None:
         """Drop the groups replaced before ``version``: older than any lease can hold them."""
         self.groups = {g: iv for g, iv in self.groups.items() if iv[1] >= version}
+
+
+@attrs.define
+class LostGroups:
+    """Groups reported ``lost`` and kept in flight: group id -> the version whose report
+    decides (the Driver's version when the event came, plus 2)."""
+
+    due: dict[int, int] = attrs.Factory(dict)
+
+    def defer(self, groups: tuple[int, ...], version: int) -> None:
+        for g in groups:
+            self.due.setdefault(g, version + 2)
+
+    def decided(self, version: int, inflight: dict[int, int]) -> list[int]:
+        """The groups still in flight whose deciding report (``version``) did not name them:
+        to inject again. Those out of flight (trained, injected again) are forgotten."""
+        out = [g for g, v in self.due.items() if g in inflight and v <= version]
+        self.due = {g: v for g, v in self.due.items() if g in inflight and v > version}
+        return out
 
 
 async def settle_replaced(driver: Driver, msg: StepDone) -> int:
