@@ -17,7 +17,9 @@
   abandoned (a rollout worker died between allocating and committing them), groups a rollout
   worker found gone when it came to write them (``GroupGone``: e.g. a group shrunk or
   discarded to nothing, which no event names) and prompts lost before generation are injected
-  again, once each, keeping their slots.
+  again, once each, keeping their slots. A lost group stays in flight until the Trainer's
+  reports show it did not train it (``_driver_replaced``: a unit can die under the Trainer's
+  fetched batch).
 - **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save under
   ``run_dir/checkpoints/step-N`` (the newest ``keep_last`` kept), and writes the prompt cursor
   and the prompts still in flight (re-injected first on resume). At the last step it saves
