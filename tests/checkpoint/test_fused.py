@@ -349,9 +349,9 @@ async def test_a_fused_bucket_of_megabytes_is_copied_and_checked_in_worker_threa
     threads: set[str] = set()
     digest, pack = HostCache.digest, BucketSource.pack
 
-    def digested(self: HostCache, index: int, data: torch.Tensor) -> int:
+    def digested(self: HostCache, index: int, data: torch.Tensor, owned: bool = False) -> int:
         threads.add(f"digest {threading.current_thread() is threading.main_thread()}")
-        return digest(self, index, data)
+        return digest(self, index, data, owned)
 
     def packed(self: BucketSource, index: int, out: torch.Tensor) -> int:
         threads.add(f"pack {threading.current_thread() is threading.main_thread()}")

@@ -115,9 +115,38 @@ async def test_in_process_sync_is_bit_exact_and_reports_its_phases() -> None:
                 metrics
             )
             assert metrics["sync_total"] >= metrics["sync_broadcast"] > 0
-        assert engine.transport.buffers.allocations == 1  # type: ignore[attr-defined]
+        # in-process receivers: every packed bucket went into fresh memory (handed over), the
+        # double buffer is never allocated (a remote receiver's sync reuses it)
+        assert engine.transport.buffers.allocations == 0  # type: ignore[attr-defined]
         stats = engine.statistics()
         assert (stats.syncs, stats.failed, stats.last_version, stats.targets) == (2, 0, 1, 2)
+
+
+async def test_the_first_in_process_receiver_keeps_the_packed_buckets(monkeypatch: Any) -> None:
+    """A receiver in the sender's process takes the packed buckets as they are (``keep``: no
+    copy); a second one copies them, so two targets never share one buffer; both bit-exact.
+    One digest cache per receiver: which of them owned its buckets."""
+    from asyncflow_actors.checkpoint import HostCache
+
+    seen: dict[int, set[bool]] = {}
+    digest = HostCache.digest
+
+    def digested(self: HostCache, index: int, data: torch.Tensor, owned: bool = False) -> int:
+        seen.setdefault(id(self), set()).add(owned)
+        return digest(self, index, data, owned)
+
+    monkeypatch.setattr(HostCache, "digest", digested)
+    specs = {"a": ("float32", [40]), "b": ("float32", [30]), "big": ("float32", [300])}
+    async with afa.open_actor_system() as system:
+        refs = await spawn(system, World(), specs=specs, tick=0, load="eager", offload=True)
+        sent = random_weights(0, specs)
+        result = await CheckpointEngine(refs, config(offload=True)).sync(0, sent)
+        assert not result.fused and result.buckets > 2
+        for ref in refs:
+            got = await ref.ask(GetWeights())
+            assert all(same_bytes(got[k], v) for k, v in sent.items())
+    # (a bucket that is one whole tensor is sent from the tensor: copied by both)
+    assert sorted(True in owned for owned in seen.values()) == [False, True]
 
 
 @pytest.mark.parametrize("mode", list(PauseMode))
@@ -461,9 +490,9 @@ async def test_copies_and_checksums_run_off_the_event_loop_unless_small(
     threads: list[str] = []
     digest, pack = HostCache.digest, BucketSource.pack
 
-    def digested(self: HostCache, index: int, data: torch.Tensor) -> int:
+    def digested(self: HostCache, index: int, data: torch.Tensor, owned: bool = False) -> int:
         threads.append(f"digest {threading.current_thread() is threading.main_thread()}")
-        return digest(self, index, data)
+        return digest(self, index, data, owned)
 
     def packed(self: BucketSource, index: int, out: torch.Tensor) -> int:
         threads.append(f"pack {threading.current_thread() is threading.main_thread()}")

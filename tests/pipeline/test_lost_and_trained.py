@@ -78,6 +78,9 @@ def test_lost_groups_are_decided_by_the_report_two_versions_on() -> None:
     assert lost.decided(11, inflight) == []
     del inflight[9]  # trained by step 12
     assert lost.decided(12, inflight) == [7]  # not trained by the step after: injected again
+    assert lost.decided(12, inflight) == [7]  # (until it is: a Driver may raise before)
+    del inflight[7]  # injected again
+    assert lost.decided(13, inflight) == []
     assert lost.due == {}
 
 

@@ -88,6 +88,22 @@ def test_a_bf16_step_keeps_fp32_master_weights(ranks: DistributedLearner, hf_fol
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_memory_sums_the_shards_of_every_rank(ranks: DistributedLearner) -> None:
+    """The parameters' bytes over the ranks are the whole model's; AdamW's state, nothing
+    before the first step, then two moments a trainable element (and a step count a
+    parameter on each rank)."""
+    ranks.setup(run_spec(), TWO)
+    full = ranks.full_state_dict()
+    before = ranks.memory()
+    assert before["parameter_bytes"] == before["trainable_bytes"]
+    assert before["parameter_bytes"] == sum(v.nbytes for v in full.values())
+    assert before["optimizer_bytes"] == 0
+    ranks.step(global_batch())
+    moments = 2 * before["trainable_bytes"]
+    steps = 2 * len(full) * 8  # at most 8 bytes a step count, on each rank
+    assert moments <= ranks.memory()["optimizer_bytes"] <= moments + steps
+
+
 def test_lora_trains_only_the_adapters(ranks: DistributedLearner, hf_folder: Path) -> None:
     spec = run_spec(hf=str(hf_folder))
     lora = LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj"))
@@ -95,6 +111,10 @@ def test_lora_trains_only_the_adapters(ranks: DistributedLearner, hf_folder: Pat
     before = ranks.full_state_dict()
     ranks.step(global_batch())
     after = ranks.full_state_dict()
+    memory = ranks.memory()  # the optimizer holds the adapters' state only
+    adapter_bytes = sum(v.nbytes for k, v in after.items() if ".lora_" in k)
+    assert memory["trainable_bytes"] == adapter_bytes < memory["parameter_bytes"] / 10
+    assert 2 * adapter_bytes <= memory["optimizer_bytes"] < 3 * adapter_bytes
     adapters = [k for k in after if ".lora_" in k]
     assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
     for name, value in after.items():

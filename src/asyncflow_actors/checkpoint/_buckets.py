@@ -262,15 +262,15 @@ class HostCache:
         self.received[index] = True
         self.bytes += spec.nbytes
 
-    def digest(self, index: int, data: torch.Tensor) -> int:
+    def digest(self, index: int, data: torch.Tensor, owned: bool = False) -> int:
         """Checksum a taken bucket while copying its split pieces out and keeping it (a copy of
-        it when it is not ours; from a device, the host copy), a chunk at a time in byte order,
-        each chunk hashed where it was just written; return its size. Thread-safe for distinct
-        buckets."""
+        it when it is not ours: ``owned`` says it is, whatever ``copy`` says; from a device,
+        the host copy), a chunk at a time in byte order, each chunk hashed where it was just
+        written; return its size. Thread-safe for distinct buckets."""
         import torch
 
         spec = self.manifest.buckets[index]
-        ours = not self.copy
+        ours = not self.copy or owned
         if data.device.type != "cpu":
             data, ours = data.cpu(), True
         keep = any(p.tensor not in self.assembled for p in spec.pieces)

@@ -54,11 +54,14 @@ class SyncPrepare(Request[int]):
 
 @attrs.frozen
 class PutBucket(Request[int]):
-    """Bucket ``index``'s bytes (the actor transport); acknowledged once they are staged."""
+    """Bucket ``index``'s bytes (the actor transport); acknowledged once they are staged.
+    ``keep``: ``data`` was packed for this receiver alone and the sender never writes it again,
+    so a receiver in the sender's process keeps it instead of copying it."""
 
     sync_id: str
     index: int
     data: torch.Tensor
+    keep: bool = False
 
 
 @attrs.frozen

@@ -389,16 +389,18 @@ class WeightReceiver:
     ) -> int:
         """Stage a bucket and acknowledge it (the sender then reuses its buffer).
 
-        Bytes another process sent are ours from the moment they arrived: acknowledge at once
-        and checksum them in the background (finalize waits). Bytes shared with the sender (same
-        process) are copied before the acknowledgement.
+        Bytes another process sent are ours from the moment they arrived, and so are those the
+        sender handed over (``msg.keep``): acknowledge at once and checksum them in the
+        background (finalize waits). Other bytes shared with the sender (same process) are
+        copied before the acknowledgement.
         """
         cache.take(msg.index, msg.data)
         size = cache.manifest.buckets[msg.index].nbytes
         self._bytes += size
         offload = offloads(self.offload, size)
-        if cache.copy or msg.data.device.type != "cpu" or not offload:
-            await run_sync(offload, cache.digest, msg.index, msg.data)
+        owned = msg.keep and msg.data.device.type == "cpu"
+        if (cache.copy and not owned) or msg.data.device.type != "cpu" or not offload:
+            await run_sync(offload, cache.digest, msg.index, msg.data, owned)
             return size
         digests = sync.digests
         if digests.running == 0:
@@ -407,7 +409,9 @@ class WeightReceiver:
 
         async def digest() -> None:
             try:
-                await run_sync(True, cache.digest, msg.index, msg.data, limiter=self._limiter)
+                await run_sync(
+                    True, cache.digest, msg.index, msg.data, owned, limiter=self._limiter
+                )
             except Exception as exc:
                 digests.error = digests.error or exc
             finally:

@@ -13,6 +13,11 @@ buffer is refilled only after **every** receiver acknowledged the bucket it carr
 receiver acknowledges only once it has copied the bytes out or owns them (a frame its own
 process received: every byte of it was read out of the sender's buffer). A sync that fails
 leaves its buffers to whoever may still read them: the next sync allocates fresh ones.
+
+In-process hand-over: when a receiver is an actor of this process (a local ref), copying the
+bytes out is a pass over them that nothing needs. Its packed buckets then go into a fresh
+buffer each, which the first such receiver keeps (``PutBucket.keep``) and the sender never
+touches again; any other receiver copies as before (two targets never share one buffer).
 """
 
 from __future__ import annotations
@@ -108,21 +113,32 @@ class SyncSession:
     config: CheckpointConfig
     source: BucketSource
     checksums: list[int] = attrs.Factory(list)
+    fresh: set[int] = attrs.Factory(set)  # buckets packed into new memory, handed over
 
     def __attrs_post_init__(self) -> None:
         self.checksums = [0] * len(self.manifest.buckets)
 
-    async def bucket(self, index: int, buffers: DoubleBuffer, slot: int) -> torch.Tensor:
+    async def bucket(
+        self, index: int, buffers: DoubleBuffer, slot: int, *, fresh: bool = False
+    ) -> torch.Tensor:
         """The bytes of bucket ``index``: a view of its tensor when it is one whole tensor (no
-        copy), else packed into buffer ``slot``; its checksum is recorded."""
+        copy), else packed into buffer ``slot`` (``fresh``: into new memory, handed over);
+        its checksum is recorded."""
+        import torch
+
         source = self.source
-        offload = offloads(self.config.offload, self.manifest.buckets[index].nbytes)
+        nbytes = self.manifest.buckets[index].nbytes
+        offload = offloads(self.config.offload, nbytes)
         data = source.direct(index, buffers.device)
         if data is not None:
             if source.algorithm:
                 self.checksums[index] = await run_sync(offload, checksum, data, source.algorithm)
             return data
-        data = buffers.take(self.manifest.max_bucket)[slot][: self.manifest.buckets[index].nbytes]
+        if fresh:
+            data = torch.empty(nbytes, dtype=torch.uint8, device=buffers.device)
+            self.fresh.add(index)
+        else:
+            data = buffers.take(self.manifest.max_bucket)[slot][:nbytes]
         self.checksums[index] = await run_sync(offload, source.pack, index, data)
         return data
 
@@ -181,11 +197,14 @@ async def pipelined(
     buffers: DoubleBuffer,
     issue: Callable[[int, torch.Tensor], Any],
     complete: Callable[[Any], Awaitable[None]],
+    *,
+    fresh: bool = False,
 ) -> None:
     """Send every bucket, double-buffered: bucket *k* is packed into buffer *k* mod 2 while
     bucket *k-1* is in flight (at most two in flight, packed or sent from their tensor).
     ``issue(k, data)`` starts sending bucket *k* (called in bucket order) and returns a handle;
-    ``complete(handle)`` returns once the bytes it sent may be overwritten."""
+    ``complete(handle)`` returns once the bytes it sent may be overwritten. ``fresh``: pack
+    into new memory each bucket (handed over; still at most two in flight)."""
     free = [trio.Event(), trio.Event()]
     for event in free:
         event.set()
@@ -200,7 +219,7 @@ async def pipelined(
             for bucket in session.manifest.buckets:
                 slot = bucket.index % 2
                 await free[slot].wait()
-                data = await session.bucket(bucket.index, buffers, slot)
+                data = await session.bucket(bucket.index, buffers, slot, fresh=fresh)
                 free[slot] = trio.Event()
                 nursery.start_soon(finish, issue(bucket.index, data), free[slot])
         completed = True
@@ -229,14 +248,28 @@ class ActorTransport:
         await trio.lowlevel.checkpoint()
 
     async def broadcast(self, session: SyncSession) -> None:
+        # the first receiver in this process keeps the packed buckets (module docstring)
+        local = [getattr(ref, "cell", None) is not None for ref in session.receivers]
+        keeper = local.index(True) if True in local and self.buffers.device == "cpu" else None
+
         async def complete(handle: tuple[int, torch.Tensor]) -> None:
             # The buffer is reusable once every receiver has acknowledged (module docstring).
             # When the runtime exposes the SendTracker of a remote send, waiting on it here
             # too would also release the buffer's last reference before reuse.
             index, data = handle
-            await ask_all(session.receivers, lambda _: PutBucket(session.sync_id, index, data))
+            keep = index in session.fresh
+            await ask_all(
+                session.receivers,
+                lambda i: PutBucket(session.sync_id, index, data, keep=keep and i == keeper),
+            )
 
-        await pipelined(session, self.buffers, lambda index, data: (index, data), complete)
+        await pipelined(
+            session,
+            self.buffers,
+            lambda index, data: (index, data),
+            complete,
+            fresh=keeper is not None,
+        )
 
     async def close(self, session: SyncSession, *, failed: bool) -> None:
         await trio.lowlevel.checkpoint()

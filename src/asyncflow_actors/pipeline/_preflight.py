@@ -33,6 +33,7 @@ def preflight(
     the checkpoint directory ``resume`` means (``None`` without one). A new run's ``run_dir``
     must not hold a run unless ``overwrite``."""
     checkpoint = resolve_resume(resume) if resume else None
+    _check_vllm_lora(config, checkpoint)
     check_run_dir(config, resume=checkpoint, overwrite=overwrite)
     _check_extras(config)
     if config.report.report_to:
@@ -183,3 +184,29 @@ def _line(exc: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _check_vllm_lora(config: PipelineConfig, checkpoint: str | None) -> None:
+    """``rollout.vllm_lora``: what an adapters-only sync into vLLM needs (docs/training.md)."""
+    if not config.rollout.vllm_lora:
+        return
+    problem = None
+    if config.rollout.engine != "vllm":
+        problem = f"needs rollout.engine = 'vllm', not {config.rollout.engine!r}"
+    elif not config.model.lora.enabled:
+        problem = "needs model.lora (r > 0): there is no adapter to sync"
+    elif config.train.forward_ranks > 1:
+        problem = "forward stations on ranks (train.forward_ranks > 1) load merged weights only"
+    elif unsynced := [m for m in config.model.lora.target_modules if m in _UNSYNCED]:
+        problem = f"the sync carries linear projections' adapters, not {unsynced}"
+    elif checkpoint is not None:
+        problem = (
+            "a checkpoint holds the policy merged, not the base and its adapter: resume with "
+            "rollout.vllm_lora = false"
+        )
+    if problem is not None:
+        raise PipelineConfigError(f"rollout.vllm_lora: {problem}")
+
+
+# vLLM serves these as embeddings / a padded vocabulary: not carried by its LoRA-only sync
+_UNSYNCED = ("embed_tokens", "lm_head")

@@ -43,6 +43,7 @@ from ..actors import (
 from ..actors.remote import NodeLost, NodeSystem
 from ..checkpoint import GetReceiverStatistics
 from ..roles import ROLLOUT, Trainer
+from ..roles._ask_again import ask_again, driver_resuming
 from ..roles._driver_resume import TrainerLost
 from ..roles._messages import ResendWeights
 from ..transfer_queue import TransferQueueClient
@@ -61,7 +62,8 @@ class Resume:
     death, the checkpoint's step (``checkpoint``; the run's first version without one), the
     ``version`` its weights took in the new Trainer, the optimizer steps lost since and their
     prompts (injected again), and the versions ``skipped`` (sent out, not checkpointed: the
-    run ends that many versions later)."""
+    run ends that many versions later). ``role``: ``"trainer"``, or ``"driver"`` for a
+    Driver's resume (``_driver_resumer``: nothing lost, nothing skipped)."""
 
     attempt: int
     cause: str
@@ -70,6 +72,7 @@ class Resume:
     lost_steps: int
     lost_prompts: int
     skipped: int
+    role: str = "trainer"
 
 
 class _Watch(Actor[Terminated]):
@@ -155,7 +158,10 @@ class TrainerResumer:
         floor = await self._newest_version()
         # idempotent after an interrupted resume: the Driver lost what the dead Trainer
         # reported since, nothing else (a Trainer that died while it started reported nothing)
-        point = await run.refs["driver"].ask(TrainerLost(floor))
+        driver = run.refs["driver"]  # asked again while a Driver that raised is resumed
+        point = await ask_again(
+            lambda: driver.ask(TrainerLost(floor)), "rolling back", transient=driver_resuming
+        )
         attempt = len(self.resumes) + 2
         root = root_error(error) if error is not None else None
         cause = "stopped" if root is None else f"{type(root).__name__}: {root}"

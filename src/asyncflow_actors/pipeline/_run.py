@@ -13,7 +13,8 @@ Advantage station and the Trainer (which gets the refs of every weight holder). 
 after ``train.steps`` global batches; every role, node and the queue are stopped on the way
 out, also on error or cancellation. A role that terminates for good fails the run
 (``RunFailed``); stations that crash are restarted by their supervisors meanwhile, and a
-Trainer that dies is resumed from the newest checkpoint (``train.auto_resume``: ``_resume``).
+Trainer that dies is resumed from the newest checkpoint (``train.auto_resume``: ``_resume``),
+a Driver that raises from the state it held (``_driver_resumer``).
 A run that makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a diagnosis
 (``_watchdog``).
 """
@@ -52,6 +53,7 @@ from ..roles import (
     Trainer,
     topic_specs,
 )
+from ..roles._ask_again import ask_again, driver_resuming
 from ..roles._shared import forget_shared_policy
 from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
@@ -62,6 +64,7 @@ from ..transfer_queue import (
     open_transfer_queue,
 )
 from ._config import PipelineConfig
+from ._driver_resumer import DriverResumer, spawn_driver
 from ._placement import Placement, Watcher
 from ._plot import plot_run
 from ._preflight import preflight
@@ -117,7 +120,8 @@ class PipelineResult:
     run_dir: str | None
     stopped: bool = False
     latest_checkpoint: str | None = None
-    resumes: tuple[Resume, ...] = ()  # the Trainer's automatic resumes (``train.auto_resume``)
+    resumes: tuple[Resume, ...] = ()  # automatic resumes (``train.auto_resume``): the
+    # Trainer's, then the Driver's (``Resume.role``)
     warmup: WarmedUp | None = None
 
     @property
@@ -189,6 +193,7 @@ class Pipeline:
         self.reports: Reports | None = None
         self.trainer: tuple[str, dict[str, Any]] | None = None  # its worker name and kwargs
         self.resumer: TrainerResumer | None = None
+        self.driver_resumer: DriverResumer | None = None
 
     def stop(self) -> None:
         """Stop the run cleanly: the Driver saves the last step (``run_dir/final``) unless the
@@ -201,7 +206,10 @@ class Pipeline:
         if driver is None:  # not started yet: nothing trained, nothing to save
             self._stopped = Stopped(self.version, self.resumed_from or "")
             return
-        answer = await driver.ask(StopRun())
+        # asked again while a Driver that raised is resumed (``_driver_resumer``)
+        answer = await ask_again(
+            lambda: driver.ask(StopRun()), "stopping the run", transient=driver_resuming
+        )
         if answer.pending:  # the Driver saves at the step the Trainer is reporting
             await self.hooks.done.wait()
             assert self.hooks.stopped is not None
@@ -250,7 +258,8 @@ class Pipeline:
             latest_checkpoint=(
                 self.hooks.checkpoints[-1] if self.hooks.checkpoints else self.resumed_from
             ),
-            resumes=tuple(self.resumer.resumes) if self.resumer else (),
+            resumes=(tuple(self.resumer.resumes) if self.resumer else ())
+            + (tuple(self.driver_resumer.resumes) if self.driver_resumer else ()),
             warmup=self.warmup,
         )
 
@@ -405,12 +414,10 @@ async def _spawn_roles(
     # The Driver keeps the run's own [model] (what a checkpoint records, a resume compares);
     # the roles start from the warmed-up policy of a run that warms up.
     driver_spec, spec = spec, roles_spec(config, spec)
-    driver = await place.system.spawn(
-        lambda: Driver(driver_spec, controller, hooks, resume),
-        name=f"driver.{place.suffix}",
-        restart=Restart.TEMPORARY,
+    driver, stop, run.driver_resumer = await spawn_driver(
+        place, lambda previous: Driver(driver_spec, controller, hooks, resume, previous), hooks
     )
-    spawned.append(driver)
+    spawned.append(stop)
     run.refs["driver"] = driver
     reward: ActorRef[Any] | None = None
     targets: list[ActorRef[Any]] = []

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
-from ..actors import ActorCrashed
+from ..actors import ActorCrashed, ActorRef, Request
 from ..actors.remote import NodeLost
 from ..transfer_queue import StorageUnavailable
 
@@ -38,6 +38,21 @@ def node_restarting(exc: BaseException) -> bool:
     if isinstance(exc, NodeLost):
         return True
     return isinstance(exc, ActorCrashed) and isinstance(exc.error, NodeLost)
+
+
+def driver_resuming(exc: BaseException) -> bool:
+    """Whether ``exc`` is what an ask to a Driver that raised fails with: with
+    ``train.auto_resume`` a new incarnation takes over in the same cell (``_driver_rebuild``)
+    and answers the ask made again; a Driver gone for good fails the run meanwhile."""
+    return isinstance(exc, ActorCrashed)
+
+
+async def tell_driver(driver: ActorRef[Any], msg: Request[None]) -> None:
+    """Deliver a rollout's report (``GroupGone``, ``GroupDropped``, ``NeedWeights``) to the
+    Driver, asked rather than told: a tell queued when the Driver raised is dropped with its
+    mailbox, an ask fails and is made again to the resumed Driver (which handles each once)."""
+    what = f"telling the driver {type(msg).__name__}"
+    await ask_again(lambda: driver.ask(msg), what, transient=driver_resuming)
 
 
 def storage_unavailable(exc: BaseException) -> bool:

@@ -162,6 +162,12 @@ class DistributedLearner:
         grads: dict[str, Tensor] = self._command({"op": "grads"})
         return grads
 
+    def memory(self) -> dict[str, int]:
+        """Bytes of the parameters (all, and the trainable ones) and of the optimizer's state,
+        summed over the ranks (``optimizer_bytes`` is 0 before the first step)."""
+        figures: dict[str, int] = self._command({"op": "memory"})
+        return figures
+
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
         """A distributed checkpoint (DCP; every rank writes its shards) under ``directory``."""
         self._command({"op": "save", "directory": directory, "meta": dict(meta)})

@@ -26,6 +26,8 @@
   ``run_dir/final`` instead: a run with a ``run_dir`` always ends with its model saved.
 - **Sample ledger.** It writes ``run_dir/samples.jsonl`` (``_ledger``): what each step trained,
   each attempt injected again or dropped, the prompts in flight at the end.
+- **Resume.** With ``train.auto_resume`` a Driver that raises is started again in its cell and
+  takes over the state it held (``_driver_rebuild``); a step asked again is handled once.
 - **Stops.** On ``StopRun`` it saves ``run_dir/final`` at the last step unless the newest
   checkpoint holds it already; if the Trainer has moved on to the next version meanwhile, it
   saves at that step instead (whose ``StepDone`` is on its way) and ends the run there.
@@ -48,7 +50,14 @@ from ..observe import clock_ns
 from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
 from ._ask_again import ask_again, storage_unavailable
-from ._driver_replaced import LostGroups, Replacements, settle_replaced
+from ._driver_rebuild import adopt, start_resumed
+from ._driver_replaced import (
+    LostGroups,
+    Replacements,
+    replaced_trained,
+    withdraw_newer,
+    withheld,
+)
 from ._driver_resume import TrainerLost, UnsavedSteps, roll_back
 from ._driver_state import DriverState as DriverState
 from ._driver_tasks import DriverTasks
@@ -94,6 +103,7 @@ class DriverHooks:
     flow: FlowControl | None = None  # the Driver's slots, read by the watchdog (same process)
     waiting: str | None = None  # what the Driver's step handling waits on now, in words
     end_version: int = 0  # the run's last version (later by the steps an auto-resume lost)
+    driver_resumes_left: int = 0  # a Driver that raises is resumed (``_driver_rebuild``)
 
 
 _Msg = (
@@ -117,6 +127,7 @@ class Driver(Actor[_Msg]):
         controller: ActorRef[Any],
         hooks: DriverHooks,
         resume: DriverState | None = None,
+        previous: Driver | None = None,
     ) -> None:
         self.spec = spec
         self.controller = controller
@@ -144,8 +155,18 @@ class Driver(Actor[_Msg]):
         self.unsaved = UnsavedSteps()
         self.end_version = spec.train.steps
         hooks.end_version = self.end_version
+        # a StepDone's slots released and its record reported up to this version (a StepDone
+        # asked again after a Driver's resume does neither twice)
+        self.released = self.reported = self.version
+        self.events_since = 0  # the queue's events handled (a resumed Driver goes on from it)
+        self.resumed = previous is not None
+        if previous is not None:  # the state of the incarnation that raised (``_driver_rebuild``)
+            adopt(self, previous)
 
     async def on_start(self, ctx: ActorContext[Any]) -> None:
+        if self.resumed:
+            await start_resumed(self, ctx)
+            return
         self.compute = await load_compute(self.spec.train.torch_threads)
         self.task = await in_thread(self.spec.task.build)
         self.tokenizer = await in_thread(self.compute.policy_tokenizer, self.spec, self.task)
@@ -212,11 +233,10 @@ class Driver(Actor[_Msg]):
         version = self.version
         # Before any await too: the caller took these indexes (no await since), so a checkpoint
         # from now on names them until ``inflight`` does.
+        # Left there if this raises: a resumed Driver puts them again (``_driver_rebuild``).
         self.admitting.update(indexes)
-        try:
-            await self._open_and_put(indexes, version, groups)
-        finally:
-            self.admitting.difference_update(indexes)
+        await self._open_and_put(indexes, version, groups)
+        self.admitting.difference_update(indexes)
 
     async def _open_and_put(
         self, indexes: list[int], version: int, groups: list[int | None] | None
@@ -268,10 +288,8 @@ class Driver(Actor[_Msg]):
             self.prompt_samples[sample] = group
 
     async def _watch_events(self) -> None:
-        since = 0
         while True:
-            batch = await self.client.events(since)
-            since = batch.cursor
+            batch = await self.client.events(self.events_since)
             for event in batch.events:
                 if event.topic == S.ROLLOUT and event.kind in ("evicted", "lost", "abandoned"):
                     # abandoned: a rollout worker died between allocating its groups' rows and
@@ -290,6 +308,9 @@ class Driver(Actor[_Msg]):
                         if gid in self.inflight:
                             self.hooks.reinjected += 1
                             await self._put_prompt(self.inflight[gid], gid)
+            # after the batch: a resumed Driver handles again what this one may not have
+            # (each event's handling is idempotent)
+            self.events_since = batch.cursor
 
     async def _reinject(self, gid: int, reason: str = "lost") -> bool:
         """Inject the prompt of rollout group ``gid`` again in a new group, keeping its slots,
@@ -304,27 +325,41 @@ class Driver(Actor[_Msg]):
         await self._put_prompt(index)
         return True
 
+    async def _gone(self, msg: GroupGone) -> None:
+        # (taken out of ``inflight`` and into ``admitting`` before the task's first await: a
+        # Driver that raises meanwhile leaves it to its resumed successor)
+        if await self._reinject(msg.group_id, "lost"):
+            log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
+                     msg.worker)  # fmt: skip
+
     async def receive(self, msg: _Msg, ctx: ActorContext[Any]) -> Any:
         if isinstance(msg, StopRun):
             return await self._stop()
         if isinstance(msg, StepTrained):
             await trio.lowlevel.checkpoint()
-            self.unsaved.trained(msg, self.inflight)
+            if msg.version not in self.unsaved.steps and msg.version > self.released:
+                self.unsaved.trained(msg, self.inflight)  # (not again: asked again)
             return None
         if isinstance(msg, TrainerLost):
-            return await roll_back(self, msg.floor)
+            # whole or not at all: a raise elsewhere in this Driver must not cut it short (its
+            # resumed successor could not tell what was rolled back; ``_driver_rebuild``)
+            with trio.CancelScope(shield=True):
+                point = await roll_back(self, msg.floor)
+            return point
         if isinstance(msg, GroupDropped):
             await trio.lowlevel.checkpoint()
-            self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
+            try:
+                self.tasks.on_dropped(msg)  # raises RewardFailed (fails the run) when fatal
+            except Exception:
+                ctx.cell.request_terminate(None)  # for good: a resume would meet it again
+                raise
             index = self.inflight.pop(msg.group_id, None)
             if index is not None:
                 self.ledger.not_trained(index, "dropped", reinjected=False)
                 self.flow.release(self.spec.rollout.group_size)  # another prompt instead
             return None
-        if isinstance(msg, GroupGone):
-            if await self._reinject(msg.group_id, "lost"):
-                log.info("group %d is gone (%s): its prompt injected again", msg.group_id,
-                         msg.worker)  # fmt: skip
+        if isinstance(msg, GroupGone):  # answered at once (the rollout asks it)
+            ctx.start_soon(self._gone, msg)
             return None
         if isinstance(msg, NeedWeights):
             ctx.start_soon(self._resend, msg.worker)
@@ -338,13 +373,15 @@ class Driver(Actor[_Msg]):
     async def _step_done(self, msg: StepDone) -> StepAck:
         trainer = self.hooks.trainer
         assert trainer is not None, "the pipeline sets hooks.trainer before training starts"
-        self.ledger.trained(msg)
+        # a step asked again (the Trainer's, to a resumed Driver) is recorded and releases its
+        # slots once: both happen with no await between them, before the sync
+        again = msg.version <= self.released
+        if not again:
+            self.ledger.trained(msg)
         for gid in msg.groups:
             self.inflight.pop(gid, None)
         # a group reported lost and trained all the same: its prompt's newer attempt goes
-        withheld = await settle_replaced(self, msg)
-        for gid in self.lost.decided(msg.version, self.inflight):  # not trained: again
-            await self._reinject(gid, "lost")
+        replaced = [] if again else replaced_trained(self, msg)
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
         self.version = msg.version
         self.meter.set_version(msg.version)
@@ -357,8 +394,14 @@ class Driver(Actor[_Msg]):
             # starts their groups only once its weights reach it. Releasing after the sync
             # instead put the injection (a TQ put and a group per prompt) on every step's
             # critical path.
-            self.flow.release(msg.samples - withheld)
-            self.unsaved.released(msg.version)
+            if not again:
+                self.released = msg.version
+                self.flow.release(msg.samples - withheld(self, replaced))
+                self.unsaved.released(msg.version)
+                nursery.start_soon(withdraw_newer, self, replaced, msg.version)
+            # the lost groups this step did not train either: injected again
+            for gid in self.lost.decided(msg.version, self.inflight):
+                nursery.start_soon(self._reinject, gid, "lost")
             self.hooks.waiting = f"the trainer's answer to the weight sync of version {msg.version}"
             report = await self._sync_weights(trainer, msg.version)
             self.hooks.waiting = None
@@ -382,7 +425,8 @@ class Driver(Actor[_Msg]):
             else:
                 self.tasks.request_eval(steps_done)
         msg = self.tasks.with_metrics(msg)
-        if self.hooks.on_step is not None:
+        if self.hooks.on_step is not None and msg.version > self.reported:
+            self.reported = msg.version
             await self.hooks.on_step(msg, report, seconds)
         if stop:
             if self.stopping and self.hooks.stopped is None:
@@ -478,7 +522,11 @@ class Driver(Actor[_Msg]):
 
     async def on_stop(self, ctx: ActorContext[Any], error: BaseException | None) -> None:
         ledger = getattr(self, "ledger", None)
-        if ledger is not None:  # the run ends: what is still in flight stays unfinished
+        resumed = self.hooks.driver_resumes_left > 0 and not ctx.cell.terminate_requested
+        if ledger is not None and error is not None and resumed:
+            with trio.CancelScope(shield=True):
+                await ledger.flush()  # a resumed Driver goes on with it
+        elif ledger is not None:  # the run ends: what is still in flight stays unfinished
             with trio.CancelScope(shield=True):
                 await ledger.close(self.pending())
 

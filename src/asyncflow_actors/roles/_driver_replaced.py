@@ -9,7 +9,7 @@ the run, which the window evicts over and over (about one eviction every two ver
 prompt too many), and the prompt trained twice (``check_samples``: ``retrained``).
 
 So the Driver remembers which group each re-injected prompt replaced (``Replacements``), and when
-a step trains a replaced group, ``settle_replaced`` withdraws the prompt's newer attempt: its
+a step trains a replaced group, ``withdraw_newer`` withdraws the prompt's newer attempt: its
 group is shrunk to nothing (possible while no member is written; the rollout's put then finds
 it gone) and its attempt recorded ``withdrawn``. If it cannot be withdrawn (being admitted,
 written already, trained in the same step, gone), the trained group's slots stay with it
@@ -22,7 +22,7 @@ is first kept in flight (``LostGroups``) until the Trainer's reports show it was
 it was training: the Trainer holds at most the batch of the step after the Driver's version, so
 a group the reports of version ``version + 2`` do not name was not trained, and its prompt is
 injected again then (a group the rollout finds gone is injected again at once: never written,
-never held). ``settle_replaced`` stays as the net for any other way a replaced group is trained.
+never held). ``withdraw_newer`` stays as the net for any other way a replaced group is trained.
 """
 
 from __future__ import annotations
@@ -73,31 +73,48 @@ class LostGroups:
 
     def decided(self, version: int, inflight: dict[int, int]) -> list[int]:
         """The groups still in flight whose deciding report (``version``) did not name them:
-        to inject again. Those out of flight (trained, injected again) are forgotten."""
-        out = [g for g, v in self.due.items() if g in inflight and v <= version]
-        self.due = {g: v for g, v in self.due.items() if g in inflight and v > version}
-        return out
+        to inject again (kept until they are out of flight: a Driver that raises before
+        injecting them leaves them to its successor). Those out of flight (trained, injected
+        again) are forgotten."""
+        self.due = {g: v for g, v in self.due.items() if g in inflight}
+        return [g for g, v in self.due.items() if v <= version]
 
 
-async def settle_replaced(driver: Driver, msg: StepDone) -> int:
-    """Withdraw the newer attempt of each prompt whose replaced group ``msg`` trained (see the
-    module docstring); returns the slots the step must not release (held by the attempts that
-    could not be withdrawn)."""
-    size = driver.spec.rollout.group_size
-    withheld = 0
-    for index in driver.replaced.trained(msg.groups):
-        newer = [g for g, i in driver.inflight.items() if i == index]
-        if newer and await _withdraw(driver, newer[0], size):
-            del driver.inflight[newer[0]]
-            driver.ledger.not_trained(index, "withdrawn", reinjected=False)
-            driver.unsaved.adopt(msg.version, index)  # a lost step injects it again
-            log.info("prompt %d: its group reported lost was trained; group %d withdrawn",
-                     index, newer[0])  # fmt: skip
-        else:
-            withheld += size
+def replaced_trained(driver: Driver, msg: StepDone) -> list[tuple[int, int | None]]:
+    """The prompts whose replaced group ``msg`` trained, each with its newer attempt's group in
+    flight (``None``: none yet, being admitted). No await: the step's slots are released with
+    those of these attempts kept back (``withheld``), in the same breath as the ledger records
+    the step (a resumed Driver must see both or neither)."""
+    group_of = {i: g for g, i in driver.inflight.items()}
+    out = [(index, group_of.get(index)) for index in driver.replaced.trained(msg.groups)]
     # a lease outlives no window: a group replaced this long ago is never trained now
     driver.replaced.forget_before(msg.version - driver.spec.staleness - 2)
-    return withheld
+    return out
+
+
+def withheld(driver: Driver, replaced: list[tuple[int, int | None]]) -> int:
+    """The slots a step keeps back for the newer attempts of its ``replaced`` prompts."""
+    return driver.spec.rollout.group_size * len(replaced)
+
+
+async def withdraw_newer(
+    driver: Driver, replaced: list[tuple[int, int | None]], version: int
+) -> None:
+    """Withdraw the newer attempt of each prompt of ``replaced`` (trained by step ``version``),
+    releasing the slots kept back for it; one whose group has a member written already (or
+    none yet) keeps them, and is trained too (see the module docstring)."""
+    size = driver.spec.rollout.group_size
+    for index, gid in replaced:
+        if gid is None or not await _withdraw(driver, gid, size):
+            continue
+        if driver.inflight.get(gid) != index:  # gone meanwhile (its slots went with it)
+            continue
+        del driver.inflight[gid]
+        driver.ledger.not_trained(index, "withdrawn", reinjected=False)
+        driver.unsaved.adopt(version, index)  # a lost step injects it again
+        driver.flow.release(size)
+        log.info("prompt %d: its group reported lost was trained; group %d withdrawn",
+                 index, gid)  # fmt: skip
 
 
 async def _withdraw(driver: Driver, gid: int, size: int) -> bool:

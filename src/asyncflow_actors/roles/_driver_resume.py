@@ -109,28 +109,32 @@ async def roll_back(driver: Driver, floor: int) -> ResumePoint:
     client = driver.client
     saved_version, directory = driver.saved
     label = max(driver.version, floor, saved_version)
+    # The Driver's state changes only once the awaits that may raise are behind: a rollback
+    # that raised in the queue (a resumed Driver is asked it again) changed nothing but the
+    # discards and the window, which are made again harmlessly.
     lost = driver.unsaved.steps
-    driver.unsaved = UnsavedSteps()
     samples = [i for step in lost.values() for i in step.samples]
     if samples:  # those the dead Trainer never acked: trained by a lost step, not again
         await client.discard(S.ROLLOUT, samples, missing_ok=True)
-    held = sum(len(step.samples) for step in lost.values() if not step.released)
-    if held:  # their StepDone never came to release their slots (as it would have): now
-        driver.flow.release(held)
+    if label > driver.version:  # a sync the Driver never heard of: the window moves too
+        await client.set_version(S.ROLLOUT, label)
     # the ledger takes back what the lost steps trained: their attempts end "lost"
     released = [v for v, step in lost.items() if step.released]
     unreported = [p for step in lost.values() if not step.released for p in step.prompts]
     await driver.ledger.lose_steps(released, unreported, directory or None)
+    driver.unsaved = UnsavedSteps()
+    held = sum(len(step.samples) for step in lost.values() if not step.released)
+    if held:  # their StepDone never came to release their slots (as it would have): now
+        driver.flow.release(held)
     prompts = tuple(p for v in sorted(lost) for p in lost[v].prompts)
     driver.backlog[:0] = list(prompts)  # first in line (each takes its slots again)
     driver.hooks.reinjected += len(prompts)
     skipped = label - saved_version
     driver.end_version += skipped
     driver.hooks.end_version = driver.end_version
-    if label > driver.version:  # a sync the Driver never heard of: the window moves too
+    if label > driver.version:
         driver.version = label
         driver.meter.set_version(label)
-        await client.set_version(S.ROLLOUT, label)
     # the checkpoint's weights now carry ``label``: a stop or another resume starts there
     driver.saved = (label, directory)
     log.info(

@@ -33,18 +33,27 @@ from ._worker import Station, in_thread, take
 if TYPE_CHECKING:
     import torch
 
+    from ._lora import AdapterMerger
+    from ._settings import LoraSettings
+
 
 class PolicyCopy:
     """A forward station's copy of the policy as a ``SyncTarget``.
 
     Loads never overlap a forward pass (one lock): a lazy load happens at the station's batch
-    boundary anyway; an eager one waits for the batch in progress.
+    boundary anyway; an eager one waits for the batch in progress. With ``lora`` (an
+    adapters-only sync, ``rollout.vllm_lora``) adapters are merged into the plain weights.
     """
 
-    def __init__(self, model: Any, version: int) -> None:
+    def __init__(self, model: Any, version: int, lora: LoraSettings | None = None) -> None:
         self.model = model
         self.version = version
         self.lock = trio.Lock()
+        self.merger: AdapterMerger | None = None
+        if lora is not None and lora.enabled:
+            from ._lora import AdapterMerger
+
+            self.merger = AdapterMerger(lora)
 
     async def pause(self, mode: PauseMode) -> PauseAck:
         await trio.lowlevel.checkpoint()
@@ -63,6 +72,8 @@ class PolicyCopy:
 
         with torch.no_grad():
             state = self.model.state_dict()
+            if self.merger is not None:
+                weights = self.merger.merged(state, weights)
             for name, tensor in weights.items():
                 state[name].copy_(tensor)
 
@@ -89,7 +100,7 @@ class _Forward(Station):
             self.copy = RankedCopy(self.model, spec.start_version)
         else:
             self.model, self.tokenizer = await self.load_model()
-            self.copy = PolicyCopy(self.model, spec.start_version)
+            self.copy = PolicyCopy(self.model, spec.start_version, spec.model.lora)
         self.meter.set_version(spec.start_version)
 
     async def load_model(self) -> tuple[Any, Any]:

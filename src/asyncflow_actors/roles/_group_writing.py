@@ -35,7 +35,7 @@ from ..transfer_queue import (
     UnknownSample,
 )
 from . import _schema as S
-from ._ask_again import ask_again
+from ._ask_again import ask_again, tell_driver
 from ._messages import GroupDropped
 
 log = logging.getLogger("asyncflow_actors.roles")
@@ -196,6 +196,6 @@ async def drop_group(
         return
     try:
         with trio.fail_after(TELL_TIMEOUT_S):
-            await driver.send(GroupDropped(gid, worker, reason, fatal))
+            await tell_driver(driver, GroupDropped(gid, worker, reason, fatal))
     except Exception as exc:
         log.warning("%s: reporting dropped group %d failed: %r", worker, gid, exc)

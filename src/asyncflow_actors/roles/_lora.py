@@ -5,7 +5,8 @@ and exports that take the base model's tensors.
 adapters (``lora_A`` / ``lora_B``); their names are PEFT's, which the weight sync's
 ``lora_only`` filter selects. ``merged_state`` turns a full PEFT state dict into the base
 model's names with ``W + alpha / r * B @ A`` folded in, for engines that cannot load adapters
-and for a merged export.
+and for a merged export; ``AdapterMerger`` does the same on a receiver of an adapters-only sync
+(``rollout.vllm_lora``: the forward stations hold plain weights).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ._settings import SettingsError
 
 PREFIX = "base_model.model."
 _ADAPTER = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
+_PARTS = re.compile(r"^(?P<stem>.+)\.lora_(?P<ab>[AB])\.[^.]+\.weight$")
 
 
 def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
@@ -69,6 +71,41 @@ def merged_state(state: Mapping[str, Tensor], lora: LoraSettings) -> dict[str, T
                 continue
         out[base] = tensor
     return out
+
+
+class AdapterMerger:
+    """Adapters (the trainer's PEFT names) into a plain HF model's weights: each adapted
+    weight becomes ``W0 + alpha / r * B @ A`` (the trainer's merge, to the bit), ``W0`` the
+    base weight as it was before the first adapter arrived (kept)."""
+
+    def __init__(self, lora: LoraSettings) -> None:
+        self.scale = lora.alpha / lora.r
+        self.base: dict[str, Tensor] = {}
+
+    def merged(
+        self, state: Mapping[str, Tensor], weights: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """``weights`` with each adapter pair replaced by its merged base weight (``state``:
+        the model's current state dict); other tensors pass as they are. ``KeyError`` for a
+        pair without its other half or a module the model lacks."""
+        out: dict[str, Tensor] = {}
+        pairs: dict[str, dict[str, Tensor]] = {}
+        for name, tensor in weights.items():
+            found = _PARTS.match(name)
+            if found is None:
+                out[name] = tensor
+                continue
+            pairs.setdefault(found["stem"].removeprefix(PREFIX), {})[found["ab"]] = tensor
+        for module, halves in pairs.items():
+            if set(halves) != {"A", "B"}:
+                raise KeyError(f"{module}: an adapter needs both lora_A and lora_B")
+            key = f"{module}.weight"
+            if key not in self.base:
+                self.base[key] = state[key].detach().clone()
+            w = self.base[key]
+            a, b = halves["A"], halves["B"]
+            out[key] = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+        return out
 
 
 def adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:

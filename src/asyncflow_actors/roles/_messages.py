@@ -123,8 +123,8 @@ class ResendWeights(Request[SyncReport]):
 
 
 @attrs.frozen
-class NeedWeights:
-    """Rollout → Driver (a tell): ``worker``, an incarnation that has received no weights yet,
+class NeedWeights(Request[None]):
+    """Rollout → Driver (asked: ``_ask_again.tell_driver``): ``worker``, an incarnation that has received no weights yet,
     waits for a version it does not hold: it was restarted, and no sync may come before it
     generates (the trainer waits for its groups)."""
 
@@ -132,8 +132,8 @@ class NeedWeights:
 
 
 @attrs.frozen
-class GroupGone:
-    """Rollout → Driver (a tell): the group ``group_id`` no longer exists in the queue when
+class GroupGone(Request[None]):
+    """Rollout → Driver (asked: ``_ask_again.tell_driver``): the group ``group_id`` no longer exists in the queue when
     ``worker`` came to write it (evicted, lost, abandoned, or shrunk or discarded to nothing),
     so its prompt lives on only in the Driver, which injects it again. The queue's events
     report most such groups too; re-injection happens once, whichever comes first."""
@@ -199,8 +199,8 @@ class Score(Request[Scored]):
 
 
 @attrs.frozen
-class GroupDropped:
-    """Rollout → Driver (a tell): group ``group_id`` was not written because its reward failed
+class GroupDropped(Request[None]):
+    """Rollout → Driver (asked: ``_ask_again.tell_driver``): group ``group_id`` was not written because its reward failed
     (``reward.on_error = "drop"``; the worker shrank it to nothing): the Driver frees its
     slots and admits a new prompt in its place. ``fatal``: ``on_error = "raise"``; the Driver
     fails the run with ``reason``."""

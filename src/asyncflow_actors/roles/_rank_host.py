@@ -2,7 +2,8 @@
 
 ``RankHost.run(header, tensors)`` does one command's work on this rank: ``setup`` builds the
 ``RankLearner`` from the run's settings (sent as plain data), ``step`` trains on the global
-batch, ``state`` gathers the full state dict, ``gather`` all-gathers parameters one at a time
+batch, ``state`` gathers the full state dict, ``memory`` sums the bytes of the parameters and
+the optimizer state over the ranks, ``gather`` all-gathers parameters one at a time
 in the order of a weight sync, ``save``/``load``/``export`` are the distributed checkpoint.
 A forward station's ranks (``_rank_forward``): ``forward_setup`` builds its shard of the
 policy, ``forward`` computes a batch's log-probs, ``forward_load`` loads full weights.
@@ -110,6 +111,8 @@ class RankHost:
                 if param.grad is not None:
                     out[name] = gather(param.grad).detach().cpu()
             return out if torch.distributed.get_rank() == 0 else {}
+        if op == "memory":
+            return learner.memory()
         if op == "gather":
             # the leader gathers the same tensors in the same order as it packs them
             params = dict(learner.named_parameters())

@@ -299,6 +299,36 @@ class RankLearner:
         state = get_model_state_dict(self.policy, options=options)
         return {k: v for k, v in state.items() if isinstance(v, Tensor)} if rank() == 0 else {}
 
+    def memory(self) -> dict[str, int]:
+        """Bytes the group holds, summed over its ranks (a collective): its parameters, the
+        trainable ones, and the optimizer's state (AdamW's moments and step counts; nothing
+        before the first step). Under FSDP each rank counts its shards."""
+        from torch.distributed.tensor import DTensor
+
+        def nbytes(tensor: Tensor) -> int:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            return local.numel() * local.element_size()
+
+        state = [
+            value
+            for per_param in self.optimizer.state.values()
+            for value in per_param.values()
+            if isinstance(value, Tensor)
+        ]
+        figures = torch.tensor(
+            [
+                sum(nbytes(p) for p in self.model.parameters()),
+                sum(nbytes(p) for p in self.params),
+                sum(nbytes(t) for t in state),
+            ],
+            dtype=torch.int64,
+        )
+        if world() > 1:
+            dist.all_reduce(figures, group=control_group())
+        parameters, trainable, optimizer = (int(x) for x in figures)
+        return {"parameter_bytes": parameters, "trainable_bytes": trainable,
+                "optimizer_bytes": optimizer}  # fmt: skip
+
     def named_parameters(self) -> list[tuple[str, Tensor]]:
         """This rank's parameters by their state-dict names (DTensor shards under FSDP)."""
         return [(n, p.detach()) for n, p in self.policy.named_parameters()]

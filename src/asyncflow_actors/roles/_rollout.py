@@ -34,7 +34,7 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..checkpoint import SYNC_MESSAGES, SyncMessage, SyncResume, WeightReceiver
 from ..observe import clock_ns, get_registry
 from . import _schema as S
-from ._ask_again import ask_again
+from ._ask_again import ask_again, tell_driver
 from ._batcher import _Batcher
 from ._evaluation import evaluate
 from ._generation import _Slot, group_request, group_rows, least_busy, oldest_version
@@ -120,7 +120,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
                 folder = os.path.join(spec.resume_from, "policy")
             self.tokenizer = HFTokenizer(await in_thread(_auto_tokenizer, folder))
             args = {"model": folder, **dict(spec.rollout.vllm_args)}
-            return rollout.open_vllm_engine(args, version=spec.start_version)
+            lora = spec.model.lora
+            adapter = (
+                rollout.VLLMLora(lora.r, lora.alpha, lora.target_modules)
+                if spec.rollout.vllm_lora
+                else None
+            )
+            return rollout.open_vllm_engine(args, version=spec.start_version, lora=adapter)
         model, self.tokenizer = await self._model()
         config = rollout.EngineConfig(
             max_batch=spec.engine_rows,
@@ -273,7 +279,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
             return
         try:
             with trio.fail_after(TELL_TIMEOUT_S):
-                await self.driver.send(GroupGone(gid, self.worker))
+                await tell_driver(self.driver, GroupGone(gid, self.worker))
         except Exception as exc:  # the queue's event (if any) still reaches the Driver
             log.warning("%s: reporting group %d gone failed: %r", self.worker, gid, exc)
 

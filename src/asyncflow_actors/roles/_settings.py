@@ -224,7 +224,9 @@ class RolloutSettings:
     ``"inline"`` (scored in the rollout worker) or ``"actor"`` (a separate Reward actor, for
     expensive rewards). ``pause_mode``: how engines pause for a weight sync; ``"none"`` (the
     default) does not pause them: the stations load new weights lazily, at their next group or
-    batch boundary, so nothing needs to stop while the bytes arrive.
+    batch boundary, so nothing needs to stop while the bytes arrive. ``vllm_lora`` (with
+    ``engine = "vllm"`` and ``model.lora``): vLLM serves the base model with the adapter and
+    each sync sends the adapters alone (``docs/training.md``); off, it gets merged weights.
     """
 
     group_size: int = attrs.field(default=8, validator=_positive)
@@ -241,6 +243,7 @@ class RolloutSettings:
     reward: str = attrs.field(default="inline", validator=_one_of("inline", "actor"))
     engine: str = attrs.field(default="builtin", validator=_one_of("builtin", "hf", "vllm"))
     vllm_args: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    vllm_lora: bool = False
     pause_mode: str = attrs.field(
         default="none", validator=_one_of("none", "drain", "abort", "keep", "wait_batch")
     )
@@ -281,7 +284,8 @@ class TrainSettings:
     ``keep_last`` of them kept (0: all). ``torch_threads``: intra-op threads in every process
     of the run. ``auto_resume``: a Trainer that dies is started again from the newest
     checkpoint (the run's start without one), at most ``auto_resume_retries`` times; the
-    samples in the TransferQueue stay (``pipeline._resume``).
+    samples in the TransferQueue stay (``pipeline._resume``); a Driver that raises is resumed
+    from the state it held, at most as many times again (``pipeline._driver_resumer``).
     ``stream``: when stages stream (async) and a global batch is one update (``mini_batches``
     and ``epochs`` 1), the trainer runs the forward and backward of the groups already complete
     while the others are still generating, accumulating the gradient, and takes the one
@@ -311,8 +315,8 @@ class TrainSettings:
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     keep_last: int = attrs.field(default=0, validator=_non_negative)
     torch_threads: int = attrs.field(default=1, validator=_positive)
-    # a Trainer that dies restarts from the newest checkpoint (docs/pipeline.md, "Automatic
-    # resume"), at most ``auto_resume_retries`` times a run
+    # a Trainer that dies restarts from the newest checkpoint, a Driver that raises from its
+    # state (docs/pipeline.md, "Automatic resume"), at most ``auto_resume_retries`` times each
     auto_resume: bool = True
     auto_resume_retries: int = attrs.field(default=3, validator=_non_negative)
     stream: bool = True

@@ -36,6 +36,7 @@ from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFail
 from ..observe import MetricInfo, clock_ns, get_registry
 from . import _schema as S
 from ._advantage import Advantages
+from ._ask_again import ask_again, driver_resuming
 from ._completions import completions_due, pick_completions
 from ._ledger import trained_samples
 from ._messages import (
@@ -105,14 +106,16 @@ class _Answer:
     """The Driver's answer to one ``StepDone``, asked in the background; ``wait`` returns once
     it came (and never if it says stop: the run ends without another update)."""
 
-    def __init__(self, driver: ActorRef[Any], done: StepDone) -> None:
+    def __init__(self, driver: ActorRef[Any], done: StepDone, again: bool) -> None:
         self.driver = driver
         self.done = done
+        self.again = again
         self.answered = trio.Event()
         self.stop = False
 
     async def run(self) -> None:
-        ack = await self.driver.ask(self.done)  # answered once the sync of its version returned
+        # answered once the sync of its version returned
+        ack = await ask_driver(self.driver, self.done, self.again)
         self.stop = bool(ack.stop)
         self.answered.set()
 
@@ -120,6 +123,15 @@ class _Answer:
         await self.answered.wait()
         if self.stop:
             await trio.sleep_forever()
+
+
+async def ask_driver(driver: ActorRef[Any], request: Any, again: bool) -> Any:
+    """Ask the Driver; ``again`` (``train.auto_resume``): again while a Driver that raised is
+    resumed (``_driver_rebuild``: it handles a step asked again once)."""
+    if not again:
+        return await driver.ask(request)
+    what = f"asking the driver {type(request).__name__}"
+    return await ask_again(lambda: driver.ask(request), what, transient=driver_resuming)
 
 
 class _EarlySync:
@@ -192,9 +204,12 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         if ranked:  # weights gathered from the ranks as they are sent (LoRA: merged)
             from ._rank_sync import ShardedSyncEngine
 
+            # rollout.vllm_lora: the adapters alone (vLLM serves them; forward stations merge)
+            adapters = spec.rollout.vllm_lora
             self.sync_engine = ShardedSyncEngine(
-                self.learner.dist, self.targets, CheckpointConfig(pause_mode=mode),
-                merged=spec.model.lora.enabled,
+                self.learner.dist, self.targets,
+                CheckpointConfig(pause_mode=mode, lora_only=adapters),
+                merged=spec.model.lora.enabled and not adapters,
             )  # fmt: skip
         else:
             self.sync_engine = CheckpointEngine(self.targets, CheckpointConfig(pause_mode=mode))
@@ -252,7 +267,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             if spec.train.auto_resume:
                 # told before the acks: if this trainer dies, the Driver knows the step and
                 # whether its samples may still be in the queue (``_driver_resume``)
-                await self.driver.ask(StepTrained(self.version, groups, indexes))
+                trained = StepTrained(self.version, groups, indexes)
+                await ask_driver(self.driver, trained, again=True)
             shown = (
                 await self._completions(batches)
                 if completions_due(spec.report, self.version)
@@ -266,13 +282,14 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             done = StepDone(self.version, samples, tokens, groups, histogram, metrics,
                             step.trained, shown)  # fmt: skip
             if spec.colocated or last:
-                ack = await self.driver.ask(done)  # the Driver syncs the weights first
+                # the Driver syncs the weights first
+                ack = await ask_driver(self.driver, done, spec.train.auto_resume)
                 if ack.stop or last:
                     await trio.sleep_forever()
                 continue
             # The Driver publishes the version while this trainer publishes it too: the next
             # fetch must see the new version's window (a sample older would be a violation).
-            previous = _Answer(self.driver, done)
+            previous = _Answer(self.driver, done, spec.train.auto_resume)
             nursery.start_soon(previous.run)
             await self.client.set_version(S.ROLLOUT, self.version)
 

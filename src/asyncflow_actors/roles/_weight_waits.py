@@ -21,6 +21,7 @@ import trio
 from ..actors import ActorRef
 from ..checkpoint import WeightReceiver
 from ..observe import clock_ns
+from ._ask_again import tell_driver
 from ._messages import NeedWeights
 from ._multi_engine import MultiEngine
 from ._worker import Meter
@@ -113,7 +114,7 @@ class WeightWaits:
         log.info("%s: no weights of version %d yet: asking for them", self.worker, least)
         try:
             with trio.fail_after(TELL_TIMEOUT_S):
-                await self.driver.send(NeedWeights(self.worker))
+                await tell_driver(self.driver, NeedWeights(self.worker))
         except Exception as exc:  # the connection still opening, or the Driver busy: again
             log.warning("%s: asking for weights failed: %r", self.worker, exc)
             self._asked = False

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ._hf_export import llama_weights_from_tiny as llama_weights_from_tiny
     from ._hf_load import load_causal_lm as load_causal_lm
     from ._vllm_engine import VLLMEngine as VLLMEngine
+    from ._vllm_lora import VLLMLora as VLLMLora
     from ._vllm_open import close_vllm_engine as close_vllm_engine
     from ._vllm_open import open_vllm_engine as open_vllm_engine
     from ._vllm_open import start_vllm_engine as start_vllm_engine
@@ -54,6 +55,7 @@ _LAZY = {
     "llama_weights_from_tiny": "._hf_export",
     "load_causal_lm": "._hf_load",
     "VLLMEngine": "._vllm_engine",
+    "VLLMLora": "._vllm_lora",
     "open_vllm_engine": "._vllm_open",
     "start_vllm_engine": "._vllm_open",
     "close_vllm_engine": "._vllm_open",

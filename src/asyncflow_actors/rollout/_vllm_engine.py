@@ -19,7 +19,10 @@ may share one engine across tests).
   Requests made while paused wait for ``resume``.
 - ``load_weights``: ``_vllm_weights`` (``afa_shm`` through shared memory by default; vLLM's
   CUDA/NPU IPC as an opt-in). vLLM is held paused (``keep``) during the update if it was not
-  paused already, so no step runs on a mix and every token's label is right.
+  paused already, so no step runs on a mix and every token's label is right. With ``lora``
+  (``_vllm_lora``) a sync carries the adapter alone: staged while vLLM generates, then held
+  paused for the swap and the label only; requests carry the current ``LoRARequest``. Empty
+  ``weights`` relabel the version only (the weights are already right).
 - A dead engine core surfaces as ``EngineError`` from every call (and every request in
   flight), never as a hang.
 """
@@ -50,8 +53,9 @@ from ._types import (
     GenerationRequest,
     ResumeLimitError,
 )
+from ._vllm_lora import VLLMLora, drop_adapter, stage_adapter
 from ._vllm_shm import SegmentPool
-from ._vllm_weights import WeightCommitError, send_ipc, send_shm
+from ._vllm_weights import WeightCommitError, send_ipc, send_shm, worker_reason
 
 __all__ = ["VLLMEngine", "WeightTransfer", "versions_from_spans", "vllm_sampling_kwargs"]
 
@@ -142,6 +146,7 @@ class VLLMEngine:
         eos_id: int | None,
         segment_bytes: int = 256 << 20,
         checksum: bool = True,
+        lora: VLLMLora | None = None,
     ) -> None:
         self.llm = llm
         self._bridge = bridge
@@ -151,6 +156,8 @@ class VLLMEngine:
         self.eos_id = eos_id
         self._segment_bytes = segment_bytes
         self._checksum = checksum
+        self.lora = lora
+        self._lora_request: Any = None  # none until the first adapter: the base model
         self._paused: PauseMode | None = None
         self._resumed = trio.Event()
         self._resumed.set()
@@ -341,18 +348,19 @@ class VLLMEngine:
             self._check()
             self._next_id += 1
             self._live += 1
+            request_id = f"{request.request_id}#{self._next_id}"
             try:
-                await self._call(
-                    self._pump, prompt, params, f"{request.request_id}#{self._next_id}", sink
-                )
+                await self._call(self._pump, prompt, params, request_id, self._lora_request, sink)
             finally:
                 self._live -= 1
                 if self._live == 0 and self._drained is not None:
                     self._drained.set()
 
-    async def _pump(self, prompt: Any, params: Any, request_id: str, sink: TrioSink[Any]) -> None:
+    async def _pump(
+        self, prompt: Any, params: Any, request_id: str, lora: Any, sink: TrioSink[Any]
+    ) -> None:
         """On the asyncio thread: run one vLLM request, passing each output to trio."""
-        async for out in self.llm.generate(prompt, params, request_id):
+        async for out in self.llm.generate(prompt, params, request_id, lora_request=lora):
             sink.put(out)
 
     async def pause(self, mode: PauseMode) -> PauseAck:
@@ -409,13 +417,28 @@ class VLLMEngine:
         if self._backend is None:
             raise EngineError("this vLLM engine was opened with weight_transfer=None")
         async with self._load_lock:
+            lora = self.lora is not None and bool(weights)
+            if lora:  # staged while vLLM generates on the old adapter
+                await self._stage_lora(weights, int(version))
             hold = self._paused is None  # freeze vLLM for the update (see the module doc)
-            if hold:
-                await self._call(
-                    functools.partial(self.llm.pause_generation, mode="keep", clear_cache=False)
-                )
             try:
-                await self._send(weights, int(version))
+                if hold:
+                    await self._call(
+                        functools.partial(self.llm.pause_generation, mode="keep", clear_cache=False)
+                    )
+            except BaseException:
+                if lora:
+                    with trio.CancelScope(shield=True):
+                        await drop_adapter(self.llm, self._bridge)
+                raise
+            try:
+                if lora:
+                    await self._commit_lora(int(version))
+                elif weights:
+                    await self._send(weights, int(version))
+                else:  # nothing to load: the label only
+                    with trio.CancelScope(shield=True):
+                        await self._call(self.llm.update_weight_version, str(int(version)))
             finally:
                 # a pause() that came meanwhile owns vLLM's pause from now on
                 if hold and self._broken is None and self._paused is None:
@@ -423,6 +446,43 @@ class VLLMEngine:
                         await self._call(self.llm.resume_generation)
         self._version = int(version)
         self._loads += 1
+
+    async def _stage_lora(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Phase 1 of a LoRA sync (``_vllm_lora.stage_adapter``); vLLM keeps generating."""
+        assert self.lora is not None
+        try:
+            self.weight_bytes = await stage_adapter(
+                self.llm,
+                self._bridge,
+                self.lora,
+                weights,
+                version,
+                pool=self.segments,
+                segment_bytes=self._segment_bytes,
+                checksum=self._checksum,
+            )
+        except Exception as exc:
+            if (dead := self._dead(exc)) is not None:
+                raise dead from exc
+            raise
+
+    async def _commit_lora(self, version: int) -> None:
+        """Phase 2 (vLLM held): swap the staged adapter in, label, and send the new requests
+        to it; whole even if the caller is cancelled meanwhile."""
+        assert self.lora is not None
+        with trio.CancelScope(shield=True):
+            try:
+                await self._call(functools.partial(self.llm.collective_rpc, "afa_lora_commit"))
+            except Exception as exc:
+                if (dead := self._dead(exc)) is not None:
+                    raise dead from exc
+                self._broken = WeightCommitError(
+                    f"vLLM failed swapping in the adapter of version {version}: "
+                    f"{worker_reason(exc)}"
+                )
+                raise self._broken from exc
+            await self._call(self.llm.update_weight_version, str(version))
+            self._lora_request = self.lora.request(version)
 
     async def _send(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         try:

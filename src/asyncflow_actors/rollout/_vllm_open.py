@@ -13,6 +13,7 @@ import trio
 
 from ._asyncio_bridge import AsyncioThread
 from ._vllm_engine import VLLMEngine, WeightTransfer
+from ._vllm_lora import VLLMLora
 
 __all__ = ["close_vllm_engine", "open_vllm_engine", "start_vllm_engine"]
 
@@ -21,11 +22,14 @@ _AUTO: Any = object()  # eos_id: the model config's
 
 
 def _engine_args(
-    engine_args: Mapping[str, Any], weight_transfer: WeightTransfer | None
+    engine_args: Mapping[str, Any], weight_transfer: WeightTransfer | None, lora: VLLMLora | None
 ) -> dict[str, Any]:
     from vllm.config import WeightTransferConfig
 
     args = dict(engine_args)
+    if lora is not None:
+        for key, value in lora.engine_args().items():
+            args.setdefault(key, value)
     if weight_transfer is not None:
         args.setdefault("weight_transfer_config", WeightTransferConfig(backend=weight_transfer))
     if weight_transfer in ("ipc", "npu_ipc"):
@@ -46,6 +50,7 @@ def start_vllm_engine(
     trust_vllm_ipc_pickle: bool = False,
     segment_bytes: int = 256 << 20,
     checksum: bool = True,
+    lora: VLLMLora | None = None,
 ) -> VLLMEngine:
     """Blocking form of ``open_vllm_engine`` (no trio run needed: e.g. a test session's
     shared engine); ``close_vllm_engine`` shuts it down. Arguments as ``open_vllm_engine``."""
@@ -55,10 +60,12 @@ def start_vllm_engine(
             "its own processes (VLLM_ALLOW_INSECURE_SERIALIZATION=1); pass "
             "trust_vllm_ipc_pickle=True to allow it, or use weight_transfer='afa_shm'"
         )
+    if lora is not None and weight_transfer != "afa_shm":
+        raise ValueError(f"lora= syncs through weight_transfer='afa_shm', not {weight_transfer!r}")
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = _engine_args(engine_args, weight_transfer)
+    args = _engine_args(engine_args, weight_transfer, lora)
     bridge = AsyncioThread()
     bridge.start()
     llm: Any = None
@@ -73,6 +80,8 @@ def start_vllm_engine(
                 await made.init_weight_transfer_engine(
                     WeightTransferInitRequest(init_info={"checksum": checksum})
                 )
+            if lora is not None:
+                _check_targets(lora, await made.collective_rpc("afa_lora_modules"))
             return made
 
         llm = bridge.call_blocking(create)
@@ -88,12 +97,35 @@ def start_vllm_engine(
             eos_id=eos_id,
             segment_bytes=segment_bytes,
             checksum=checksum,
+            lora=lora,
         )
     except BaseException:
         if llm is not None:
             llm.shutdown(timeout=10)
         bridge.stop()
         raise
+
+
+# vLLM serves LoRA on these too, but as embeddings / a padded vocabulary: not synced here
+_UNSYNCED = ("embed_tokens", "lm_head")
+
+
+def _check_targets(lora: VLLMLora, served: list[list[str]]) -> None:
+    """Refuse an adapter on modules vLLM's LoRA does not serve in this model (each worker's
+    answer: its module names), or that our sync does not carry (``_UNSYNCED``)."""
+    unsynced = [m for m in lora.target_modules if m in _UNSYNCED]
+    if unsynced:
+        raise ValueError(
+            f"LoRA-only sync into vLLM carries linear projections, not {unsynced} "
+            "(sync merged weights instead)"
+        )
+    for names in served:
+        missing = [m for m in lora.target_modules if m not in names]
+        if missing:
+            raise ValueError(
+                f"vLLM's LoRA does not serve target_modules {missing} in this model (it serves "
+                f"{', '.join(names)})"
+            )
 
 
 def close_vllm_engine(engine: VLLMEngine) -> None:
@@ -118,6 +150,7 @@ async def open_vllm_engine(
     trust_vllm_ipc_pickle: bool = False,
     segment_bytes: int = 256 << 20,
     checksum: bool = True,
+    lora: VLLMLora | None = None,
 ) -> AsyncIterator[VLLMEngine]:
     """Start vLLM's ``AsyncLLM`` from ``AsyncEngineArgs(**engine_args)`` on a dedicated asyncio
     thread; shut it down when the block exits.
@@ -130,7 +163,10 @@ async def open_vllm_engine(
     processes: it needs ``trust_vllm_ipc_pickle=True``) or ``None`` (no ``load_weights``).
     ``eos_id``: the id that ends a sample besides ``stop_token_ids`` (default: the model
     config's ``eos_token_id``; ``None``: none). ``segment_bytes`` / ``checksum``: the
-    shared-memory segments of ``afa_shm`` (size, CRC-32).
+    shared-memory segments of ``afa_shm`` (size, CRC-32). ``lora``: serve the base model with
+    this adapter and sync the adapter alone (``_vllm_lora``; LoRA on in vLLM, ``afa_shm``
+    only); a ``target_modules`` entry vLLM's LoRA does not serve in this model is refused
+    here (``ValueError``).
     """
     engine = await trio.to_thread.run_sync(
         functools.partial(
@@ -143,6 +179,7 @@ async def open_vllm_engine(
             trust_vllm_ipc_pickle=trust_vllm_ipc_pickle,
             segment_bytes=segment_bytes,
             checksum=checksum,
+            lora=lora,
         )
     )
     try:

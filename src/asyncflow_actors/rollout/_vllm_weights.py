@@ -30,7 +30,7 @@ from ._asyncio_bridge import AsyncioThread
 from ._types import EngineError, WeightLoadError
 from ._vllm_shm import SegmentPool, write_segments
 
-__all__ = ["WeightCommitError", "send_ipc", "send_shm"]
+__all__ = ["WeightCommitError", "send_ipc", "send_shm", "worker_reason"]
 
 
 class WeightCommitError(EngineError):
@@ -76,7 +76,7 @@ async def send_shm(
             await _abandon(llm, bridge)
         if isinstance(exc, Exception):
             raise WeightLoadError(
-                f"vLLM refused the weights of version {version}: {_reason(exc)}"
+                f"vLLM refused the weights of version {version}: {worker_reason(exc)}"
             ) from exc
         raise
     # committed and labelled whole, even if the caller is cancelled meanwhile
@@ -88,7 +88,7 @@ async def send_shm(
         except Exception as exc:
             await _abandon(llm, bridge)
             raise WeightCommitError(
-                f"vLLM failed loading the weights of version {version}: {_reason(exc)}"
+                f"vLLM failed loading the weights of version {version}: {worker_reason(exc)}"
             ) from exc
         clock.lap("commit")
         await bridge.call(llm.finish_weight_update, str(version))
@@ -119,7 +119,7 @@ async def _abandon(llm: Any, bridge: AsyncioThread) -> None:
         pass
 
 
-def _reason(exc: BaseException) -> str:
+def worker_reason(exc: BaseException) -> str:
     """The worker's own message out of vLLM's wrapping of a failed ``collective_rpc``."""
     text = str(exc).strip()
     found = re.search(r"failed with error '(.*)', please check", text, re.DOTALL)

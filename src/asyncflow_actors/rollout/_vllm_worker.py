@@ -18,7 +18,7 @@ One update, driven by ``VLLMEngine.load_weights`` through vLLM's own weight-upda
 4. ``finish_weight_update``: drop the mappings (the sender unlinks the files).
 
 ``WorkerExtension`` adds ``afa_dump_weights`` (reads the served parameters back, for a
-bit-exact check) and ``afa_transfer_stats``.
+bit-exact check), ``afa_transfer_stats`` and the LoRA-only path (``_vllm_lora_worker``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from ._vllm_lora_worker import LoraWorker
 from ._vllm_shm import SegmentError, UpdatePlan, map_segment, tensors_of
 
 BACKEND = "afa_shm"
@@ -199,8 +200,9 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
                 pass  # a view still exists: the mapping goes with it
 
 
-class WorkerExtension:
-    """Methods vLLM adds to its worker class, called through ``collective_rpc``."""
+class WorkerExtension(LoraWorker):
+    """Methods vLLM adds to its worker class, called through ``collective_rpc`` (the
+    ``afa_lora_*`` ones: ``_vllm_lora_worker``)."""
 
     def afa_dump_weights(self, path: str) -> int:
         """Write the served parameters (vLLM's names and layout) to a safetensors file at
