@@ -8,13 +8,13 @@ those slots once more: one prompt in flight beyond ``(staleness + 1) x batch`` f
 the run, which the window evicts over and over (about one eviction every two versions per
 prompt too many), and the prompt trained twice (``check_samples``: ``retrained``).
 
-So the Driver remembers which group each re-injected prompt replaced (``Replacements``), and when
-a step trains a replaced group, ``withdraw_newer`` withdraws the prompt's newer attempt: its
-group is shrunk to nothing (possible while no member is written; the rollout's put then finds
-it gone) and its attempt recorded ``withdrawn``. If it cannot be withdrawn (being admitted,
-written already, trained in the same step, gone), the trained group's slots stay with it
-instead (``withheld``): the accounting is right either way, and only then is the prompt trained
-twice.
+So the Driver remembers which group each re-injected prompt replaced (``Replacements``). A step
+that trains a replaced group keeps its slots back (``withheld``: the newer attempt holds them),
+and ``withdraw_newer`` then withdraws that attempt: its group is shrunk to nothing (possible
+while no member is written; the rollout's put then finds it gone), its attempt recorded
+``withdrawn`` and the slots released. One that cannot be withdrawn (being admitted, written
+already, trained in the same step, gone) keeps them: the accounting is right either way, and
+only then is the prompt trained twice.
 
 That came too late in a 3-minute campaign of unit kills every 10 s (2 of 3 newer attempts were
 written before the step's report: a tiny model generates in milliseconds), so a ``lost`` group
