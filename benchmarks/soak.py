@@ -15,7 +15,8 @@ process held). Then the run is stopped and judged:
 - ``soak_faults_injected`` and ``soak_faults_<kind>``: what was done;
 - ``soak_samples_lost`` (prompts admitted whose fate the ledger does not record; target 0),
   ``soak_samples_duplicated`` (samples trained twice; target 0), ``soak_samples_stale``
-  (trained outside the staleness bound; target 0);
+  (trained outside the staleness bound; target 0), ``soak_prompts_retrained`` (prompts trained
+  in two attempts; target 0);
 - ``soak_recovery_s_p50`` / ``_p99``: seconds from a fault to the next completed step
   (``soak_unrecovered``: faults no step followed);
 - ``soak_steps_per_min``, against an undisturbed run of the same configuration in the same
@@ -178,7 +179,7 @@ async def main(args: argparse.Namespace) -> int:
     for what in result.skipped:
         say(f"fault not carried out: {what}")
     for name, ids in (("lost", result.lost), ("duplicated", result.duplicated),
-                      ("stale", result.stale)):  # fmt: skip
+                      ("stale", result.stale), ("retrained", result.retrained)):  # fmt: skip
         if ids:
             say(f"{name}: {len(ids)}, first: {', '.join(ids[:8])}")
     for leak in result.leaks:

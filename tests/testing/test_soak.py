@@ -135,11 +135,11 @@ async def test_a_mini_soak_loses_nothing_and_leaves_nothing(tmp_path: Path) -> N
     assert (result.faults["kill_role"], result.faults["stall"]) == (1, 2)
     assert not result.skipped
     assert len(result.recovery_s) == 3 and all(math.isfinite(r) for r in result.recovery_s)
-    assert result.lost == result.duplicated == result.stale == ()
+    assert result.lost == result.duplicated == result.stale == result.retrained == ()
     assert result.leaks == ()
     assert result.ok and result.steps > 0
     names = [row["name"] for row in result.metrics(result)]
     assert {"soak_faults_injected", "soak_samples_lost", "soak_samples_duplicated",
-            "soak_recovery_s_p50", "soak_recovery_s_p99", "soak_steps_per_min"} <= set(names)  # fmt: skip
+            "soak_prompts_retrained", "soak_recovery_s_p50", "soak_recovery_s_p99", "soak_steps_per_min"} <= set(names)  # fmt: skip
     rate = next(row for row in result.metrics(result) if row["name"] == "soak_steps_per_min")
     assert rate["ratio"] == 1.0

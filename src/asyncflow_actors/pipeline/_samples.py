@@ -21,9 +21,9 @@ import attrs
 from ..roles._ledger import SAMPLES_FILE
 
 Kind = Literal["trained", "not_trained"]
-Reason = Literal["evicted", "lost", "dropped", "filtered", "unfinished"]
+Reason = Literal["evicted", "lost", "dropped", "filtered", "unfinished", "withdrawn"]
 
-REASONS: tuple[str, ...] = ("evicted", "lost", "dropped", "filtered", "unfinished")
+REASONS: tuple[str, ...] = ("evicted", "lost", "dropped", "filtered", "unfinished", "withdrawn")
 _TRAINED_KEYS = {
     "kind": str, "prompt_id": str, "sample_id": str, "attempt": int, "admitted_version": int,
     "oldest_version": int, "newest_version": int, "step": int, "trainer_version": int,
@@ -50,7 +50,8 @@ class SampleRecord:
     ``oldest_version`` / ``newest_version`` (its tokens' oldest and newest policy version),
     ``step`` (the trainer step that trained it), ``trainer_version`` (the trainer's version
     when it took that step: ``step - 1``) and ``reward``. An attempt not trained has ``reason``
-    (``evicted``, ``lost``, ``dropped``, ``filtered``, ``unfinished``) and ``reinjected``
+    (``evicted``, ``lost``, ``dropped``, ``filtered``, ``unfinished``, ``withdrawn``: an
+    earlier attempt reported ``lost`` was trained after all) and ``reinjected``
     (whether the prompt was admitted again, as the next attempt).
     """
 

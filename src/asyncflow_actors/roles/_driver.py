@@ -17,7 +17,9 @@
   abandoned (a rollout worker died between allocating and committing them), groups a rollout
   worker found gone when it came to write them (``GroupGone``: e.g. a group shrunk or
   discarded to nothing, which no event names) and prompts lost before generation are injected
-  again, once each, keeping their slots.
+  again, once each, keeping their slots. A lost group stays in flight until the Trainer's
+  reports show it did not train it (``_driver_replaced``: a unit can die under the Trainer's
+  fetched batch).
 - **Checkpoints.** Every ``checkpoint_every`` steps it asks the Trainer to save under
   ``run_dir/checkpoints/step-N`` (the newest ``keep_last`` kept), and writes the prompt cursor
   and the prompts still in flight (re-injected first on resume). At the last step it saves
@@ -49,6 +51,13 @@ from ..transfer_queue import FlowControl, TransferQueueClient
 from . import _schema as S
 from ._ask_again import ask_again, storage_unavailable
 from ._driver_rebuild import adopt, start_resumed
+from ._driver_replaced import (
+    LostGroups,
+    Replacements,
+    replaced_trained,
+    withdraw_newer,
+    withheld,
+)
 from ._driver_resume import TrainerLost, UnsavedSteps, roll_back
 from ._driver_state import DriverState as DriverState
 from ._driver_tasks import DriverTasks
@@ -136,6 +145,8 @@ class Driver(Actor[_Msg]):
         # checkpoint must name them (the cursor has passed them).
         self.admitting: set[int] = set()
         self.prompt_samples: dict[int, int] = {}  # prompts-topic index -> rollout group id
+        self.replaced = Replacements()  # groups whose prompts were injected again
+        self.lost = LostGroups()  # groups reported lost, perhaps in the Trainer's hands
         self._chunk: tuple[int, list[Any]] = (-1, [])
         self._step_started = 0.0
         self.stopping = False
@@ -286,6 +297,9 @@ class Driver(Actor[_Msg]):
                     # committing them (its restarted successor's release drops them). It
                     # writes a group's rows in one put, so the group went whole: the restarted
                     # worker finds it gone and drops its prompt, which lives again only here.
+                    if event.kind == "lost":  # the Trainer may be training it: see its reports
+                        self.lost.defer(event.group_ids, self.version)
+                        continue
                     reason = "evicted" if event.kind == "evicted" else "lost"
                     for gid in event.group_ids:
                         await self._reinject(gid, reason)
@@ -307,6 +321,7 @@ class Driver(Actor[_Msg]):
         if index is None:
             return False
         self.ledger.not_trained(index, reason, reinjected=True)
+        self.replaced.replaced(gid, index, self.version)  # it may be trained all the same
         self.hooks.reinjected += 1
         await self._put_prompt(index)
         return True
@@ -366,6 +381,8 @@ class Driver(Actor[_Msg]):
             self.ledger.trained(msg)
         for gid in msg.groups:
             self.inflight.pop(gid, None)
+        # a group reported lost and trained all the same: its prompt's newer attempt goes
+        replaced = [] if again else replaced_trained(self, msg)
         self.prompt_samples = {s: g for s, g in self.prompt_samples.items() if g in self.inflight}
         self.version = msg.version
         self.meter.set_version(msg.version)
@@ -380,8 +397,12 @@ class Driver(Actor[_Msg]):
             # critical path.
             if not again:
                 self.released = msg.version
-                self.flow.release(msg.samples)
+                self.flow.release(msg.samples - withheld(self, replaced))
                 self.unsaved.released(msg.version)
+                nursery.start_soon(withdraw_newer, self, replaced, msg.version)
+            # the lost groups this step did not train either: injected again
+            for gid in self.lost.decided(msg.version, self.inflight):
+                nursery.start_soon(self._reinject, gid, "lost")
             self.hooks.waiting = f"the trainer's answer to the weight sync of version {msg.version}"
             report = await self._sync_weights(trainer, msg.version)
             self.hooks.waiting = None

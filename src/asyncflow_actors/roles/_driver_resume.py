@@ -79,6 +79,12 @@ class UnsavedSteps:
         prompts = tuple(p for p in (inflight.pop(g, None) for g in msg.groups) if p is not None)
         self.steps[msg.version] = _Step(prompts, tuple(msg.samples))
 
+    def adopt(self, version: int, index: int) -> None:
+        """Step ``version`` trained prompt ``index`` too (a group of it reported lost)."""
+        step = self.steps.get(version)
+        if step is not None:
+            self.steps[version] = attrs.evolve(step, prompts=(*step.prompts, index))
+
     def released(self, version: int) -> None:
         """The step's ``StepDone`` came: its slots are free, and its samples acked (the
         Trainer acks before it reports), so only its prompts are kept."""

@@ -78,7 +78,8 @@ class SoakResult:
     each, the seconds to the next completed step (``inf``: none came).
     ``lost``/``duplicated``/``stale``: the ledger's prompt ids and sample ids (``None``: no
     ledger was read); ``not_trained``: prompts reported not trained, by reason. ``leaks``: what
-    outlived the run.
+    outlived the run. ``retrained``: prompts trained in more than one attempt (each sample id
+    once, the prompt twice: a group reported lost and trained all the same once did it).
     """
 
     finished: bool
@@ -94,6 +95,7 @@ class SoakResult:
     stale: tuple[str, ...] | None
     not_trained: dict[str, int]
     leaks: tuple[str, ...]
+    retrained: tuple[str, ...] | None = None
 
     @property
     def steps_per_min(self) -> float:
@@ -108,6 +110,7 @@ class SoakResult:
             and self.lost == ()
             and self.duplicated == ()
             and self.stale == ()
+            and not self.retrained
             and not self.leaks
             and all(math.isfinite(r) for r in self.recovery_s)
         )
@@ -133,6 +136,7 @@ class SoakResult:
             line("soak_samples_lost", count(self.lost), "prompts"),
             line("soak_samples_duplicated", count(self.duplicated), "samples"),
             line("soak_samples_stale", count(self.stale), "samples"),
+            line("soak_prompts_retrained", count(self.retrained), "prompts"),
             line("soak_recovery_s_p50", round(_percentile(recovery, 0.5), 3), "s"),
             line("soak_recovery_s_p99", round(_percentile(recovery, 0.99), 3), "s"),
             line("soak_unrecovered", len(self.recovery_s) - len(recovery), "faults"),
@@ -226,13 +230,14 @@ async def run_soak(
     # in this thread: a worker thread would count itself (the system is closed: nothing waits)
     leaks = _leaks(before, shm_before, namespace, pids)
     records = await trio.to_thread.run_sync(_read, read_samples, config.run_dir)
-    lost = duplicated = stale = None
+    lost = duplicated = stale = retrained = None
     not_trained: dict[str, int] = {}
     if records is not None:
         check = check_samples(
             records, group_size=config.rollout.group_size, staleness=config.effective_staleness
         )
         lost, duplicated, stale = tuple(check.lost), tuple(check.duplicated), tuple(check.stale)
+        retrained = tuple(check.retrained)
         reasons = collections.Counter(
             str(getattr(r, "reason", ""))
             for r in records
@@ -253,6 +258,7 @@ async def run_soak(
         stale=stale,
         not_trained=not_trained,
         leaks=leaks,
+        retrained=retrained,
     )
 
 
