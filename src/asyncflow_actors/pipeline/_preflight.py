@@ -26,6 +26,7 @@ from typing import Any
 from ..roles._settings import SettingsError
 from ._config import PipelineConfig, PipelineConfigError
 from ._rundir import check_model, check_run_dir, checkpoint_version, resolve_resume
+from ._tracker_check import check_trackers
 from ._warmup import check_warmup
 
 _SAMPLED_PROMPTS = 1024  # prompts drawn to bound a task's prompt length
@@ -46,12 +47,13 @@ def check_paths(
     config: PipelineConfig, *, resume: str | None = None, overwrite: bool = False
 ) -> str | None:
     """The first, quick half of ``preflight`` (no import, no file read beyond a few small
-    JSON files): the checkpoint ``resume`` means, the ``run_dir``, the optional packages, the
-    model's files; returns the checkpoint directory (``None`` without one)."""
+    JSON files): the checkpoint ``resume`` means, the ``run_dir``, the optional packages and
+    trackers, the model's files; returns the checkpoint directory (``None`` without one)."""
     checkpoint = resolve_resume(resume) if resume else None
     _check_vllm_lora(config, checkpoint)
     check_run_dir(config, resume=checkpoint, overwrite=overwrite)
     _check_extras(config)
+    check_trackers(config)
     _check_model_files(config)
     if checkpoint is not None:
         check_model(config, checkpoint)
@@ -67,12 +69,7 @@ def check_paths(
 
 def check_contents(config: PipelineConfig, checkpoint: str | None) -> None:
     """The second, slower half of ``preflight`` (after ``check_paths``, whose checkpoint it
-    takes): the trackers are installed, the model's config loads, the task builds and its
-    prompts fit."""
-    if config.report.report_to:
-        from ._trackers import check_trackers
-
-        check_trackers(config)
+    takes): the model's config loads, the task builds and its prompts fit."""
     max_seq_len = _check_model(config)
     task = _check_task(config)
     check_warmup(config, task, resume=checkpoint)

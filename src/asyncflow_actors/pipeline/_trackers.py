@@ -15,7 +15,6 @@ apply as usual (``WANDB_MODE``, ``WANDB_DIR``, ``MLFLOW_TRACKING_URI``, ``TRACKI
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import logging
@@ -27,13 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from ..roles._report_settings import ReportSettings
-from ._config import PipelineConfig, PipelineConfigError
 from ._report import StepRecord
+from ._tracker_check import MODULES as MODULES
+from ._tracker_check import check_trackers as check_trackers
+from ._tracker_check import missing_trackers as missing_trackers
 
 log = logging.getLogger("asyncflow_actors.pipeline")
 
-MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
-"""The module each tracker needs; the pip extra of the same name installs it."""
 
 CLOSE_TIMEOUT_S = 120.0  # an upload still running after this is abandoned (the run ends)
 
@@ -49,29 +48,6 @@ _RECORD_NUMBERS = (
     "in_flight_slots",
     "reinjected",
 )
-
-
-def missing_trackers(names: Sequence[str]) -> list[str]:
-    """The trackers of ``names`` whose package is not installed (no import: fast)."""
-    return [n for n in names if importlib.util.find_spec(MODULES[n]) is None]
-
-
-def check_trackers(config: PipelineConfig) -> None:
-    """``PipelineConfigError`` naming the pip extra of a tracker asked for but not installed
-    (or TensorBoard without a ``run_dir`` to write into)."""
-    names = config.report.report_to
-    missing = missing_trackers(names)
-    if missing:
-        extras = ",".join(missing)
-        raise PipelineConfigError(
-            f"report.report_to: {', '.join(map(repr, missing))} not installed: "
-            f"pip install 'asyncflow-actors[{extras}]'"
-        )
-    if "tensorboard" in names and not config.run_dir:
-        raise PipelineConfigError(
-            "report.report_to: 'tensorboard' writes its events into run_dir/tensorboard: "
-            "set run_dir"
-        )
 
 
 def step_scalars(record: StepRecord) -> dict[str, float]:
