@@ -7,6 +7,7 @@ project never pulls a multi-GB CUDA wheel on a CPU machine.
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -70,7 +71,9 @@ def tests_vllm(session: nox.Session) -> None:
         "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__",
     )
     session.run("pytest", "-q", "-p", "no:cacheprovider", *VLLM_TESTS, *session.posargs)
-    run_dir = session.create_tmp()
+    # a fresh run directory each time (nox keeps its tmp folder when the venv is reused)
+    run_dir = os.path.join(session.create_tmp(), "vllm_grpo")
+    shutil.rmtree(run_dir, ignore_errors=True)
     session.run(
         "python",
         "examples/vllm_grpo.py",
