@@ -50,6 +50,12 @@ class AsyncioThread:
     def __init__(self, name: str = "afa-asyncio") -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # every submitted call until it is done: one the loop never ran (submitted as it
+        # stopped: its callback dropped by ``close``) is cancelled after, never left pending
+        # (a shielded ``call`` waiting on it hung a run's stop)
+        self._lock = threading.Lock()
+        self._futures: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._closed = False
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -61,7 +67,13 @@ class AsyncioThread:
                 task.cancel()
             if pending:
                 self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            with self._lock:
+                self._closed = True
+                left = list(self._futures.items())
             self._loop.close()
+            for future, coro in left:
+                if future.cancel():
+                    coro.close()  # never started: no "never awaited" warning
 
     def start(self) -> None:
         self._thread.start()
@@ -75,7 +87,19 @@ class AsyncioThread:
     def submit(
         self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any
     ) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(fn(*args), self._loop)
+        """Schedule ``fn(*args)`` on the loop; ``RuntimeError`` once the loop has stopped."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this asyncio thread has stopped")
+            coro = fn(*args)
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._futures[future] = coro
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._futures.pop(future, None)
 
     def call_blocking(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Run ``fn(*args)`` on the loop and wait for it (from a worker thread only)."""
