@@ -23,12 +23,14 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
+
+from ..checkpoint._buckets import hasher as checkpoint_hasher
+from ..checkpoint._errors import UnknownChecksum
 
 xxhash: Any
 try:
@@ -62,26 +64,13 @@ class SegmentError(Exception):
     """A segment is missing, of the wrong size, outside the segment folder or corrupt."""
 
 
-class _Crc32:
-    """zlib's CRC-32 with ``xxhash``'s streaming interface."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def intdigest(self) -> int:
-        return self.value
-
-
 def hasher(name: str) -> Any:
-    """A fresh streaming hasher (``update``, ``intdigest``) of checksum ``name``."""
-    if name == "crc32":
-        return _Crc32()
-    if name == "xxh3_64" and xxhash is not None:
-        return xxhash.xxh3_64()
-    raise SegmentError(f"checksum {name!r} is not available here")
+    """A fresh streaming hasher (``update``, ``intdigest``) of checksum ``name``: the
+    CheckpointEngine's own (``checkpoint._buckets.hasher``; XXH3-64 is ``xxh3_64`` here)."""
+    try:
+        return checkpoint_hasher("xxh3" if name == "xxh3_64" else name)
+    except UnknownChecksum as exc:
+        raise SegmentError(f"checksum {name!r} is not available here") from exc
 
 
 @attrs.frozen
