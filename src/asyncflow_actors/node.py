@@ -3,8 +3,15 @@
 A node hosts actors for the other systems of a run (``system.connect_node(address, name=...)``).
 Start one per host or per accelerator under SLURM, torchrun or Kubernetes; see
 ``docs/remote.md``. Once bound it prints one JSON line, ``{"endpoints": [...], "pid": ...}``, on
-stdout. Binding beyond loopback requires ``--curve-keys`` with ``--authorized-keys``, or an
-explicit ``--insecure``. A node exits on SIGTERM/SIGINT after stopping its actors.
+stdout. Binding beyond loopback requires ``--curve-keys`` with ``--authorized-keys`` (or
+``--supervisor-keys``), or an explicit ``--insecure``. A node exits on SIGTERM/SIGINT after
+stopping its actors.
+
+CURVE: ``--curve-keys`` is the node's keypair (or, for a node its launcher started, the
+``AFA_NODE_CURVE_KEYS`` environment variable). With ``--authorized-keys`` only, the node is in
+the cluster key model (every authorized key may say where other nodes listen); with
+``--supervisor-keys`` it is in the node model: names are bound to keys, and only its owner and
+those supervisors say where other nodes listen and which key each name is bound to.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Sequence
 import trio
 
 from .actors.remote._curve import CurveKeypair, CurveServer
-from .actors.remote._launch import OWNER_TOKEN_ENV, NodeOptions
+from .actors.remote._launch import CURVE_KEYS_ENV, OWNER_TOKEN_ENV, NodeOptions
 from .actors.remote._mesh import is_loopback
 from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES
 from .actors.remote._system import serve_node
@@ -47,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout)
     p.add_argument("--curve-keys", help="file with 'public secret' Z85 keys: require CURVE")
     p.add_argument("--authorized-keys", help="file with client public keys (Z85), one a line")
+    p.add_argument(
+        "--supervisor-keys",
+        help="file with the public keys (Z85) of the systems that supervise this node: "
+        "names are then bound to keys (the node key model)",
+    )
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -80,10 +92,13 @@ async def _watch_signals(scope: trio.CancelScope) -> None:
 
 async def _main(args: argparse.Namespace) -> None:
     curve = None
-    if args.curve_keys:
-        public, secret = _read_keys(args.curve_keys)[0].split()
+    handed = os.environ.pop(CURVE_KEYS_ENV, "")  # from our launcher: not left to our children
+    if args.curve_keys or handed:
+        line = _read_keys(args.curve_keys)[0] if args.curve_keys else handed.encode()
+        public, secret = line.split()
         curve = CurveServer(CurveKeypair(public, secret))
     authorized = _read_keys(args.authorized_keys) if args.authorized_keys else None
+    supervisors = _read_keys(args.supervisor_keys) if args.supervisor_keys else []
     options = NodeOptions(
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
@@ -99,6 +114,8 @@ async def _main(args: argparse.Namespace) -> None:
                 name=args.name,
                 curve=curve,
                 authorized_keys=authorized,
+                key_model="node" if args.supervisor_keys else "cluster",
+                supervisor_keys=supervisors,
                 insecure=args.insecure,
                 max_message_bytes=args.max_message_bytes,
                 peer_timeout=args.peer_timeout,
@@ -117,13 +134,17 @@ async def _main(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.curve_keys and not args.authorized_keys:
+    curve = bool(args.curve_keys or os.environ.get(CURVE_KEYS_ENV))
+    if curve and not (args.authorized_keys or args.supervisor_keys):
         parser.error(
             "--curve-keys without --authorized-keys would let in any client that knows the "
-            "server key: list the clients' public keys with --authorized-keys"
+            "server key: list the clients' public keys with --authorized-keys (or the "
+            "supervisors' with --supervisor-keys)"
         )
+    if args.supervisor_keys and not curve:
+        parser.error("--supervisor-keys needs CURVE: give the node's keys with --curve-keys")
     exposed = [b for b in args.bind if not is_loopback(b)]
-    if exposed and not args.curve_keys and not args.insecure:
+    if exposed and not curve and not args.insecure:
         parser.error(
             f"binding {exposed} without CURVE exposes the node's actors to the network: "
             "give --curve-keys and --authorized-keys, or --insecure on a trusted network"

@@ -1,14 +1,18 @@
-"""CURVE security for the runtime's sockets: keypairs, server and client settings, ZAP.
+"""CURVE security for the runtime's sockets: keypairs, server and client settings, ZAP, and
+the binding of system names to keys.
 
 ZMQ CURVE encrypts a connection and authenticates the server by its public key; a ZAP handler
-(:func:`open_zap_authenticator`) decides which clients a server lets in, by their public keys.
+(:func:`open_zap_authenticator`) decides which clients a server lets in, by their public keys,
+and tags each accepted connection's messages with the client's key (``User-Id``). A mesh that
+listens with CURVE keeps a :class:`KeyBindings`: which key each system name is bound to, and
+which keys may say where other systems listen (``docs/remote.md``, security).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import trio
@@ -164,3 +168,105 @@ async def open_zap_authenticator(ctx: zmq.Context[Any]) -> AsyncIterator[ZapAuth
             yield auth
         finally:
             nursery.cancel_scope.cancel()
+
+
+def user_id(frame: zmq.Frame) -> bytes:
+    """The Z85 public key a CURVE connection authenticated with, from one of its received
+    frames (ZAP's ``User-Id``); ``b""`` without CURVE (or before ZAP set one)."""
+    try:
+        value = frame.get("User-Id")
+    except zmq.ZMQError:  # no such property: a NULL connection, an inproc pipe
+        return b""
+    return value.encode("ascii") if isinstance(value, str) else b""
+
+
+# ---------------------------------------------------------------------------------- bindings
+
+KeyModel = Literal["cluster", "node"]
+"""How the systems of a CURVE mesh are keyed. ``"cluster"``: they share one keypair (set up by
+hand); any authorized key may say where systems listen, and names are not bound to keys.
+``"node"``: each system has a keypair of its own; a name is bound to its system's key by the
+supervisor (or the owner), and only the owner and the ``supervisor_keys`` say where systems
+listen."""
+
+
+class KeyBindings:
+    """A CURVE mesh's view of who is who: this system's keypair, the key each name is bound
+    to, and the ZAP policy that follows (the keys let in are the authorized ones, the
+    supervisors', and every bound one; a key a name is no longer bound to is let in no more).
+
+    ``bind`` is for authoritative sources only (a supervisor's launch or ``PEERS`` update, the
+    owner's or a supervisor's hello); ``hear`` records the key a system proved in its own hello
+    when nobody authoritative bound its name (so that this side can reach it back).
+    """
+
+    def __init__(
+        self,
+        keypair: CurveKeypair,
+        model: KeyModel,
+        *,
+        authorized: Iterable[bytes | str] = (),
+        supervisors: Iterable[bytes | str] = (),
+        domain: str = "asyncflow",
+        zap: ZapAuthenticator | None = None,
+    ) -> None:
+        if model not in ("cluster", "node"):
+            raise ValueError(f"key_model is 'cluster' or 'node', got {model!r}")
+        self.keypair = keypair
+        self.model: KeyModel = model
+        self.authorized = frozenset(map(_key_converter, authorized))
+        self.supervisors = frozenset(map(_key_converter, supervisors))
+        self.domain = domain
+        self.zap = zap
+        self.bound: dict[str, bytes] = {}
+        self.heard: dict[str, bytes] = {}
+        self._refresh()
+
+    def directs(self, key: bytes) -> bool:
+        """Whether a connection proving ``key`` may say where other systems listen."""
+        chosen = self.authorized if self.model == "cluster" else self.supervisors
+        return bool(key) and key in chosen
+
+    def bound_key(self, name: str, own_name: str) -> bytes | None:
+        """The key ``name`` is bound to (this system's own name: its own key), else ``None``."""
+        if name == own_name:
+            return self.keypair.public
+        return self.bound.get(name)
+
+    def claim_refused(self, name: str, own_name: str, key: bytes) -> bool:
+        """Whether a connection proving ``key`` may not speak as ``name``: the name is bound
+        to another key (in the cluster model every member holds the same one)."""
+        bound = self.bound_key(name, own_name)
+        return bound is not None and bound != key
+
+    def bind(self, name: str, key: bytes | str) -> bool:
+        """Bind ``name`` to ``key`` (authoritative); True if that changed the binding."""
+        value = _key_converter(key)
+        if self.bound.get(name) == value:
+            return False
+        self.bound[name] = value
+        self.heard.pop(name, None)
+        self._refresh()
+        return True
+
+    def hear(self, name: str, key: bytes) -> None:
+        """``name`` proved ``key`` in its own hello; kept only while its name is not bound."""
+        if key and name not in self.bound:
+            self.heard[name] = key
+
+    def key_of(self, name: str) -> bytes | None:
+        """The server key to expect from ``name`` (the cluster model: the cluster key)."""
+        key = self.bound.get(name) or self.heard.get(name)
+        if key is None and self.model == "cluster":
+            return self.keypair.public
+        return key
+
+    def client(self, name: str) -> CurveClient | None:
+        """CURVE for a link to ``name`` (``None``: its key is not known here)."""
+        key = self.key_of(name)
+        return CurveClient(key, self.keypair) if key is not None else None
+
+    def _refresh(self) -> None:
+        if self.zap is not None:
+            admitted = self.authorized | self.supervisors | set(self.bound.values())
+            self.zap.allow(self.domain, list(admitted))

@@ -22,11 +22,15 @@ import trio
 
 from .._actor import ActorContext
 from . import _protocol as P
-from ._curve import CurveClient
+from ._curve import CurveClient, curve_keypair
+from ._mesh import Mesh
 from ._server import DEFAULT_MAX_MESSAGE_BYTES
 
 OWNER_TOKEN_ENV = "AFA_NODE_OWNER_TOKEN"
 """The environment variable a launcher hands a child node its owner token in (not argv: ps)."""
+CURVE_KEYS_ENV = "AFA_NODE_CURVE_KEYS"
+"""The environment variable a launcher hands a child node its CURVE keypair in, as
+``"PUBLIC SECRET"`` (Z85; not argv: ps)."""
 
 
 def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
@@ -93,20 +97,25 @@ class SubprocessLauncher:
     env: Mapping[str, str] | None = None
 
     async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
+        """Start the node; under CURVE (this system listens with it) the node listens with
+        CURVE too: with a keypair of its own, handed over in its environment, in the node key
+        model; with the cluster keypair in the cluster model (``docs/remote.md``)."""
         tmpdir = tempfile.mkdtemp(prefix="afa-node-")
         bind = f"ipc://{tmpdir}/node.sock" if self.transport == "ipc" else f"tcp://{self.host}:*"
         cmd = [self.python, "-m", "asyncflow_actors.node", "--bind", bind, "--name", name]
         cmd += ["--exit-on-stdin-eof", "--max-message-bytes", str(options.max_message_bytes)]
         cmd += ["--heartbeat-interval", str(options.heartbeat_interval)]
         cmd += ["--heartbeat-timeout", str(options.heartbeat_timeout)]
-        if self.transport == "tcp" and self.host not in ("127.0.0.1", "localhost", "::1"):
-            cmd += ["--insecure"]  # the caller chose to expose it; a warning is printed
         for prefix in self.allow:
             cmd += ["--allow", prefix]
         token = secrets.token_hex(16)
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[OWNER_TOKEN_ENV] = token
+        curve = _child_curve(ctx, tmpdir, cmd, env)
+        exposed = self.transport == "tcp" and self.host not in ("127.0.0.1", "localhost", "::1")
+        if exposed and curve is None:
+            cmd += ["--insecure"]  # the caller chose to expose it; a warning is printed
         # A session of its own: a terminal's Ctrl-C (sent to the whole foreground group) is
         # for the driver, which stops its nodes; they exit anyway when it dies (stdin EOF).
         process = await trio.lowlevel.open_process(
@@ -127,6 +136,7 @@ class SubprocessLauncher:
         ctx.start_soon(_pump, process.stdout, rest)
         return Launched(
             address,
+            curve=curve,
             process=process,
             cleanup=lambda: shutil.rmtree(tmpdir, True),
             owner_token=token,
@@ -147,6 +157,28 @@ class ConnectLauncher:
     async def launch(self, ctx: ActorContext[Any], name: str, options: NodeOptions) -> Launched:
         await trio.lowlevel.checkpoint()
         return Launched(self.address, curve=self.curve, owns_node=False)
+
+
+def _child_curve(
+    ctx: ActorContext[Any], tmpdir: str, cmd: list[str], env: dict[str, str]
+) -> CurveClient | None:
+    """Set up CURVE for a child node of a system that listens with it (``None``: it does not).
+
+    The node model gives the child a new keypair and makes this system's key its supervisor's;
+    the cluster model gives it the cluster keypair, authorizing the cluster key. The secret
+    goes in the environment; the public key it admits, in a file of the private ``tmpdir``.
+    """
+    mesh = getattr(ctx.system, "mesh", None)
+    keys = mesh.keys if isinstance(mesh, Mesh) else None
+    if keys is None:
+        return None
+    own = curve_keypair() if keys.model == "node" else keys.keypair
+    env[CURVE_KEYS_ENV] = f"{own.public.decode()} {own.secret.decode()}"
+    path = os.path.join(tmpdir, "supervisor.keys")
+    with open(path, "w", encoding="ascii") as f:
+        f.write(keys.keypair.public.decode() + "\n")
+    cmd += ["--supervisor-keys" if keys.model == "node" else "--authorized-keys", path]
+    return CurveClient(own.public, keys.keypair)
 
 
 async def _read_line(stream: trio.abc.ReceiveStream) -> tuple[bytes, bytes]:

@@ -37,7 +37,14 @@ from .._ref import ActorRef, DeadActorRef, LocalActorRef
 from .._system import default_system_name
 from . import _protocol as P
 from ._address import ActorAddress
-from ._curve import CurveClient, CurveServer, ZapAuthenticator, open_zap_authenticator
+from ._curve import (
+    CurveClient,
+    CurveServer,
+    KeyBindings,
+    KeyModel,
+    ZapAuthenticator,
+    open_zap_authenticator,
+)
 from ._link import NodeLink
 from ._peer import Peer
 from ._ref import RemoteActorRef
@@ -115,9 +122,10 @@ class Mesh:
         self.server: NodeServer | None = None
         self.peers: dict[str, Peer] = {}
         self.owner: str | None = None  # the system that owns this node (its last owner hello)
-        # CURVE for the links this mesh opens to its peers: the cluster-key model (every node
-        # listens with the same keypair and authorizes it), set when it listens with CURVE
-        self.curve: CurveClient | None = None
+        # CURVE, set when it listens with it: this system's keypair and the key each peer's
+        # name is bound to (its links to a peer expect that key; ``KeyBindings``)
+        self.keys: KeyBindings | None = None
+        self.curve: CurveClient | None = None  # this system's keypair as a client's
         # A hook that may rewrite where a link connects: (peer name, endpoint) -> endpoint.
         # The testing kit routes links through a fault-injecting proxy with it.
         self.route: Callable[[str, str], str] | None = None
@@ -174,6 +182,8 @@ class Mesh:
         curve: CurveServer | None = None,
         authorized_keys: Sequence[bytes] | None = None,
         insecure: bool = False,
+        key_model: KeyModel = "cluster",
+        supervisor_keys: Sequence[bytes] = (),
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         peer_timeout: float = float("inf"),
         owner_token: str = "",
@@ -194,7 +204,7 @@ class Mesh:
             )
         if exposed and curve is None:
             log.warning("system %s listens on %s WITHOUT authentication", self.name, exposed)
-        if curve is not None and authorized_keys is None:
+        if curve is not None and authorized_keys is None and key_model == "cluster":
             raise ValueError(
                 "CURVE without authorized client keys would let any client that knows the "
                 "server key in: pass authorized_keys"
@@ -203,7 +213,14 @@ class Mesh:
         if curve is not None:
             # a task of the mesh: its nursery must not open in (and outlive) the caller's task
             auth = await self._nursery.start(_serve_zap, ctx)
-            auth.allow(curve.domain, list(authorized_keys or ()))
+            self.keys = KeyBindings(
+                curve.keypair,
+                key_model,
+                authorized=authorized_keys or (),
+                supervisors=supervisor_keys,
+                domain=curve.domain,
+                zap=auth,
+            )
             self.curve = CurveClient(curve.keypair.public, curve.keypair)
         options: dict[int, int | bytes | str] = {zmq.ROUTER_MANDATORY: 1}
         options.update(heartbeat_options(self.options))
@@ -228,7 +245,6 @@ class Mesh:
             peer_timeout=peer_timeout,
             owner_token=owner_token,
             on_shutdown=on_shutdown,
-            authenticated=curve is not None,
         )
         await self._nursery.start(self.server.serve)
         self._listening.set()
@@ -298,11 +314,21 @@ class Mesh:
             return
         self.peers[peer.name] = peer
 
-    def peer_hello(self, hello: P.Hello, *, owner: bool) -> None:
+    def peer_hello(
+        self, hello: P.Hello, *, owner: bool, key: bytes = b"", directs: bool = False
+    ) -> None:
         """A peer connected to our server: learn where it listens (to reach it back). Our
-        owner's word is authoritative; anyone else's is hearsay (``Peer.learn``)."""
+        owner's word is authoritative; anyone else's is hearsay (``Peer.learn``). Under CURVE
+        the key it proved binds its name when it is our owner or a supervisor (``directs``);
+        anyone else's is remembered while nobody bound that name (the server refused the
+        hello already if it claimed a name bound to another key)."""
         if hello.name == self.name:
             return
+        if self.keys is not None and key:
+            if owner or directs:
+                self.keys.bind(hello.name, key)
+            else:
+                self.keys.hear(hello.name, key)
         peer = self.peer(hello.name)
         if owner and not peer.supervised:
             self.owner = hello.name
@@ -331,6 +357,10 @@ class Mesh:
         or that it is gone for good: authoritative, whatever incarnation this side knew."""
         if update.name == self.name:
             return
+        if update.key and self.keys is not None:
+            self.keys.bind(update.name, update.key)
+        if update.key and update.up and not update.endpoints:
+            return  # the name's new key only: where it listens comes next
         peer = self.peers.get(update.name)
         if peer is None and update.up:
             peer = self.peer(update.name)  # known now, so that hearsay cannot place it later
@@ -362,7 +392,9 @@ class Mesh:
     def supervised_updates(self, skip: str) -> tuple[P.PeerUpdate, ...]:
         """Where each supervised peer that is up listens now (for a node that just started)."""
         return tuple(
-            P.PeerUpdate(peer.name, peer.incarnation, peer.endpoints, True, tuple(peer.specs))
+            P.PeerUpdate(
+                peer.name, peer.incarnation, peer.endpoints, True, tuple(peer.specs), peer.key
+            )
             for peer in list(self.peers.values())
             if peer.supervised
             and peer.name != skip
@@ -488,6 +520,16 @@ class Mesh:
             peer._connecting = None
             event.set()
 
+    def client_curve(self, name: str) -> CurveClient | None:
+        """CURVE for a link to ``name``: its bound key (``None`` without CURVE here);
+        ``NodeLost`` when that key is not known here (the node key model)."""
+        if self.keys is None:
+            return None
+        curve = self.keys.client(name)
+        if curve is None:
+            raise P.NodeLost(f"the CURVE key of node {name!r} is not known here")
+        return curve
+
     async def _connect_at(
         self, peer: Peer, address: str, moved: trio.Event, deadline: float
     ) -> bool:
@@ -518,7 +560,7 @@ class Mesh:
                     result = await self.open_link(
                         peer.name,
                         address,
-                        curve=self.curve,
+                        curve=self.client_curve(peer.name),
                         options=options,
                         start_soon=link_nursery.start_soon,
                         stack=stack,

@@ -121,18 +121,30 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         self.link = link
         peer.name = info.name
         mesh.adopt(peer)
+        # Under CURVE the node proved the key we connected with (the launcher's word): its
+        # name is bound to that key here and, before its actors run, on the other nodes (so
+        # they let it in and take its hello), and it learns where the others are and their
+        # keys from us (its owner), so that its actors reach them from their first call.
+        peer.key = launched.curve.server_public.decode() if launched.curve is not None else ""
+        if peer.key and mesh.keys is not None:
+            mesh.keys.bind(peer.name, peer.key)
+        async with trio.open_nursery() as nursery:
+            if peer.key:
+                bind = P.PeerUpdate(peer.name, info.incarnation, (), True, key=peer.key)
+                nursery.start_soon(mesh.broadcast, bind, peer.name)
+            nursery.start_soon(mesh.tell_peers, link, mesh.supervised_updates(peer.name))
         if peer.specs:  # a restart: the actors spawned before come back (or are adopted)
             async with trio.open_nursery() as nursery:
                 for request in list(peer.specs.values()):
                     nursery.start_soon(self._spawn_on, link, attrs.evolve(request, adopt=True))
         # Where the new process listens is known here from its own link, whatever incarnation
-        # it drew; the other nodes learn it before anyone here sees the node up, and the new
-        # node learns where the others are from us (its owner) before anyone reaches it.
+        # it drew; the other nodes learn it once its actors are back, before anyone here sees
+        # the node up.
         endpoints = info.endpoints or (launched.address,)
-        update = P.PeerUpdate(peer.name, info.incarnation, endpoints, True, tuple(peer.specs))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(mesh.broadcast, update, peer.name)
-            nursery.start_soon(mesh.tell_peers, link, mesh.supervised_updates(peer.name))
+        update = P.PeerUpdate(
+            peer.name, info.incarnation, endpoints, True, tuple(peer.specs), peer.key
+        )
+        await mesh.broadcast(update, peer.name)
         peer.attach(link, info, launched.address, authoritative=True)
 
     async def _spawn_on(self, link: NodeLink, request: P.SpawnRequest) -> RemoteActorRef[Any]:

@@ -50,6 +50,7 @@ class Peer:
         self.endpoints: tuple[str, ...] = ()
         self.incarnation = -1
         self.authoritative = False  # where it listens came from an authoritative source
+        self.key = ""  # a supervised peer's CURVE public key (Z85), told to the other nodes
         self.address = ""  # the endpoint the current link connected to
         self.up = trio.Event()
         # set (and replaced) each time an authoritative source moves the peer: a connect to

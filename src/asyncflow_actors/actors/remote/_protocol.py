@@ -17,7 +17,7 @@ tell       a message for actor ``t`` (consumes one credit of this sender)
 ask        a request for actor ``t`` (consumes one credit); reply ``ok``/``err``
 stop       stop actor ``t`` for good (its spawner, the node's owner, or ``tok``); reply ``ok``
 stats      statistics of actor ``t``; reply ``ok``
-peers      ``PeerUpdate`` (the supervisor of a node tells the others where it is now)
+peers      ``PeerUpdate`` (the supervisor of a node tells the others where it is now, and its key)
 shutdown   stop every actor and exit (the node's owner only); reply ``ok`` first
 credit     server → link: ``n`` more messages may be sent to actor ``t``
 reject     server → link: a tell to ``t`` was refused (payload ``ErrorInfo``); ``n`` credits back
@@ -136,6 +136,10 @@ class PeerUpdate:
     # the actors the new incarnation hosts again (respawned by the supervisor): a watched actor
     # of an older incarnation not among them (nor under one of them) died with its process
     actors: tuple[str, ...] = ()
+    # the node's CURVE public key (Z85), which its name is bound to ("" without one); an
+    # update with a key and no endpoints binds the name only (a restarted node's new key,
+    # before its actors are back and before anyone is told where it listens)
+    key: str = ""
 
 
 @attrs.frozen

@@ -7,11 +7,14 @@ its Ray node's IP and answers on our zmq links; messages never go through Ray's 
 Ray only carries the launch arguments (plain strings and numbers) and the node's endpoints back.
 
 Security: the node binds beyond loopback, so it requires CURVE unless ``insecure=True`` (a
-trusted network). Every Ray node of a run listens with the same keypair (the cluster key, as
-``system.listen(curve=...)`` sets it: nodes reach each other with it) and admits only that key;
-the driver's system listens on its Ray IP with it too, so actors on nodes can reach the
-driver's actors. The key and the owner token reach the node as arguments of a Ray call: whoever
-may submit work to the Ray cluster can run code on it anyway.
+trusted network). By default (the node key model) every Ray node gets a keypair of its own and
+admits the driver's key as its supervisor's; the driver binds the node's name to its key and
+tells the other nodes, so a node can neither speak as another nor re-point one. A driver that
+listens in the cluster key model (``system.listen(curve=..., key_model="cluster")`` by hand)
+gives every node its keypair instead, as before. The driver's system listens on its Ray IP with
+CURVE too, so actors on nodes can reach the driver's actors. The node's secret key and owner
+token reach it as arguments of a Ray call: whoever may submit work to the Ray cluster can run
+code on it anyway.
 
 Death: the Ray method that runs the node returns (or fails) when the node ends or its actor dies
 (``ray.kill``, a lost host, OOM); ``Launched.wait_exit`` waits for that without a thread, and the
@@ -37,7 +40,7 @@ import trio
 
 from .._actor import ActorContext
 from . import _protocol as P
-from ._curve import CurveClient, CurveKeypair, CurveServer, curve_keypair
+from ._curve import CurveClient, CurveKeypair, CurveServer, KeyModel, curve_keypair
 from ._launch import Launched, NodeOptions, _str_tuple
 from ._mesh import Mesh, is_loopback
 from ._system import mesh_of
@@ -139,7 +142,12 @@ class RayLauncher:
 
         mesh = mesh_of(ctx.system)
         host = await trio.to_thread.run_sync(ray.util.get_node_ip_address)
-        keypair = await _prepare_driver(mesh, host, insecure=self.insecure)
+        identity = await _prepare_driver(mesh, host, insecure=self.insecure)
+        keypair = supervisor = None  # the node's keys; the driver's, in the node key model
+        if identity is not None:
+            driver, model = identity
+            keypair = curve_keypair() if model == "node" else driver
+            supervisor = driver if model == "node" else None
         token = secrets.token_hex(16)
         actor_name = f"afa-node:{name}:{secrets.token_hex(4)}"
         kwargs: dict[str, Any] = {
@@ -149,6 +157,7 @@ class RayLauncher:
             "insecure": self.insecure,
             "curve_public": keypair.public.decode() if keypair is not None else "",
             "curve_secret": keypair.secret.decode() if keypair is not None else "",
+            "supervisor_public": supervisor.public.decode() if supervisor is not None else "",
             "heartbeat_interval": options.heartbeat_interval,
             "heartbeat_timeout": options.heartbeat_timeout,
             "max_message_bytes": options.max_message_bytes,
@@ -191,7 +200,9 @@ class RayLauncher:
                 return f"its Ray actor {actor_name!r} died: {_summary(exc)}"
             return f"its Ray actor {actor_name!r} ended"
 
-        curve = CurveClient(keypair.public, keypair) if keypair is not None else None
+        curve = None
+        if identity is not None and keypair is not None:
+            curve = CurveClient(keypair.public, identity[0])
         return Launched(
             ready["endpoints"][0],
             curve=curve,
@@ -220,20 +231,24 @@ def _summary(error: BaseException) -> str:
 @attrs.define(eq=False)
 class _DriverState:
     lock: trio.Lock = attrs.Factory(trio.Lock)
-    keypair: CurveKeypair | None = None  # the run's key, when the system listens without CURVE
+    keypair: CurveKeypair | None = None  # the driver's key, when it listens without CURVE
     warned: bool = False
 
 
 _DRIVERS: weakref.WeakKeyDictionary[Mesh, _DriverState] = weakref.WeakKeyDictionary()
 
 
-async def _prepare_driver(mesh: Mesh, host: str, *, insecure: bool) -> CurveKeypair | None:
-    """Make the driver reachable from its Ray nodes; return the cluster key (``None``: insecure).
+async def _prepare_driver(
+    mesh: Mesh, host: str, *, insecure: bool
+) -> tuple[CurveKeypair, KeyModel] | None:
+    """Make the driver reachable from its Ray nodes; return its CURVE keypair and key model
+    (``None``: insecure).
 
-    A system that does not listen yet listens on ``tcp://<its Ray IP>:*``, with CURVE under a
-    new cluster key unless ``insecure``. One that already listens keeps its sockets: its CURVE
-    key is the cluster key; without CURVE its nodes get a key of their own (they still reach
-    each other, but not the driver's actors: listen with CURVE first for that).
+    A system that does not listen yet listens on ``tcp://<its Ray IP>:*``, with CURVE in the
+    node key model under a new key unless ``insecure``. One that already listens keeps its
+    sockets and its key model; without CURVE it gets a client key for its links to its nodes,
+    which get keys of their own (they still reach each other, but not the driver's actors:
+    listen with CURVE first for that).
     """
     state = _DRIVERS.setdefault(mesh, _DriverState())
     async with state.lock:  # concurrent launches must not both bind
@@ -243,17 +258,17 @@ async def _prepare_driver(mesh: Mesh, host: str, *, insecure: bool) -> CurveKeyp
                 await mesh.listen(bind, insecure=True)
             else:
                 key = curve_keypair()
-                await mesh.listen(bind, curve=CurveServer(key), authorized_keys=[key.public])
+                await mesh.listen(bind, curve=CurveServer(key), key_model="node")
     if insecure:
         if all(is_loopback(e) for e in mesh.endpoints):
             _warn_unreachable(mesh, state, "only on loopback")
         return None
-    if mesh.curve is not None:
-        return mesh.curve.keypair
+    if mesh.keys is not None:
+        return mesh.keys.keypair, mesh.keys.model
     _warn_unreachable(mesh, state, "without CURVE")
     if state.keypair is None:
         state.keypair = curve_keypair()
-    return state.keypair
+    return state.keypair, "node"
 
 
 def _warn_unreachable(mesh: Mesh, state: _DriverState, why: str) -> None:
@@ -336,6 +351,7 @@ class _RayNode:
         max_message_bytes: int,
         shutdown_grace: float,
         connect_timeout: float,
+        supervisor_public: str = "",
     ) -> None:
         """Run the node until its owner shuts it down (a Ray thread: trio runs in it)."""
         import ray.util
@@ -348,7 +364,9 @@ class _RayNode:
         authorized = None
         if curve_public:
             keypair = CurveKeypair(curve_public, curve_secret)
-            curve, authorized = CurveServer(keypair), [keypair.public]
+            curve = CurveServer(keypair)
+            # the node key model admits the driver as supervisor; the cluster model, the key
+            authorized = None if supervisor_public else [keypair.public]
         options = NodeOptions(
             connect_timeout=connect_timeout,
             heartbeat_interval=heartbeat_interval,
@@ -363,6 +381,8 @@ class _RayNode:
             name=name,
             curve=curve,
             authorized_keys=authorized,
+            key_model="node" if supervisor_public else "cluster",
+            supervisor_keys=[supervisor_public.encode()] if supervisor_public else [],
             insecure=insecure,
             max_message_bytes=max_message_bytes,
             owner_token=owner_token,

@@ -19,8 +19,11 @@ so what one actor's inbox holds is bounded by its peers' windows.
 
 Authorization: only the peer that spawned an actor, the node's owner (the process that started
 it, proven by its owner token), or a peer presenting the actor's stop token (carried by refs to
-it) may stop it; only the owner may shut the node down; only the owner (or, under CURVE, a
-member of the cluster) may say where other nodes listen (``PEERS``).
+it) may stop it; only the owner may shut the node down; only the owner (or, under CURVE, a key
+that directs: any member of the cluster in the cluster key model, the supervisors' in the node
+model) may say where other nodes listen (``PEERS``). Under CURVE every connection's messages
+carry the key it proved (ZAP's ``User-Id``), and a hello claiming a name bound to another key
+is refused. Refusals are answered ``NotAuthorized`` and counted (``unauthorized``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .._ref import LocalActorRef
 from .._supervisor import Restart
 from .._system import ActorSystem
 from . import _protocol as P
+from ._curve import user_id
 from ._hosting import NotAuthorized, SpawnRefused, import_actor, learn_type
 from ._sessions import PeerState, Sessions, source_fd
 from ._typeinfo import register_actor_types
@@ -75,6 +79,9 @@ class NodeServerStatistics:
     received_bytes: int = 0
     sent_bytes: int = 0
     failed_requests: int = 0  # unexpected errors while handling a request (answered, logged)
+    # requests refused as not authorized: a hello claiming a name bound to another CURVE key,
+    # a PEERS update from neither the owner nor a supervisor, a shutdown from a non-owner
+    unauthorized: int = 0
 
 
 @attrs.define(eq=False)
@@ -120,11 +127,8 @@ class NodeServer:
         peer_timeout: float = math.inf,
         owner_token: str = "",
         on_shutdown: Callable[[], None] | None = None,
-        authenticated: bool = False,
     ) -> None:
         self.mesh = mesh
-        # every connection proved a key of the cluster (CURVE): its members may update peers
-        self.authenticated = authenticated
         self.system: ActorSystem = mesh.system
         self.sock = sock
         self.name = mesh.name
@@ -138,7 +142,7 @@ class NodeServer:
         self.sessions = Sessions()
         self.peers = self.sessions.peers
         self.received = self.sent = self.wire_errors = self.unknown_targets = 0
-        self.refusals = self.rejected = self.failed_requests = 0
+        self.refusals = self.rejected = self.failed_requests = self.unauthorized = 0
         self.received_bytes = self.sent_bytes = 0
         self._nursery: trio.Nursery | None = None
 
@@ -157,6 +161,7 @@ class NodeServer:
             self.received_bytes,
             self.sent_bytes,
             self.failed_requests,
+            self.unauthorized,
         )
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -234,7 +239,8 @@ class NodeServer:
             peer = frames[0].bytes
             state = peers.get(peer)
             if state is None:
-                state = peers[peer] = PeerState(peer, fd=source_fd(frames[1]))
+                key = user_id(frames[1]) if self.mesh.keys is not None else b""
+                state = peers[peer] = PeerState(peer, key=key, fd=source_fd(frames[1]))
             state.disconnected_at = None
             self.received += 1
             self.received_bytes += sum([len(f) for f in frames])  # zmq.Frame: its byte size
@@ -322,18 +328,17 @@ class NodeServer:
         elif kind == P.STATS:
             self._stats(peer, corr, meta.get("t"))
         elif kind == P.PEERS and isinstance(payload, P.PeerUpdate):
-            if not (state.owner or self.authenticated):
+            if not (state.owner or self._directs(state)):
                 # where other nodes listen is the word of our owner (their supervisor) only
                 error = NotAuthorized("only the node's owner may say where its peers are")
-                self._reply_error(peer, corr, error, self.name)
+                self._unauthorized(peer, corr, error)
                 return
             self.mesh.peer_update(payload)
             self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
         elif kind == P.SHUTDOWN:
             if not state.owner:
-                self._reply_error(
-                    peer, corr, NotAuthorized("only the node's owner may shut it down"), self.name
-                )
+                error = NotAuthorized("only the node's owner may shut it down")
+                self._unauthorized(peer, corr, error)
                 return
             self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
             if self.on_shutdown is not None:
@@ -460,12 +465,28 @@ class NodeServer:
         except Exception as exc:
             self._failed(peer, meta, exc)
 
+    def _directs(self, state: PeerState) -> bool:
+        """Whether the connection proved a key that may say where other nodes listen."""
+        keys = self.mesh.keys
+        return keys is not None and keys.directs(state.key)
+
+    def _unauthorized(self, peer: bytes, corr: int, error: NotAuthorized) -> None:
+        self.unauthorized += 1
+        log.warning("node %s: refused a peer: %s", self.name, error)
+        self._reply_error(peer, corr, error, self.name)
+
     def _hello(self, peer: bytes, state: PeerState, corr: int, hello: P.Hello) -> None:
-        state.name, state.session = hello.name, hello.session
-        state.owner = bool(self.owner_token) and secrets.compare_digest(
+        owner = bool(self.owner_token) and secrets.compare_digest(
             hello.owner_token, self.owner_token
         )
-        self.mesh.peer_hello(hello, owner=state.owner)
+        keys = self.mesh.keys
+        if keys is not None and not owner and keys.claim_refused(hello.name, self.name, state.key):
+            # its name is bound to another key: whoever this is, it is not that system
+            error = NotAuthorized(f"the name {hello.name!r} is bound to another CURVE key")
+            self._unauthorized(peer, corr, error)
+            return
+        state.name, state.session, state.owner = hello.name, hello.session, owner
+        self.mesh.peer_hello(hello, owner=owner, key=state.key, directs=self._directs(state))
         info = P.NodeInfo(
             self.name,
             os.getpid(),

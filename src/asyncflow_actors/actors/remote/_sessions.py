@@ -24,6 +24,7 @@ class PeerState:
     name: str = ""
     session: str = ""
     owner: bool = False
+    key: bytes = b""  # the CURVE key this connection proved (Z85; ZAP's User-Id)
     fd: int = -1
     disconnected_at: float | None = None
 

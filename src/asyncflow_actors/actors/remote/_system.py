@@ -22,7 +22,7 @@ import zmq
 from .._actor import ActorContext
 from .._supervisor import ChildSpec, OneForOne, Restart, Strategy
 from .._system import ActorSystem
-from ._curve import CurveClient, CurveServer
+from ._curve import CurveClient, CurveServer, KeyModel
 from ._launch import (
     ConnectLauncher,
     Launched,
@@ -70,6 +70,7 @@ class NodeSystem(ActorSystem):
         curve: CurveServer | None = None,
         authorized_keys: Sequence[bytes] | None = None,
         insecure: bool = False,
+        key_model: KeyModel = "cluster",
     ) -> list[str]:
         """Listen on ``bind`` so that systems on other hosts can reach this one's actors.
 
@@ -77,9 +78,20 @@ class NodeSystem(ActorSystem):
         call this first to be reachable from other hosts. Beyond loopback, ``curve`` (with
         ``authorized_keys``, the Z85 public keys of the peers let in) is required, or
         ``insecure=True`` for a trusted network (a warning is logged). Returns the endpoints.
+
+        ``key_model`` (under CURVE): ``"cluster"``, every system of the run shares the keypair
+        of ``curve`` (nodes this system starts get it too); ``"node"``, ``curve``'s keypair is
+        this system's own, each node it starts (or launches on Ray) gets a keypair of its own,
+        and names are bound to keys: a node cannot speak as another or say where another
+        listens (``authorized_keys`` may then be omitted: the nodes' keys are let in as they
+        are bound). See ``docs/remote.md``, security.
         """
         return await self.mesh.listen(
-            bind, curve=curve, authorized_keys=authorized_keys, insecure=insecure
+            bind,
+            curve=curve,
+            authorized_keys=authorized_keys,
+            insecure=insecure,
+            key_model=key_model,
         )
 
     async def start_node(
@@ -189,6 +201,8 @@ async def serve_node(
     name: str | None = None,
     curve: CurveServer | None = None,
     authorized_keys: Sequence[bytes] | None = None,
+    key_model: KeyModel = "cluster",
+    supervisor_keys: Sequence[bytes] = (),
     insecure: bool = False,
     strategy: Strategy | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -205,7 +219,9 @@ async def serve_node(
     ``bind``: endpoints (``tcp://127.0.0.1:*`` picks a port); ``task_status.started`` reports the
     resolved ones. ``allow``: module prefixes actors may be spawned from. ``curve`` requires
     CURVE and ``authorized_keys`` (Z85 public keys) lists the clients let in; binding beyond
-    loopback without CURVE needs ``insecure=True``. ``peer_timeout``: stop a session's actors once
+    loopback without CURVE needs ``insecure=True``. ``key_model="node"``: ``curve``'s keypair is
+    this node's own, names are bound to keys, and only the owner and the systems proving one of
+    ``supervisor_keys`` say where other nodes listen (``NodeSystem.listen``). ``peer_timeout``: stop a session's actors once
     all its connections have been gone that long. ``owner_token``: the secret of the process
     allowed to shut the node down (its launcher). ``watch_owner`` returns once the owner's
     process has exited (a launched node: its stdin closed); the node then stops, and its
@@ -220,6 +236,8 @@ async def serve_node(
             allow=allow,
             curve=curve,
             authorized_keys=authorized_keys,
+            key_model=key_model,
+            supervisor_keys=supervisor_keys,
             insecure=insecure,
             max_message_bytes=max_message_bytes,
             peer_timeout=peer_timeout,
