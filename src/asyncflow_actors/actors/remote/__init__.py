@@ -15,6 +15,8 @@ from ._address import ActorAddress as ActorAddress
 from ._curve import CurveClient as CurveClient
 from ._curve import CurveKeypair as CurveKeypair
 from ._curve import CurveServer as CurveServer
+from ._curve import KeyBindings as KeyBindings
+from ._curve import KeyModel as KeyModel
 from ._curve import curve_keypair as curve_keypair
 from ._curve import open_zap_authenticator as open_zap_authenticator
 from ._hosting import NotAuthorized as NotAuthorized

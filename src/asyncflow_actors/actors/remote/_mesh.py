@@ -360,7 +360,12 @@ class Mesh:
         if update.key and self.keys is not None:
             self.keys.bind(update.name, update.key)
         if update.key and update.up and not update.endpoints:
-            return  # the name's new key only: where it listens comes next
+            # the name's new key only; where it listens comes next, from the same source:
+            # hearsay cannot place it meanwhile, and a connect waits for that word
+            bound = self.peer(update.name)
+            if not bound.supervised:
+                bound.authoritative = True
+            return
         peer = self.peers.get(update.name)
         if peer is None and update.up:
             peer = self.peer(update.name)  # known now, so that hearsay cannot place it later
