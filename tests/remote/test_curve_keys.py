@@ -77,6 +77,7 @@ async def test_nodes_get_keys_of_their_own_and_the_mesh_works_across_restarts() 
         b = await system.start_node("b", allow=ALLOW)
         keys = {_key(system, "a"), _key(system, "b"), _driver_key(system)}
         assert len(keys) == 3 and "" not in keys  # three systems, three keys
+        assert (a.key, b.key) == (_key(system, "a"), _key(system, "b"))
         forwarder = await a.spawn(Forwarder, name="forwarder")
         hello = await b.spawn(Hello, name="hello")
         here = await system.spawn(Hello, name="here")
@@ -91,7 +92,7 @@ async def test_nodes_get_keys_of_their_own_and_the_mesh_works_across_restarts() 
                 # the restarted process has a new key, bound on A by the supervisor: A's ref
                 # to B's actor reaches it on the new process
                 assert await forwarder.ask(Forward(hello, str(i))) == f"hello:{i}"
-            assert _key(system, "b") not in ("", old)
+            assert b.key == _key(system, "b") not in ("", old)
             assert await seer.ask(BoundKey("b")) == _key(system, "b")
             old = _key(system, "b")
         assert await seer.ask(Unauthorized()) == 0

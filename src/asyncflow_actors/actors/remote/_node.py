@@ -313,6 +313,12 @@ class Node:
         return self._peer.address
 
     @property
+    def key(self) -> str:
+        """The CURVE public key (Z85) the node's name is bound to: the key of its current
+        process (a restart may draw a new one); ``""`` without CURVE."""
+        return self._peer.key
+
+    @property
     def pid(self) -> int | None:
         return self._peer.info.pid if self._peer.info is not None else None
 

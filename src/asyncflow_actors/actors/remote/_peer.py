@@ -19,7 +19,9 @@ Who may say where a peer listens (``docs/remote.md``, security): its supervisor 
 *authoritative*: they move the peer. Anything else — an address inside a message, a stranger's
 hello — is hearsay: it tells where an unknown peer listens, and moves only a peer nobody
 authoritative told about, whose link is down, to a newer incarnation. A peer whose link is up is
-never re-pointed by hearsay.
+never re-pointed by hearsay. Under CURVE a link to a peer expects the key its name is bound to
+(``KeyBindings``): for a bound name, hearsay can at worst send a connect where it fails, never
+to an impostor.
 """
 
 from __future__ import annotations
