@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import trio
 
 from .actors.remote._curve import CurveKeypair, CurveServer
+from .actors.remote._endpoints import is_loopback
 from .actors.remote._launch import CURVE_KEYS_ENV, OWNER_TOKEN_ENV, NodeOptions
-from .actors.remote._mesh import is_loopback
 from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES
 from .actors.remote._system import serve_node
 

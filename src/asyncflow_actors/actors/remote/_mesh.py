@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import shutil
-import socket
 import tempfile
-import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +42,13 @@ from ._curve import (
     ZapAuthenticator,
     open_zap_authenticator,
 )
+from ._endpoints import (
+    advertised,
+    heartbeat_options,
+    is_loopback,
+    new_incarnation,
+    pick_endpoint,
+)
 from ._link import NodeLink
 from ._peer import Peer
 from ._ref import RemoteActorRef
@@ -56,27 +60,6 @@ if TYPE_CHECKING:
     from ._launch import NodeOptions
 
 log = logging.getLogger("asyncflow_actors.node")
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-def heartbeat_options(options: NodeOptions) -> dict[int, int]:
-    """ZMTP heartbeats (answered by libzmq's I/O thread, whatever Python's loop is doing)."""
-    ivl = max(1, round(options.heartbeat_interval * 1000))
-    timeout = max(ivl, round(options.heartbeat_timeout * 1000))
-    return {
-        zmq.HEARTBEAT_IVL: ivl,
-        zmq.HEARTBEAT_TIMEOUT: timeout,
-        zmq.HEARTBEAT_TTL: min(timeout, 6553500),  # the TTL is sent in units of 100 ms
-        zmq.MAXMSGSIZE: options.max_message_bytes,
-    }
-
-
-def is_loopback(endpoint: str) -> bool:
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
-    return host in _LOOPBACK
 
 
 @attrs.frozen
@@ -236,7 +219,7 @@ class Mesh:
                 rcvhwm=ROUTER_RCVHWM,
             )
         )
-        self.endpoints = tuple(_advertised(e) for e in sock.bound_endpoints)
+        self.endpoints = tuple(advertised(e) for e in sock.bound_endpoints)
         self.server = NodeServer(
             self,
             sock,
@@ -505,7 +488,7 @@ class Mesh:
                 moved = peer.moved
                 if peer.stopped:  # for good: where it was, nothing will answer again
                     raise _stopped_error(peer)
-                address = _pick_endpoint(peer.endpoints)
+                address = pick_endpoint(peer.endpoints)
                 if address is None and not peer.authoritative:
                     raise P.NodeLost(f"where node {peer.name!r} listens is not known here")
                 if address is None:  # restarting: its owner tells where it is once it is up
@@ -609,31 +592,6 @@ async def _serve_zap(
         await trio.sleep_forever()
 
 
-def _advertised(endpoint: str) -> str:
-    """An endpoint peers can connect to (a wildcard bind advertises this host's name)."""
-    if endpoint.startswith("tcp://0.0.0.0:") or endpoint.startswith("tcp://*:"):
-        return f"tcp://{socket.gethostname()}:{endpoint.rpartition(':')[2]}"
-    return endpoint
-
-
-def new_incarnation() -> int:
-    """A node's incarnation: later starts draw larger ones (milliseconds since the epoch,
-    then 20 random bits), so that an address from a newer start is recognised as newer."""
-    return (time.time_ns() // 1_000_000) << 20 | secrets.randbits(20)
-
-
 def _stopped_error(peer: Peer) -> P.NodeLost:
     error = peer.stop_error
     return error if isinstance(error, P.NodeLost) else P.NodeLost(f"node {peer.name!r} stopped")
-
-
-def _pick_endpoint(endpoints: Iterable[str]) -> str | None:
-    """ipc when its socket file is on this host, else the first tcp endpoint."""
-    candidates = list(endpoints)
-    for endpoint in candidates:
-        if endpoint.startswith("ipc://") and os.path.exists(endpoint.removeprefix("ipc://")):
-            return endpoint
-    for endpoint in candidates:
-        if endpoint.startswith("tcp://"):
-            return endpoint
-    return None

@@ -41,8 +41,9 @@ import trio
 from .._actor import ActorContext
 from . import _protocol as P
 from ._curve import CurveClient, CurveKeypair, CurveServer, KeyModel, curve_keypair
+from ._endpoints import is_loopback
 from ._launch import Launched, NodeOptions, _str_tuple
-from ._mesh import Mesh, is_loopback
+from ._mesh import Mesh
 from ._system import mesh_of
 
 log = logging.getLogger("asyncflow_actors.node")
