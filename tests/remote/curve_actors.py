@@ -77,13 +77,16 @@ async def speak(
     requests: list[tuple[str, object]],
     *,
     within: float = 10,
+    routing_id: bytes | None = None,
 ) -> tuple[str, ...]:
-    """Send node-protocol requests over one fresh connection; ``"ok"`` or the error's type
-    name for each. ``trio.TooSlowError`` if no answer comes within ``within`` s (refused)."""
+    """Send node-protocol requests over one fresh connection (with ``routing_id``, the
+    connection's chosen routing id); ``"ok"`` or the error's type name for each.
+    ``trio.TooSlowError`` if no answer comes within ``within`` s (refused)."""
     registry = protocol_registry()
     out = []
+    options = {} if routing_id is None else {zmq.ROUTING_ID: routing_id}
     async with open_zmq_socket(
-        zmq.Context.instance(), zmq.DEALER, connect=address, curve=curve
+        zmq.Context.instance(), zmq.DEALER, connect=address, curve=curve, options=options
     ) as sock:
         for corr, (kind, payload) in enumerate(requests, 1):
             await sock.send_multipart(encode({"k": kind, "c": corr}, payload, registry=registry))

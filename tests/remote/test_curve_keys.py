@@ -149,6 +149,36 @@ async def test_a_restarted_nodes_new_key_is_bound_by_its_supervisor_only() -> No
         assert await seer.ask(Claim(a.address, _key(system, "a"), "b")) == ("ok", "NotAuthorized")
 
 
+async def test_a_routing_id_another_key_used_inherits_nothing_of_it() -> None:
+    """A client chooses its connection's routing id: a key that takes over the id a node's
+    key used (once that connection closed) is judged by its own key, not the one before."""
+    async with open_keyed_system() as system:
+        a = await system.start_node("a", allow=ALLOW)
+        b = await system.start_node("b", allow=ALLOW)
+        c = await system.start_node("c", allow=ALLOW)
+        keys_a = CurveKeypair(*await (await a.spawn(Impostor, name="seer")).ask(Keys()))
+        keys_c = CurveKeypair(*await (await c.spawn(Impostor, name="seer")).ask(Keys()))
+        server_b = _key(system, "b")
+        rid = b"taken-over"
+        hello_a = [(P.HELLO, P.Hello("a", NEWEST, BOGUS, "as-a"))]
+        assert await speak(b.address, CurveClient(server_b, keys_a), hello_a, routing_id=rid) == (
+            "ok",
+        )
+        # C's key, on the id A's key used: until B let go of the old connection, libzmq refuses
+        # the duplicate id outright (no answer); once it has, the answer is C's key's own
+        with trio.fail_after(20):
+            while True:
+                try:
+                    got = await speak(
+                        b.address, CurveClient(server_b, keys_c), hello_a, within=0.5,
+                        routing_id=rid,
+                    )  # fmt: skip
+                    break
+                except trio.TooSlowError:
+                    continue
+        assert got == ("NotAuthorized",)
+
+
 async def test_unknown_keys_and_plain_clients_are_refused() -> None:
     async with open_keyed_system() as system:
         a = await system.start_node("a", allow=ALLOW)

@@ -238,8 +238,10 @@ class NodeServer:
                 continue
             peer = frames[0].bytes
             state = peers.get(peer)
-            if state is None:
-                key = user_id(frames[1]) if self.mesh.keys is not None else b""
+            key = user_id(frames[1]) if self.mesh.keys is not None else b""
+            if state is None or state.key != key:
+                # a new peer, or a new connection under a routing id another key used before
+                # (a client may choose its routing id): it inherits nothing of that peer's
                 state = peers[peer] = PeerState(peer, key=key, fd=source_fd(frames[1]))
             state.disconnected_at = None
             self.received += 1
