@@ -40,16 +40,15 @@ import outcome
 import trio
 import zmq
 
-from .._actor import default_mailbox_size
 from .._cell import ActorCell, Reply
-from .._errors import ActorCrashed, ActorError, NameTakenError
+from .._errors import ActorCrashed, ActorError
 from .._ref import LocalActorRef
-from .._supervisor import Restart
 from .._system import ActorSystem
 from . import _protocol as P
 from ._curve import user_id
-from ._hosting import NotAuthorized, SpawnRefused, import_actor, learn_type
+from ._hosting import NotAuthorized, learn_type
 from ._sessions import PeerState, Sessions, source_fd
+from ._spawning import spawn_for, stop_for
 from ._typeinfo import register_actor_types
 from ._wire import MalformedMessage, UnknownType, WireError, decode, encode
 from ._zmq import TrioSocket
@@ -206,7 +205,7 @@ class NodeServer:
         except (zmq.ZMQError, trio.ClosedResourceError) as exc:  # gone (ROUTER_MANDATORY)
             log.info("node %s: cannot reach peer: %s", self.name, exc)
 
-    def _send_nowait(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
+    def send_nowait(self, peer: bytes, meta: dict[str, Any], payload: object) -> None:
         """Encode and queue a message without waiting (the ROUTER has no send high-water mark)."""
         try:
             frames = self._encode(meta, payload)
@@ -221,10 +220,10 @@ class NodeServer:
         except Exception:  # called from inside actors: never let it escape into them
             log.exception("node %s: failed to send a %s", self.name, meta.get("k"))
 
-    def _reply_error(
+    def reply_error(
         self, peer: bytes, corr: int, error: BaseException, actor: str, **extra: Any
     ) -> None:
-        self._send_nowait(peer, {"k": P.ERR, "c": corr, **extra}, P.error_info(error, actor))
+        self.send_nowait(peer, {"k": P.ERR, "c": corr, **extra}, P.error_info(error, actor))
 
     # -- receiving -------------------------------------------------------------------------------
 
@@ -265,7 +264,7 @@ class NodeServer:
         log.error("node %s: handling a %r failed", self.name, meta.get("k"), exc_info=exc)
         corr = meta.get("c")
         if isinstance(corr, int):
-            self._reply_error(peer, corr, exc, self.name)
+            self.reply_error(peer, corr, exc, self.name)
 
     def _refuse(self, peer: bytes, exc: WireError) -> None:
         """Answer an undecodable message so its sender learns, and gets its credit back."""
@@ -278,11 +277,11 @@ class NodeServer:
         extra = {"t": target, "n": 1} if credit else {}
         if isinstance(corr, int):
             self.rejected += 1
-            self._reply_error(peer, corr, exc, self.name, **extra)
+            self.reply_error(peer, corr, exc, self.name, **extra)
         elif kind == P.TELL and isinstance(target, str):
             self.rejected += 1
             meta_out = {"k": P.REJECT, "t": target, "n": 1 if credit else 0}
-            self._send_nowait(peer, meta_out, P.error_info(exc, target))
+            self.send_nowait(peer, meta_out, P.error_info(exc, target))
 
     def _raw_for(self, meta: dict[str, Any]) -> bool:
         target = meta.get("t")
@@ -318,15 +317,15 @@ class NodeServer:
         if kind in (P.TELL, P.ASK):
             self._deliver(peer, kind, corr, meta.get("t"), payload)
         elif kind == P.PING:
-            self._send_nowait(peer, {"k": P.PONG}, None)
+            self.send_nowait(peer, {"k": P.PONG}, None)
         elif kind == P.HELLO and isinstance(payload, P.Hello):
             self._hello(peer, state, corr, payload)
         elif kind == P.RESOLVE:
             self._resolve(peer, corr, meta.get("t"))
         elif kind == P.SPAWN and isinstance(payload, P.SpawnRequest):
-            self._nursery.start_soon(self._guarded, self._spawn, peer, meta, state, corr, payload)
+            self._nursery.start_soon(self._guarded, spawn_for, peer, meta, state, corr, payload)
         elif kind == P.STOP:
-            self._nursery.start_soon(self._guarded, self._stop, peer, meta, state, corr, meta)
+            self._nursery.start_soon(self._guarded, stop_for, peer, meta, state, corr, meta)
         elif kind == P.STATS:
             self._stats(peer, corr, meta.get("t"))
         elif kind == P.PEERS and isinstance(payload, P.PeerUpdate):
@@ -336,13 +335,13 @@ class NodeServer:
                 self._unauthorized(peer, corr, error)
                 return
             self.mesh.peer_update(payload)
-            self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
+            self.send_nowait(peer, {"k": P.OK, "c": corr}, None)
         elif kind == P.SHUTDOWN:
             if not state.owner:
                 error = NotAuthorized("only the node's owner may shut it down")
                 self._unauthorized(peer, corr, error)
                 return
-            self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
+            self.send_nowait(peer, {"k": P.OK, "c": corr}, None)
             if self.on_shutdown is not None:
                 self.on_shutdown()
         else:
@@ -352,7 +351,7 @@ class NodeServer:
                 if kind in (P.HELLO, P.SPAWN, P.PEERS)
                 else f"unknown request kind {kind!r}"
             )
-            self._reply_error(peer, corr, unknown, self.name)
+            self.reply_error(peer, corr, unknown, self.name)
 
     # -- messages to actors -------------------------------------------------------------------------
 
@@ -362,11 +361,9 @@ class NodeServer:
             self.unknown_targets += 1
             error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
             if kind == P.ASK:
-                self._reply_error(peer, corr, error, str(target))
+                self.reply_error(peer, corr, error, str(target))
             else:
-                self._send_nowait(
-                    peer, {"k": P.GONE, "t": target}, P.error_info(error, str(target))
-                )
+                self.send_nowait(peer, {"k": P.GONE, "t": target}, P.error_info(error, str(target)))
             return
         window = served.windows.get(peer)
         if window is None:
@@ -377,10 +374,10 @@ class NodeServer:
             self.rejected += 1
             refused = P.MessageRejected(f"{served.path!r}: more messages in flight than credits")
             if kind == P.ASK:
-                self._reply_error(peer, corr, refused, served.path, t=served.path, n=1)
+                self.reply_error(peer, corr, refused, served.path, t=served.path, n=1)
             else:
                 meta = {"k": P.REJECT, "t": served.path, "n": 1}
-                self._send_nowait(peer, meta, P.error_info(refused, served.path))
+                self.send_nowait(peer, meta, P.error_info(refused, served.path))
             return
         if served.backlog == 0:
             try:  # fast path: straight into the mailbox, no forwarder hop
@@ -406,7 +403,7 @@ class NodeServer:
                     await served.ref.enqueue_ask(msg, reply)
             except (ActorError, TypeError) as exc:
                 if kind == P.ASK:
-                    self._reply_error(peer, corr, exc, served.path)
+                    self.reply_error(peer, corr, exc, served.path)
             finally:
                 served.backlog -= 1
             self._owe(served, peer, 1)
@@ -423,7 +420,7 @@ class NodeServer:
                 served.ref.enqueue_ask_nowait(msg, reply)
         except (ActorError, TypeError) as exc:
             if kind == P.ASK:
-                self._reply_error(peer, corr, exc, served.path)
+                self.reply_error(peer, corr, exc, served.path)
 
     def _reply_slot(self, served: _Served, peer: bytes, corr: int) -> Reply:
         """A reply slot that sends the answer from the actor's own resolution, with no task."""
@@ -441,7 +438,7 @@ class NodeServer:
                 meta["t"], meta["n"] = served.path, window.owed
                 window.in_flight -= window.owed
                 window.owed = 0
-            self._send_nowait(peer, meta, payload)
+            self.send_nowait(peer, meta, payload)
 
         return Reply(callback=answer)
 
@@ -454,16 +451,17 @@ class NodeServer:
             meta = {"k": P.CREDIT, "t": served.path, "n": window.owed}
             window.in_flight -= window.owed
             window.owed = 0
-            self._send_nowait(peer, meta, None)
+            self.send_nowait(peer, meta, None)
 
     # -- requests --------------------------------------------------------------------------------
 
     async def _guarded(
         self, handler: Callable[..., Awaitable[None]], peer: bytes, meta: dict[str, Any], *args: Any
     ) -> None:
-        """Run a request's handler task; an unexpected error becomes its error reply."""
+        """Run a request's handler task (``handler(server, peer, *args)``); an unexpected error
+        becomes its error reply."""
         try:
-            await handler(peer, *args)
+            await handler(self, peer, *args)
         except Exception as exc:
             self._failed(peer, meta, exc)
 
@@ -475,7 +473,7 @@ class NodeServer:
     def _unauthorized(self, peer: bytes, corr: int, error: NotAuthorized) -> None:
         self.unauthorized += 1
         log.warning("node %s: refused a peer: %s", self.name, error)
-        self._reply_error(peer, corr, error, self.name)
+        self.reply_error(peer, corr, error, self.name)
 
     def _hello(self, peer: bytes, state: PeerState, corr: int, hello: P.Hello) -> None:
         owner = bool(self.owner_token) and secrets.compare_digest(
@@ -497,7 +495,7 @@ class NodeServer:
             self.mesh.incarnation,
             self.mesh.endpoints,
         )
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, info)
+        self.send_nowait(peer, {"k": P.OK, "c": corr}, info)
 
     def serve_actor(
         self, cell: ActorCell, *, spawner: str | None = None, raw: bool | None = None
@@ -525,7 +523,11 @@ class NodeServer:
         self._nursery.start_soon(self._watch, served)
         return served
 
-    def _actor_info(self, served: _Served, *, token: bool) -> P.ActorInfo:
+    def open_window(self, served: _Served, peer: bytes) -> None:
+        """A fresh flow-control window for ``peer``'s messages to ``served``."""
+        served.windows[peer] = _Window()
+
+    def actor_info(self, served: _Served, *, token: bool) -> P.ActorInfo:
         """What a sender needs; the stop token only for the actor's spawner (a capability:
         others get it only inside a ref that someone holding it chose to send)."""
         cell = served.ref.cell
@@ -537,59 +539,11 @@ class NodeServer:
         cell = self.system.lookup(target) if isinstance(target, str) else None
         if cell is None or not cell.path:
             error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
-            self._reply_error(peer, corr, error, str(target))
+            self.reply_error(peer, corr, error, str(target))
             return
         served = self.serve_actor(cell)
-        served.windows[peer] = _Window()  # a fresh window for this sender
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served, token=False))
-
-    async def _spawn(
-        self, peer: bytes, state: PeerState, corr: int, request: P.SpawnRequest
-    ) -> None:
-        try:
-            if not state.session:
-                raise NotAuthorized("say hello before spawning")
-            cls = import_actor(request.target, self.allow, self.name)
-            existing = self.served.get(request.name)
-            if existing is not None and existing.spawner is not None:
-                if request.adopt and existing.spawner == state.session:
-                    # the same session reconnected (its link blipped): adopt what it left here
-                    existing.windows[peer] = _Window()
-                    info = self._actor_info(existing, token=True)
-                    self._send_nowait(peer, {"k": P.OK, "c": corr}, info)
-                    return
-                if not self.sessions.connected(existing.spawner):
-                    log.warning(
-                        "node %s: stopping %s, left by a session that is gone",
-                        self.name,
-                        request.name,
-                    )
-                    await existing.ref.stop()
-            kwargs = dict(request.kwargs)
-            ref = await self.system.spawn(
-                lambda: cls(**kwargs),
-                name=request.name,
-                restart=Restart(request.restart),
-                mailbox_size=request.mailbox_size
-                if request.mailbox_size is not None
-                else default_mailbox_size(cls),
-            )
-        except (
-            SpawnRefused,
-            NotAuthorized,
-            NameTakenError,
-            ActorCrashed,
-            ValueError,
-            TypeError,
-        ) as exc:
-            if isinstance(exc, SpawnRefused):
-                self.refusals += 1
-            self._reply_error(peer, corr, exc, request.name)
-            return
-        assert isinstance(ref, LocalActorRef)
-        served = self.serve_actor(ref.cell, spawner=state.session)
-        served.windows[peer] = _Window()
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, self._actor_info(served, token=True))
+        self.open_window(served, peer)
+        self.send_nowait(peer, {"k": P.OK, "c": corr}, self.actor_info(served, token=False))
 
     async def _watch(self, served: _Served) -> None:
         cell = served.ref.cell
@@ -599,40 +553,16 @@ class NodeServer:
         served.inbox_send.close()
         info = P.error_info(ActorCrashed(served.path, cell.last_error), served.path)
         for peer in list(served.windows):
-            self._send_nowait(peer, {"k": P.GONE, "t": served.path}, info)
-
-    async def _stop(self, peer: bytes, state: PeerState, corr: int, meta: dict[str, Any]) -> None:
-        target = meta.get("t")
-        served = self.served.get(target) if isinstance(target, str) else None
-        if served is not None:
-            token = meta.get("tok")
-            allowed = (
-                state.owner
-                or (served.spawner is not None and served.spawner == state.session)
-                or (
-                    isinstance(token, str)
-                    and bool(token)
-                    and secrets.compare_digest(token, served.ref.cell.token)
-                )
-            )
-            if not allowed:
-                error = NotAuthorized(
-                    f"{served.path!r} may only be stopped by its spawner, a holder of its ref, "
-                    "or the node's owner"
-                )
-                self._reply_error(peer, corr, error, served.path)
-                return
-            await served.ref.stop()
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, None)
+            self.send_nowait(peer, {"k": P.GONE, "t": served.path}, info)
 
     def _stats(self, peer: bytes, corr: int, target: object) -> None:
         served = self.served.get(target) if isinstance(target, str) else None
         if served is None:
             error = ActorCrashed(str(target), None, detail=f"no such actor on node {self.name!r}")
-            self._reply_error(peer, corr, error, str(target))
+            self.reply_error(peer, corr, error, str(target))
             return
         stats = P.RemoteStatistics.of(served.ref.statistics())
-        self._send_nowait(peer, {"k": P.OK, "c": corr}, stats)
+        self.send_nowait(peer, {"k": P.OK, "c": corr}, stats)
 
     # -- peers coming and going -----------------------------------------------------------------
 
