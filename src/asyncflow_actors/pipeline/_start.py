@@ -2,8 +2,8 @@
 
 A node process spends its first seconds importing torch (and transformers, for a Hugging Face
 model); ``preflight``'s second half (``check_contents``: the model's config through
-transformers, the task and its dataset) and this process's own import of the stations' compute
-module take about as long. They run together here: the nodes start once the quick half
+transformers, the task and its dataset) and this process's own import of its roles' modules
+(torch: not imported before, ``_role_classes``) take about as long. They run together here: the nodes start once the quick half
 (``check_paths``) passed, and a failed check stops them before any role is spawned on them and
 raises its ``PipelineConfigError`` as such (not inside a group).
 """
@@ -16,11 +16,10 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from ._config import PipelineConfig, PipelineConfigError
+from ._config import DRIVER, PipelineConfig, PipelineConfigError
 from ._placement import Placement
 from ._preflight import check_contents
-
-COMPUTE = "asyncflow_actors.roles._compute"
+from ._role_classes import DRIVER_MODULE
 
 
 @asynccontextmanager
@@ -34,8 +33,8 @@ async def open_nodes_beside_checks(
 ) -> AsyncIterator[None]:
     """Start ``place``'s nodes in the background (each, once up, waits for ``place.observe``
     before its roles may spawn) while ``check_contents`` (unless ``checked``: it passed
-    already) and the import of the compute module (torch) run in worker threads; then the
-    block runs. The nodes are stopped on the way out unless the block stopped them
+    already) and the import of this process's roles (``own_modules``: torch) run in worker
+    threads; then the block runs. The nodes are stopped on the way out unless the block stopped them
     (``Placement.stop``)."""
     failed: list[PipelineConfigError] = []
     try:
@@ -49,10 +48,21 @@ async def open_nodes_beside_checks(
                 nursery.cancel_scope.cancel()
             if not failed:
                 # torch loads in a worker thread: this event loop serves the TQ and the run
-                await trio.to_thread.run_sync(importlib.import_module, COMPUTE)
+                await trio.to_thread.run_sync(_import, own_modules(place, modules))
                 yield
                 nursery.cancel_scope.cancel()  # a node still starting: the run is over
     finally:
         await place.stop([])
     if failed:
         raise failed[0]
+
+
+def own_modules(place: Placement, modules: Mapping[str, str]) -> tuple[str, ...]:
+    """What this process imports before its roles start: the stations' compute module, the
+    Driver's and the module of each role placed here (``modules``: role -> module)."""
+    return (*place.preload_modules(DRIVER, modules), DRIVER_MODULE)
+
+
+def _import(names: tuple[str, ...]) -> None:
+    for name in names:
+        importlib.import_module(name)
