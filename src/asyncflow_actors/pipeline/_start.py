@@ -16,6 +16,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from ..roles._gc import gc_paused
+from ..roles.preload import warm_hf_classes
 from ._config import DRIVER, PipelineConfig, PipelineConfigError
 from ._placement import Placement
 from ._preflight import check_contents
@@ -33,22 +35,22 @@ async def open_nodes_beside_checks(
 ) -> AsyncIterator[None]:
     """Start ``place``'s nodes in the background (each, once up, waits for ``place.observe``
     before its roles may spawn) while ``check_contents`` (unless ``checked``: it passed
-    already) and the import of this process's roles (``own_modules``: torch) run in worker
-    threads; then the block runs. The nodes are stopped on the way out unless the block stopped them
-    (``Placement.stop``)."""
+    already) and this process's imports (``own_modules``: torch; the policy's transformers
+    classes where a model role runs here) run in a worker thread, the garbage collector paused
+    (``roles._gc``); then the block runs. The nodes are stopped on the way out unless the block
+    stopped them (``Placement.stop``)."""
     failed: list[PipelineConfigError] = []
+    own = own_modules(place, modules)
     try:
         async with trio.open_nursery() as nursery:
             place.start_soon(nursery, modules, observe_later=True)
             try:
-                if not checked:
-                    await trio.to_thread.run_sync(check_contents, config, checkpoint)
+                # torch loads in a worker thread: this event loop serves the nodes and the run
+                await trio.to_thread.run_sync(_prepare, place, config, checkpoint, checked, own)
             except PipelineConfigError as exc:
                 failed.append(exc)
                 nursery.cancel_scope.cancel()
             if not failed:
-                # torch loads in a worker thread: this event loop serves the TQ and the run
-                await trio.to_thread.run_sync(_import, own_modules(place, modules))
                 yield
                 nursery.cancel_scope.cancel()  # a node still starting: the run is over
     finally:
@@ -63,6 +65,20 @@ def own_modules(place: Placement, modules: Mapping[str, str]) -> tuple[str, ...]
     return (*place.preload_modules(DRIVER, modules), DRIVER_MODULE)
 
 
-def _import(names: tuple[str, ...]) -> None:
-    for name in names:
-        importlib.import_module(name)
+def _prepare(
+    place: Placement,
+    config: PipelineConfig,
+    checkpoint: str | None,
+    checked: bool,
+    modules: tuple[str, ...],
+) -> None:
+    """``check_contents`` (unless ``checked``), then this process's imports (``modules``, and the
+    policy's transformers classes where it hosts a model role), the collector paused."""
+    with gc_paused():
+        if not checked:
+            check_contents(config, checkpoint)
+        for name in modules:
+            importlib.import_module(name)
+        hf = place.hf_model_of(DRIVER)
+        if hf is not None:
+            warm_hf_classes(hf)
