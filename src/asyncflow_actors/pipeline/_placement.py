@@ -158,8 +158,10 @@ class Placement:
 
     def hf_model_of(self, node: str) -> str | None:
         """The Hugging Face folder whose classes ``node`` (or ``DRIVER``) imports before its
-        roles start: ``model.hf`` where it hosts a role that loads the policy, else ``None``."""
-        return self.config.model.hf if self.hosts(node, _MODEL_ROLES) else None
+        roles start: ``model.hf`` where it hosts a role that loads the policy with transformers
+        (not a vLLM rollout: vLLM loads its own), else ``None``."""
+        roles = _MODEL_ROLES - {"rollout"} if self.config.rollout.engine == "vllm" else _MODEL_ROLES
+        return self.config.model.hf if self.hosts(node, roles) else None
 
     def start_soon(
         self, nursery: trio.Nursery, modules: Mapping[str, str], *, observe_later: bool = False

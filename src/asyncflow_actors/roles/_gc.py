@@ -8,7 +8,8 @@ the collector for its block (blocks may nest and overlap across threads: it resu
 last one ends, if it ran before the first), and the first block to end in a process freezes
 what exists then (``gc.freeze``): later full collections (0.2 s each) no longer rescan the
 imported modules. The freeze is once per process, at its start: it keeps for good what was
-alive then, the cyclic garbage of that moment included (a few hundred objects).
+alive then (a few hundred objects of cyclic garbage, and the objects of that moment that become
+garbage in a cycle later: bounded, once), and ``gc.get_objects()`` no longer lists them.
 """
 
 from __future__ import annotations
