@@ -3,9 +3,10 @@
 A node process spends its first seconds importing torch (and transformers, for a Hugging Face
 model); ``preflight``'s second half (``check_contents``: the model's config through
 transformers, the task and its dataset) and this process's own import of its roles' modules
-(torch: not imported before, ``_role_classes``) take about as long. They run together here: the nodes start once the quick half
-(``check_paths``) passed, and a failed check stops them before any role is spawned on them and
-raises its ``PipelineConfigError`` as such (not inside a group).
+(torch, not imported before: ``_role_classes``) take about as long. They run together here:
+the nodes start once the quick half (``check_paths``) passed, and a failed check stops them
+before any role is spawned on them and raises its ``PipelineConfigError`` as such (not inside
+a group).
 """
 
 from __future__ import annotations
