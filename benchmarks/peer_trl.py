@@ -80,20 +80,26 @@ GROUP = 8
 
 
 def _tasks() -> dict[str, dict[str, Any]]:
-    from asyncflow_actors.rl import AdditionTask, LongTailTask
-
+    """Each task's settings (plain values: a run's process imports no torch for them)."""
     return {
         "addition": {
-            "task": AdditionTask(min_digits=2, max_digits=2),
             "prompts": 16, "max_new_tokens": 4, "lr": 5e-4, "threshold": 0.5,
             "warm_accuracy": 0.3, "max_seq_len": 16, "max_steps": 600,
         },
         "longtail": {
-            "task": LongTailTask(op="reverse", distribution="pareto", min_length=2, max_length=16),
             "prompts": 8, "max_new_tokens": 17, "lr": 5e-4, "gain": 0.1,
             "warm_accuracy": 0.3, "max_seq_len": 40, "max_steps": 600,
         },
     }  # fmt: skip
+
+
+def _task(name: str) -> Any:
+    """The task's problems and alphabet (``rl``: imports torch)."""
+    from asyncflow_actors.rl import AdditionTask, LongTailTask
+
+    if name == "addition":
+        return AdditionTask(min_digits=2, max_digits=2)
+    return LongTailTask(op="reverse", distribution="pareto", min_length=2, max_length=16)
 
 
 def reward(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
@@ -121,7 +127,7 @@ def build(name: str, folder: str, quick: bool) -> None:
     from asyncflow_actors.rollout import export_hf
 
     spec = _tasks()[name]
-    task = spec["task"]
+    task = _task(name)
     tokenizer = CharTokenizer(task.alphabet)
     torch.set_num_threads(1)
     torch.manual_seed(0)

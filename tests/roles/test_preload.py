@@ -4,6 +4,7 @@ worker thread before they are spawned; only this package's modules."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,23 @@ def test_only_nodes_hosting_a_model_warm_its_transformers_classes() -> None:
     models = {"rollout", "actor_fwd", "ref_fwd", "trainer"}
     assert place.hosts("trainer-0", models) and place.hosts("rollout-0", models)
     assert not place.hosts("advantage-0", models)
+
+
+def test_the_hf_classes_are_warmed_where_transformers_loads_the_policy(tmp_path: Path) -> None:
+    """``hf_model_of``: a node (or the driver's process) hosting a role that loads the policy
+    with transformers warms ``model.hf``'s classes; a vLLM rollout's does not (vLLM loads its
+    own), nor a process with no model role."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def place(engine: str) -> Placement:
+        config = PipelineConfig.from_dict({
+            "mode": "async", "model": {"hf": str(tmp_path)}, "rollout": {"engine": engine},
+            "placement": {"default": "process", "roles": {"rollout": "driver"}},
+        })  # fmt: skip
+        return Placement(None, config, "x")  # type: ignore[arg-type]
+
+    assert place("hf").hf_model_of("driver") == str(tmp_path)
+    assert place("hf").hf_model_of("trainer-0") == str(tmp_path)
+    assert place("hf").hf_model_of("advantage-0") is None
+    assert place("vllm").hf_model_of("driver") is None
+    assert place("vllm").hf_model_of("trainer-0") == str(tmp_path)

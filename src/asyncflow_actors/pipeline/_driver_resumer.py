@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..actors import (
     ActorRef,
@@ -27,9 +27,11 @@ from ..actors import (
     WhichChildren,
     root_error,
 )
-from ..roles import Driver, DriverHooks
 from ._placement import Placement
 from ._resume import Resume
+
+if TYPE_CHECKING:  # the Driver's module imports torch: the run loads it in a thread first
+    from ..roles import Driver, DriverHooks
 
 log = logging.getLogger("asyncflow_actors.pipeline")
 

@@ -156,6 +156,13 @@ class Placement:
                 out.append(module)
         return tuple(out)
 
+    def hf_model_of(self, node: str) -> str | None:
+        """The Hugging Face folder whose classes ``node`` (or ``DRIVER``) imports before its
+        roles start: ``model.hf`` where it hosts a role that loads the policy with transformers
+        (not a vLLM rollout: vLLM loads its own), else ``None``."""
+        roles = _MODEL_ROLES - {"rollout"} if self.config.rollout.engine == "vllm" else _MODEL_ROLES
+        return self.config.model.hf if self.hosts(node, roles) else None
+
     def start_soon(
         self, nursery: trio.Nursery, modules: Mapping[str, str], *, observe_later: bool = False
     ) -> None:
@@ -181,7 +188,6 @@ class Placement:
         roles (``modules``: role -> module; torch and the compute module without)."""
         place = self.config.placement
         allow, env = self.node_env()
-        hf = self.config.model.hf
 
         async def one(name: str) -> None:
             alias = f"{name}.{self.suffix}"
@@ -203,8 +209,10 @@ class Placement:
                         alias, allow=allow, transport=place.transport, env=env
                     )
                 self.nodes[name] = node  # stopped by ``stop`` from now on
-            warm = hf if self.hosts(name, _MODEL_ROLES) else None
-            preload = {"modules": self.preload_modules(name, modules or {}), "hf_model": warm}
+            preload = {
+                "modules": self.preload_modules(name, modules or {}),
+                "hf_model": self.hf_model_of(name),
+            }
             await node.spawn(Preload, name=f"preload.{self.suffix}", kwargs=preload)
             if self._observed is not None:
                 await self._observed.wait()

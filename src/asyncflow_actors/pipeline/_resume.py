@@ -41,11 +41,10 @@ from ..actors import (
     root_error,
 )
 from ..actors.remote import NodeLost, NodeSystem
-from ..checkpoint import GetReceiverStatistics
-from ..roles import ROLLOUT, Trainer
 from ..roles._ask_again import ask_again, driver_resuming
 from ..roles._driver_resume import TrainerLost
 from ..roles._messages import ResendWeights
+from ..roles._schema import ROLLOUT
 from ..transfer_queue import TransferQueueClient
 from ._placement import Placement, RunFailed
 
@@ -193,6 +192,8 @@ class TrainerResumer:
         if isinstance(root, NodeLost):
             await self._node_restarted()
         self._pid = self._node_pid()
+        from ..roles._trainer import Trainer  # (torch: loaded by the run's start already)
+
         try:
             ref = await self.place.spawn(
                 Trainer, role="trainer", worker=self.worker, kwargs={**self.kwargs, "spec": spec},
@@ -234,6 +235,8 @@ class TrainerResumer:
 
     async def _newest_version(self) -> int:
         """The newest version a weight receiver holds (or has pending) or the queue has."""
+        from ..checkpoint import GetReceiverStatistics  # (torch: loaded by the run's start)
+
         newest = 0
 
         async def receiver(ref: ActorRef[Any]) -> None:

@@ -26,7 +26,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -34,26 +34,18 @@ import trio
 from ..actors import ActorRef, ActorSystem, Restart
 from ..actors.remote import Node, NodeSystem, open_actor_system
 from ..observe import GraphEdge, ObserveConfig, Observer, open_observer
-from ..roles import (
-    ActorForward,
-    Advantage,
-    Driver,
-    DriverHooks,
-    DriverState,
+from ..roles._ask_again import ask_again, driver_resuming
+from ..roles._driver_state import DriverState
+from ..roles._messages import (
     GetRoleStats,
-    RefForward,
-    Reward,
     RoleStatistics,
-    Rollout,
-    RunSpec,
     StepDone,
     Stopped,
     StopRun,
     SyncReport,
-    Trainer,
-    topic_specs,
 )
-from ..roles._ask_again import ask_again, driver_resuming
+from ..roles._schema import topic_specs
+from ..roles._settings import RunSpec
 from ..roles._shared import forget_shared_policy
 from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
@@ -77,10 +69,14 @@ from ._report import (
 )
 from ._reports import Reports, open_reports
 from ._resume import Resume, TrainerResumer
+from ._role_classes import ROLE_MODULES, role_class
 from ._rundir import clear_run_dir, trim_steps
 from ._start import open_nodes_beside_checks
 from ._warmup import roles_spec, warm_up
 from ._watchdog import RunStalled, Watchdog, gather_diagnosis
+
+if TYPE_CHECKING:  # the roles' modules import torch: loaded in a thread as the nodes start
+    from ..roles._driver import DriverHooks
 
 
 def graph(config: PipelineConfig) -> tuple[GraphEdge, ...]:
@@ -178,7 +174,9 @@ class Pipeline:
     def __init__(self, config: PipelineConfig, progress: Progress) -> None:
         self.config = config
         self.progress = progress
-        self.hooks = DriverHooks()
+        from ..roles._driver import DriverHooks  # (imported by ``_start`` already)
+
+        self.hooks: DriverHooks = DriverHooks()
         self.records: list[StepRecord] = []
         self.failed = trio.Event()
         self.errors: list[BaseException] = []
@@ -419,9 +417,7 @@ async def _observer(system: ActorSystem, config: PipelineConfig) -> AsyncIterato
 
 def _role_modules() -> dict[str, str]:
     """The module of each role's class (what a node hosting it preloads)."""
-    classes = {"reward": Reward, "rollout": Rollout, "actor_fwd": ActorForward,
-               "ref_fwd": RefForward, "advantage": Advantage, "trainer": Trainer}  # fmt: skip
-    return {role: cls.__module__ for role, cls in classes.items()}
+    return dict(ROLE_MODULES)
 
 
 async def _spawn_roles(
@@ -431,6 +427,8 @@ async def _spawn_roles(
     run: Pipeline,
     spawned: list[ActorRef[Any]],
 ) -> None:
+    from ..roles._driver import Driver
+
     config = place.config
     resume = DriverState.read(spec.resume_from) if spec.resume_from else None
     hooks = run.hooks
@@ -444,12 +442,11 @@ async def _spawn_roles(
     run.refs["driver"] = driver
     reward: ActorRef[Any] | None = None
     targets: list[ActorRef[Any]] = []
-    classes = {"rollout": Rollout, "actor_fwd": ActorForward, "ref_fwd": RefForward}
     for role, worker in config.instances():
         common = {"spec": spec, "worker": worker}
+        cls: Any = role_class(role)
         if role == "reward":
             kwargs: dict[str, Any] = common
-            cls: Any = Reward
         elif role == "trainer":
             kwargs = {
                 **common,
@@ -457,14 +454,10 @@ async def _spawn_roles(
                 "driver": driver,
                 "targets": tuple(targets),
             }
-            cls = Trainer
-        elif role == "advantage":
-            kwargs, cls = {**common, "controller": controller}, Advantage
         elif role == "rollout":
             kwargs = {**common, "controller": controller, "reward": reward, "driver": driver}
-            cls = Rollout
         else:
-            kwargs, cls = {**common, "controller": controller}, classes[role]
+            kwargs = {**common, "controller": controller}
         restart = Restart.TEMPORARY if role == "trainer" else Restart.PERMANENT
         ref = await place.spawn(cls, role=role, worker=worker, kwargs=kwargs, restart=restart)
         spawned.append(ref)
