@@ -30,13 +30,16 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def test_paused_in_the_block_resumed_after_and_frozen_once(fresh: list[int]) -> None:
-    with gc_paused():
+    with gc_paused():  # the driver's (the user's process): never frozen
+        assert not gc.isenabled()
+    assert gc.isenabled() and fresh == []
+    with gc_paused(freeze=True):
         assert not gc.isenabled()
         with gc_paused():  # nested
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled() and fresh == [1]
-    with gc_paused():
+    with gc_paused(freeze=True):
         assert not gc.isenabled()
     assert gc.isenabled() and fresh == [1]  # frozen at the first end only
 

@@ -48,7 +48,7 @@ class Preload(Actor[Loaded]):
         await trio.to_thread.run_sync(self._load)
 
     def _load(self) -> None:
-        with gc_paused():  # a full collection every quarter of growth: ~0.5 s of a start
+        with gc_paused(freeze=True):  # a full collection every quarter of growth: ~0.5 s
             for name in self.modules:
                 importlib.import_module(name)
             if self.hf_model is not None:
