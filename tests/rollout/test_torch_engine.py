@@ -614,24 +614,8 @@ def test_a_process_exiting_right_after_a_cancelled_engine_exits_cleanly(tmp_path
     )
     root = str(Path(__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    # the exit hits a decode step most times, not every time: three runs, side by side (each
-    # is mostly its interpreter's start-up and imports, which need not wait for the last's)
-    runs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+    for _ in range(3):  # the exit hits a decode step most times, not every time
+        done = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
         )
-        for _ in range(3)
-    ]
-    try:
-        for run in runs:
-            _, stderr = run.communicate(timeout=120)
-            assert run.returncode == 0, stderr
-    finally:
-        for run in runs:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
+        assert done.returncode == 0, done.stderr
