@@ -4,6 +4,7 @@ policy on reversed-answer addition, and a control whose rewards are shuffled acr
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from asyncflow_actors.models import (
     save_model,
 )
 from asyncflow_actors.pipeline import PipelineConfig, run_pipeline
-from asyncflow_actors.rl import AdditionTask, evaluate, sft_warmup
+from asyncflow_actors.rl import AdditionTask, SFTResult, evaluate, sft_warmup
 
 TASK = AdditionTask(min_digits=2, max_digits=2)
 
@@ -43,6 +44,31 @@ def held_out_reward(model: TinyDecoder) -> float:
         )
         / 4
     )
+
+
+@functools.cache
+def _warm_start() -> tuple[TinyDecoder, SFTResult, float, torch.Tensor]:
+    tokenizer = CharTokenizer(TASK.alphabet)
+    torch.manual_seed(2)
+    model = TinyDecoder(
+        TinyConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=4, max_seq_len=16)
+    )
+    sft = sft_warmup(
+        model, TASK, tokenizer, target_accuracy=0.3, max_steps=1500, eval_every=10, seed=2
+    )
+    return model, sft, held_out_reward(model), torch.get_rng_state()
+
+
+def warm_start(init: Path) -> float:
+    """The SFT-warmed policy saved at ``init``; returns its held-out reward. The warm-up is
+    deterministic (fixed seeds, one torch thread), so it runs once a session and
+    ``tests/train/test_ranked_learning.py`` starts from the same policy; torch's global
+    generator is left as the warm-up leaves it, as if it had run here."""
+    model, sft, before, rng = _warm_start()
+    assert sft.reached_target, sft
+    save_model(init, model, tokenizer=CharTokenizer(TASK.alphabet))
+    torch.set_rng_state(rng)
+    return before
 
 
 def config(init: Path, run_dir: Path, *, shuffle: bool) -> PipelineConfig:
@@ -71,18 +97,8 @@ def config(init: Path, run_dir: Path, *, shuffle: bool) -> PipelineConfig:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 async def test_async_grpo_raises_reward_and_a_shuffled_control_does_not(tmp_path: Path) -> None:
-    tokenizer = CharTokenizer(TASK.alphabet)
-    torch.manual_seed(2)
-    model = TinyDecoder(
-        TinyConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=4, max_seq_len=16)
-    )
-    sft = sft_warmup(
-        model, TASK, tokenizer, target_accuracy=0.3, max_steps=1500, eval_every=10, seed=2
-    )
-    assert sft.reached_target, sft
     init = tmp_path / "sft.safetensors"
-    save_model(init, model, tokenizer=tokenizer)
-    before = held_out_reward(model)
+    before = warm_start(init)
     after = {}
     for shuffle in (False, True):
         result = await run_pipeline(config(init, tmp_path / f"run-{shuffle}", shuffle=shuffle))

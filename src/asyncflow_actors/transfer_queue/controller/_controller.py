@@ -30,54 +30,35 @@ Invariants of the bookkeeping maps (hold between any two messages; ``check_invar
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from .. import _messages as M
-from .. import _unit_messages as U
-from .._errors import TransferQueueError, UnknownSample, unexpected
-from .._results import GroupSlot, Loss, Update
-from .._runtime import Actor, ActorContext, Request
+from .._errors import TransferQueueError, unexpected
+from .._results import Loss
+from .._runtime import ActorContext, Request
 from ..state._state import ControllerState
-from ._claims import ClaimQueues, WaitingClaim
-from ._delivery import Delivered, Delivery
-from ._events import EventWaiters
-from ._grants import Grants
-from ._locations import Locations
-from ._puts import Allocated, PutQueues, WaitingPut, slots_of
-from ._recovery import Recovery, UnitSeen, UnitSettled, unit_tokens
+from ._base import Ctx, log
+from ._claiming import Claiming
+from ._delivery import Delivered
+from ._puts import WaitingPut, slots_of
+from ._putting import Putting
+from ._recovery import UnitSeen, UnitSettled, unit_tokens
 from ._shared import REMEMBERED, ControllerShared
-from ._timer import Tick, Timer
+from ._timer import Tick
 
-log = logging.getLogger("asyncflow_actors.transfer_queue")
-
-Ctx = ActorContext[Any]
 Handler = Callable[[Any, Ctx, ControllerState], Any]
 
 
-class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen | UnitSettled]):
+class Controller(Putting, Claiming):
     """See the module docstring. Create it with ``Controller(shared)``."""
 
     mailbox_size = 1024
 
     def __init__(self, shared: ControllerShared) -> None:
-        self.shared = shared
-        self.state: ControllerState | None = None
-        self.epoch = 0
-        self.puts = PutQueues()
-        self.claims = ClaimQueues()
-        self.grants = Grants()  # claim id <-> lease id, until the lease ends
-        self.waiters = EventWaiters(shared.log)
-        self.evicted_groups = 0
-        self.lost_samples = 0
-        self.abandoned_samples = 0
-        self.timer = Timer(self._next_deadline)
-        self.locations = Locations()  # rows put through shared memory (see ``_locations``)
-        self.delivery = Delivery(shared, self.puts.waiting, self._check_units)
-        self.recovery = Recovery(shared, self.delivery, self.locations)
+        super().__init__(shared)
         self.handlers: dict[type, Handler] = {
             M.Commit: self._commit,
             M.Claim: self._claim,
@@ -131,9 +112,6 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen | UnitS
         ctx.start_soon(self.recovery.watch, ctx)
         ctx.start_soon(self.delivery.run, ctx)
         ctx.start_soon(self.recovery.settle, ctx)  # the units silent at the rebuild
-
-    def _check_units(self) -> None:
-        self.recovery.check()
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -296,106 +274,7 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen | UnitS
         out.extend(f"7: {problem}" for problem in state.check_invariants())
         return out
 
-    # -- puts ------------------------------------------------------------------------------------
-
-    def _incarnations(self, units: Any) -> dict[str, str]:
-        return {u: self.shared.known.get(u) or "" for u in units}
-
-    def _put(self, state: ControllerState, msg: M.Allocate | M.OpenGroups) -> Any:
-        now = trio.current_time()
-        if isinstance(msg, M.OpenGroups):
-            slots = state.open_groups(msg.topic, msg.sizes, holder=msg.holder, now=now)
-            self._group_infos(msg.topic, tuple(s.group_id for s in slots))
-            self._records(msg.topic)
-            self.puts.grant(msg.put_id, slots)
-            self._write_deadline(msg.topic, now)
-            return M.OpenedGroups(slots, self._incarnations({s.unit for s in slots}))
-        allocation = state.allocate(
-            msg.topic,
-            msg.n,
-            msg.version,
-            group=msg.group,
-            lengths=msg.lengths,
-            holder=msg.holder,
-            now=now,
-        )
-        # every unit keeps the watermarks: a rebuild must never reuse an index, even if the
-        # unit that held the newest samples is gone
-        self._records(msg.topic)
-        self.puts.grant(msg.put_id, Allocated(allocation, msg.group))
-        self._write_deadline(msg.topic, now)
-        self._kick(msg.topic, puts=False)
-        units = set(allocation.units)
-        free = self.shared.outbox.free
-        hints = {u: free[u] for u in units if free.get(u)}
-        return M.Placed(allocation, self._incarnations(units), hints)
-
-    def _fits(self, state: ControllerState, topic: str, size: int) -> bool:
-        """Whether ``size`` slots fit now: the capacity counts live samples, reserved group
-        slots, and freed samples whose deletion their unit has not taken yet (so it bounds
-        what the units hold). Raises ``CapacityError`` if ``size`` can never fit."""
-        if not state.can_allocate(topic, size):
-            return False
-        free = state.free_slots(topic)
-        return free is None or free - self.shared.outbox.deleting.get(topic, 0) >= size
-
-    def _commit(self, msg: M.Commit, ctx: Ctx, state: ControllerState) -> None:
-        if msg.put_id and msg.put_id in self.shared.done:
-            return  # a retry: the first commit went through
-        known = self.shared.known
-        for unit, store in msg.stores.items():
-            if unit not in self.shared.units or known.get(unit) != store.incarnation:
-                raise UnknownSample(msg.topic, store.indexes)  # that incarnation is gone
-        state.commit_write(msg.topic, msg.indexes, msg.columns)
-        for unit, store in msg.stores.items():  # before its Committed and any Delete
-            self._to_unit(unit, store)
-        if not msg.new:
-            self.locations.drop(msg.topic, msg.indexes)  # rewritten cells lie elsewhere now
-        for unit, located in msg.located.items():
-            self.locations.add(msg.topic, unit, located)
-        if msg.new:
-            granted = self.puts.pop_granted(msg.put_id)
-            if isinstance(granted, Allocated) and granted.allocation.indexes == msg.indexes:
-                # placed as allocated (no lookup); only an explicit group has a record to send
-                pairs: Any = zip(msg.indexes, granted.allocation.units, strict=True)
-                group = granted.group
-                gids: Any = () if group is None else dict.fromkeys(_as_tuple(group))
-            else:  # allocated by an earlier incarnation
-                where = state.locate(msg.topic, msg.indexes)
-                pairs = ((index, unit) for index, (_, unit) in where.items())
-                gids = {gid for gid, _ in where.values()}
-            placed: dict[str, list[int]] = {}
-            for index, unit in pairs:
-                placed.setdefault(unit, []).append(index)
-            for unit, indexes in placed.items():
-                self._to_unit(unit, U.Committed(msg.topic, indexes))
-            self._group_infos(msg.topic, gids)
-            self.shared.remember(msg.put_id, None)
-        self._kick(msg.topic)
-
-    def _cancel_put(self, state: ControllerState, put_id: int) -> None:
-        item = self.puts.cancel(put_id)
-        if item is not None:
-            item.reply.fail(TransferQueueError(f"put {put_id} cancelled by its writer"))
-            return
-        granted = self.puts.pop_granted(put_id)
-        if granted is None:
-            return
-        if isinstance(granted, tuple):  # groups opened, but the writer never saw them
-            slots: tuple[GroupSlot, ...] = granted
-            for slot in slots:
-                topic, gid = slot.topic, slot.group_id
-                try:
-                    self._apply(state.shrink_group(topic, gid, slot.size))
-                    self._group_infos(topic, (gid,))
-                except TransferQueueError:
-                    pass  # already used or gone
-            self._kick(slots[0].topic)
-        else:  # allocated, but the writer never saw the indexes
-            allocation = granted.allocation
-            self._discard(
-                state, M.Discard(allocation.topic, allocation.indexes, missing_ok=True, undo=True)
-            )
+    # -- holders and losses ----------------------------------------------------------------------
 
     def _withdraw(self, holder: str) -> None:
         """``holder`` went away: its requests still waiting here go with its leases. A claim a
@@ -411,193 +290,10 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen | UnitS
                 TransferQueueError(f"put withdrawn: its holder {holder!r} was released")
             )
 
-    def _retry_puts(self, topic: str) -> None:
-        state = self.state
-        waiting = self.puts.waiting.get(topic)
-        assert state is not None
-        while waiting:
-            head = waiting[0]
-            if not self._fits(state, topic, slots_of(head.msg)):
-                return  # FIFO: later puts wait behind the head
-            waiting.popleft()
-            try:
-                head.reply.send(self._put(state, head.msg))
-            except TransferQueueError as exc:
-                head.reply.fail(exc)
-
-    # -- claims ----------------------------------------------------------------------------------
-
-    def _claim(self, msg: M.Claim, ctx: Ctx, state: ControllerState) -> Any:
-        leased = self._try_claim(state, msg)
-        if leased is not None:
-            marks = self._store_marks(msg, leased)
-            if not marks:
-                return leased
-            self.delivery.hold(marks, ctx.defer_reply(), leased)
-            return None
-        if not msg.wait:
-            return None
-        self.claims.add(WaitingClaim(msg, ctx.defer_reply()), state.changes(msg.topic))
-        self._wake_timer(state)  # a claim held back for groups about to go stale: till when
-        return None
-
-    def _store_marks(self, msg: M.Claim, leased: M.Leased) -> dict[str, int]:
-        """The told stores to wait for before the claimant may ask the units of its lease:
-        none for units whose rows it maps from shared memory without asking."""
-        units = [u for u in leased.lease.placement if u not in leased.located or u not in msg.maps]
-        return self.delivery.marks(units)
-
-    def _try_claim(self, state: ControllerState, msg: M.Claim) -> M.Leased | None:
-        lease = state.claim(
-            msg.topic,
-            msg.consumer,
-            msg.columns,
-            msg.count,
-            holder=msg.holder,
-            now=trio.current_time(),
-            sampler=msg.sampler,
-            min_count=msg.min_count,
-            share_key=msg.share_key,
-            share_count=msg.share_count,
-        )
-        if lease is None:
-            return None
-        self.grants.add(msg.claim_id, lease.id)
-        self.timer.deadline(lease.deadline)
-        located = self.locations.of_lease(lease, self.shared.specs[lease.topic])
-        return M.Leased(lease, self._incarnations(lease.placement), located)
-
-    def _retry_claims(self, topic: str) -> None:
-        state = self.state
-        assert state is not None
-
-        def attempt(waiting: WaitingClaim) -> bool:
-            try:
-                leased = self._try_claim(state, waiting.msg)
-            except TransferQueueError as exc:
-                waiting.reply.fail(exc)
-                return True
-            if leased is None:
-                return False
-            marks = self._store_marks(waiting.msg, leased)
-            if marks:
-                self.delivery.hold(marks, waiting.reply, leased)
-            elif not waiting.reply.send(leased):  # the claimant is gone: give the samples back
-                self._apply(state.nack(leased.lease.id))
-            return True
-
-        self.claims.serve(topic, state.changes(topic), attempt)
-        if len(self.claims):
-            self._wake_timer(state)
-
-    def _wake_timer(self, state: ControllerState) -> None:
-        deadline = state.next_deadline()
-        if deadline is not None:
-            self.timer.deadline(deadline)
-
-    def _stores_taken(self, state: ControllerState) -> None:
-        """Send the held replies whose units took their stores (or were declared lost)."""
-        for reply, value in self.delivery.taken():
-            if not reply.send(value) and isinstance(value, M.Leased):
-                try:  # the claimant is gone: give the samples back
-                    self._apply(state.nack(value.lease.id))
-                except TransferQueueError:
-                    pass  # it ended already (its claim was cancelled)
-                self._kick(value.lease.topic)
-
-    def _cancel_claim(self, state: ControllerState, claim_id: int) -> None:
-        waiting = self.claims.pop(claim_id)
-        if waiting is not None:
-            waiting.reply.fail(TransferQueueError(f"claim {claim_id} cancelled by its claimant"))
-            return
-        lease_id = self.grants.cancel(claim_id)
-        if lease_id is not None:  # granted, but the claimant never saw it
-            try:
-                self._apply(state.nack(lease_id))
-            except TransferQueueError:
-                pass  # it ended already
-            self._kick_all()
-
-    def _end_lease(
-        self, state: ControllerState, lease_id: int, holder: str | None, *, ack: bool
-    ) -> tuple[int, ...]:
-        lease = state.lease(lease_id)
-        update = state.ack(lease_id, holder=holder) if ack else state.nack(lease_id)
-        self._apply(update)
-        if ack and lease_id in update.ended:
-            for unit, indexes in lease.placement.items():
-                self._to_unit(unit, U.MarkConsumed(lease.topic, lease.consumer, list(indexes)))
-        if update.missing:
-            self._event("missing", lease.topic, (), update.missing, f"lease {lease_id}")
-        self._kick(lease.topic)
-        return update.missing
-
-    # -- the rest of the state changes -----------------------------------------------------------
-
-    def _discard(self, state: ControllerState, msg: M.Discard) -> tuple[int, ...]:
-        indexes, missing = list(msg.indexes), tuple[int, ...]()
-        if msg.missing_ok:
-            try:
-                state.locate(msg.topic, indexes)
-            except UnknownSample as exc:
-                missing = exc.indexes
-                indexes = [i for i in indexes if i not in set(missing)]
-            if not indexes:
-                return missing
-        located = state.locate(msg.topic, indexes)
-        drop = state.unallocate if msg.undo else state.discard
-        self._apply(drop(msg.topic, indexes))
-        self._group_infos(msg.topic, {gid for gid, _ in located.values()})
-        self._kick(msg.topic)
-        return missing
-
-    def _apply(self, update: Update) -> None:
-        for release in update.releases:
-            self.locations.drop(release.topic, release.indexes)
-            self._to_unit(
-                release.unit,
-                U.Delete(release.topic, list(release.indexes), list(release.group_ids)),
-            )
-        for eviction in update.evictions:
-            self.evicted_groups += len(eviction.group_ids)
-            self._event(
-                "evicted", eviction.topic, eviction.group_ids, eviction.indexes, eviction.reason
-            )
-        for gone in update.abandoned:
-            self.abandoned_samples += len(gone.indexes)
-            self._event("abandoned", gone.topic, gone.group_ids, gone.indexes, "writer gone")
-            self._group_infos(gone.topic, gone.group_ids)
-        self.grants.ended(update.ended)
-
     def _lost(self, loss: Loss) -> None:
         """A unit lost its data (``Recovery``): report it, and wake who waits."""
         self._report_loss(loss)
         self._kick_all()
-
-    def _report_loss(self, loss: Loss) -> None:
-        for lost in loss.lost:
-            self.lost_samples += len(lost.indexes)
-            self._event("lost", lost.topic, lost.group_ids, lost.indexes, f"unit {loss.unit}")
-        if loss.lost:
-            log.warning("storage unit %s lost: %s", loss.unit, loss.group_ids)
-
-    def _to_unit(self, unit: str, item: Any) -> None:
-        """Queue bookkeeping for a unit (``Delivery``); deletes go at once while puts wait for
-        their slots, or soon will (see ``_delivery``)."""
-        if not self.delivery.send(unit, item) or self.delivery.flush_waiters:
-            return  # the unit is down, or nothing lingers anyway
-        if isinstance(item, U.Delete) and (
-            self.puts.waits(item.topic) or self.delivery.short(self.state, item.topic)
-        ):
-            self.delivery.hurry()  # counted once queued: the delete occupies its slots till taken
-
-    def _group_infos(self, topic: str, gids: Any) -> None:
-        assert self.state is not None
-        self.delivery.group_infos(self.state, topic, gids)
-
-    def _records(self, topic: str) -> None:
-        assert self.state is not None
-        self.delivery.records(self.state, topic)
 
     # -- waking waiters --------------------------------------------------------------------------
 
@@ -609,20 +305,3 @@ class Controller(Actor[M.ControllerMessage | Tick | Delivered | UnitSeen | UnitS
     def _kick_all(self) -> None:
         for topic in set(self.puts.topics()) | set(self.claims.topics()):
             self._kick(topic)
-
-    def _event(
-        self, kind: str, topic: str, groups: tuple[int, ...], indexes: tuple[int, ...], detail: str
-    ) -> None:
-        self.shared.log.add(kind, topic, groups, indexes, detail)
-
-    def _write_deadline(self, topic: str, now: float) -> None:
-        ttl = self.shared.specs[topic].write_ttl
-        if ttl is not None:
-            self.timer.deadline(now + ttl)
-
-    def _next_deadline(self) -> float | None:
-        return self.state.next_deadline() if self.state is not None else None
-
-
-def _as_tuple(group: int | tuple[int, ...]) -> tuple[int, ...]:
-    return group if isinstance(group, tuple) else (group,)

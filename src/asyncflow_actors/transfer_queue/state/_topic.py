@@ -1,283 +1,26 @@
-"""Per-topic bookkeeping behind :class:`ControllerState` (internal), vectorized.
+"""The mutations of one topic's state behind :class:`ControllerState` (internal), vectorized.
 
-Samples and groups are rows of two :class:`Table`\\ s (one numpy array per field), so a put, a
-claim or an ack of n samples is a handful of array operations, not n Python steps. Per-sample
-fields: version, group, unit, length, present columns (a bit mask), consumers that acked and
-that lease it (bit masks), bytes per column, committed. Per-group fields: unit, size, members
-allocated and committed, shared columns present, live members, live members each consumer has
-not acked, (member, consumer) pairs under lease, pending-eviction flag, first and last member.
-
-A *view* (:class:`View`) answers which samples a consumer may claim for a column set; every
-mutation that may change it goes through :meth:`Topic._changing` or one of the mutation methods
-that use it, so its counts and hints can never fall out of step.
-
-Capacity is counted in *occupied* slots: live samples plus reserved (not yet allocated) slots of
-open groups, so a streaming group can always complete once opened.
+:class:`Topic` changes the tables of :class:`TopicTables` (structure, writes, leases, the
+version window) and keeps the views of :class:`Candidacy` in step with every change: each
+mutation that may change a sample's candidacy goes through ``_changing`` (or counts the change
+itself), so a view's counts and hints can never fall out of step.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from .._errors import SchemaError, UnknownColumn, UnknownConsumer, UnknownGroup
-from .._spec import TopicSpec
+from ._candidacy import Candidacy
 from ._effects import Effects
-from ._table import (
-    Bools,
-    Index,
-    Ints,
-    Table,
-    distinct,
-    popcount,
-    rows_of,
-    runs,
-    scatter_add,
-)
+from ._table import Index, Ints, distinct, popcount, rows_of, runs, scatter_add
+from ._topic_tables import NO_MEMBER
 from ._view import View
 
-_MAX_BITS = 63  # masks are int64
-_NONE: Bools = np.zeros((), np.bool_)  # "no candidate before": 0-d, broadcasts against any rows
-NO_MEMBER = int(np.iinfo(np.int64).max)  # ``first`` of a group with no member yet
 
-
-def _bits(kind: str, topic: str, names: Iterable[str]) -> dict[str, int]:
-    table = {name: 1 << k for k, name in enumerate(names)}
-    if len(table) > _MAX_BITS:
-        raise SchemaError(f"topic {topic!r}: at most {_MAX_BITS} {kind}, got {len(table)}")
-    return table
-
-
-class Topic:
+class Topic(Candidacy):
     """The mutable state of one topic; :class:`ControllerState` validates, this mutates."""
-
-    def __init__(self, spec: TopicSpec, units: tuple[str, ...], load: Ints) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.units = units
-        self.load = load  # shared with the state: occupied slots per unit, all topics
-        self.consumer_ix = {c: i for i, c in enumerate(spec.consumers)}
-        self.full = (1 << len(spec.consumers)) - 1
-        self.col_bit = _bits("per-sample columns", spec.name, sorted(spec.sample_columns))
-        self.shared_bit = _bits("shared columns", spec.name, sorted(spec.shared_columns))
-        _bits("consumers", spec.name, spec.consumers)
-        self.col_ix = {c: k for k, c in enumerate(self.col_bit)}
-        self.shared_ix = {c: k for k, c in enumerate(self.shared_bit)}
-        self.s = s = Table()
-        for name in ("version", "gid", "gs", "unit", "length", "cols", "acked", "leased"):
-            s.add(name, np.int64)
-        s.add("nbytes", np.int64)
-        s.add("cbytes", np.int64, max(1, len(self.col_bit)))
-        s.add("committed", np.bool_)
-        self.g = g = Table()
-        for name in ("unit", "size", "alloc", "committed", "shared", "nbytes", "nmem", "held"):
-            g.add(name, np.int64)
-        g.add("first", np.int64)
-        g.add("last", np.int64)
-        g.add("owner", np.int64)
-        g.add("born", np.int64)  # the topic's latest version when the group opened
-        g.add("sbytes", np.int64, max(1, len(self.shared_bit)))
-        g.add("unacked", np.int64, len(spec.consumers))
-        g.add("doomed", np.bool_)
-        g.add("explicit", np.bool_)
-        g.add("deadline", np.float64)
-        g.on_compact.append(self._groups_compacted)
-        self.latest = 0
-        self.next_index = 0
-        self.next_gid = 0
-        self.views: dict[tuple[int, frozenset[str]], View] = {}
-        self.views_of: list[list[View]] = [[] for _ in spec.consumers]
-        self.shares: dict[tuple[int, object], int] = {}  # (consumer, share key) -> lease id
-        self.ndoomed = 0
-        self.reserved = 0
-        self.written = 0
-        self.live_bytes = 0
-        self.shared_total = 0
-        self.leased_count = [0] * len(spec.consumers)
-        self.consumed_count = [0] * len(spec.consumers)
-        self.leases = 0
-        self.allocated_total = 0
-        self.freed_total = 0
-        self.evicted_total = 0
-        self.evicted_groups = 0
-        self.lost_total = 0
-        self.lost_groups = 0
-        self.discarded_total = 0
-        self.changes = 0
-        # whole-group claims keep room for groups about to go stale (``WholeGroups``) for
-        # ``lease_ttl`` from the first claim held back at the latest version, no longer: a
-        # group whose writer died without a release must not stall its consumers till write_ttl
-        self.hold_version = -1
-        self.hold_until = math.inf
-        self.hold_woken = True  # claims held back were told that the hold ended (or none was)
-
-    # -- lookups -------------------------------------------------------------------------------
-
-    @property
-    def threshold(self) -> int:
-        """Oldest fresh version: a sample is fresh iff ``version >= threshold``."""
-        return self.latest - self.spec.staleness
-
-    @property
-    def occupied(self) -> int:
-        return self.s.nlive + self.reserved
-
-    def consumer(self, name: str) -> int:
-        try:
-            return self.consumer_ix[name]
-        except KeyError:
-            raise UnknownConsumer(
-                f"topic {self.name!r} has no consumer {name!r} "
-                f"(declared: {list(self.spec.consumers)})"
-            ) from None
-
-    def group(self, gid: int) -> int:
-        """The slot of live group ``gid``; raises :class:`UnknownGroup`."""
-        slot = self.g.slot_of(gid) if isinstance(gid, int) and not isinstance(gid, bool) else -1
-        if slot < 0:
-            state = (
-                "is no longer live (freed, evicted or lost)"
-                if isinstance(gid, int) and 0 <= gid < self.next_gid
-                else "was never opened"
-            )
-            exc = UnknownGroup(f"group {gid!r} of topic {self.name!r} {state}")
-            if isinstance(gid, int):
-                exc.group_id = gid
-            raise exc
-        return slot
-
-    def masks(self, columns: Iterable[str]) -> tuple[int, int]:
-        """(per-sample mask, shared mask) of ``columns``; raises :class:`UnknownColumn`."""
-        smask = gmask = 0
-        for name in columns:
-            if name in self.col_bit:
-                smask |= self.col_bit[name]
-            elif name in self.shared_bit:
-                gmask |= self.shared_bit[name]
-            else:
-                raise UnknownColumn(
-                    f"topic {self.name!r} has no column {name!r} "
-                    f"(declared: {sorted(self.spec.columns)})"
-                )
-        return smask, gmask
-
-    def members(self, gslot: int) -> Ints:
-        """Slots of the live members of group ``gslot``, ascending."""
-        s, g = self.s, self.g
-        first = int(g.first[gslot])
-        if first == NO_MEMBER:
-            return np.zeros(0, np.int64)
-        lo = s.first_at_or_after(first)
-        hi = s.first_at_or_after(int(g.last[gslot]) + 1)
-        return lo + np.flatnonzero(s.live[lo:hi] & (s.gs[lo:hi] == gslot))
-
-    def members_of(self, gslots: Ints) -> Ints:
-        """Slots of the live members of several groups, ascending."""
-        if len(gslots) == 1:
-            return self.members(int(gslots[0]))
-        s, g = self.s, self.g
-        sel = np.zeros(g.n, np.bool_)
-        sel[gslots] = True
-        n = s.n
-        return np.flatnonzero(s.live[:n] & sel[np.minimum(s.gs[:n], g.n - 1)])
-
-    def is_stale(self, gslot: int) -> bool:
-        rows = self.members(gslot)
-        return bool(rows.size) and int(self.s.version[rows].min()) < self.threshold
-
-    # -- views ---------------------------------------------------------------------------------
-
-    def view(self, ci: int, columns: frozenset[str]) -> View:
-        """The view of consumer ``ci`` over ``columns``, built on first use (one O(n) pass)."""
-        key = (ci, columns)
-        v = self.views.get(key)
-        if v is None:
-            smask, gmask = self.masks(columns)
-            field = f"cand{len(self.views)}"
-            self.g.add(field, np.int64)
-            v = View(ci, columns, smask, gmask, field)
-            self.views[key] = v
-            self.views_of[ci].append(v)
-            rows = slice(0, self.s.n)
-            c = self.cand(v, rows)
-            self._count(v, self.s.gs[rows][c], 1)
-        return v
-
-    def cand(self, v: View, rows: Index) -> Bools:
-        """Whether each sample of ``rows`` is a candidate of ``v``."""
-        s = self.s
-        m: Bools = s.live[rows] & ((s.cols[rows] & v.smask) == v.smask)
-        m &= ((s.acked[rows] | s.leased[rows]) & v.bit) == 0
-        if self.ndoomed or v.gmask:
-            g = self.g
-            gs = np.minimum(s.gs[rows], g.n - 1)
-            if self.ndoomed:
-                m &= ~g.doomed[gs]
-            if v.gmask:
-                m &= (g.shared[gs] & v.gmask) == v.gmask
-        return m
-
-    def _count(self, v: View, gslots: Ints, sign: int) -> None:
-        if gslots.size:
-            scatter_add(getattr(self.g, v.field), gslots, sign)
-            v.nready += sign * int(gslots.size)
-
-    @contextmanager
-    def _changing(
-        self, rows: Index, views: Iterable[View] | None = None, *, fresh: Iterable[View] = ()
-    ) -> Iterator[None]:
-        """Around a change of ``rows``' candidacy (columns present, acks, leases, doom, group
-        shared columns): on exit, the views' counts and hints follow what changed. ``views``:
-        those whose candidacy of ``rows`` may change (default: all); ``fresh``: views none of
-        ``rows`` was a candidate of (nothing to look at before)."""
-        befores = self._before(rows, views)
-        yield
-        self._after(rows, befores + [(v, _NONE) for v in fresh])
-
-    def _before(self, rows: Index, views: Iterable[View] | None = None) -> list[tuple[View, Bools]]:
-        """Candidacy of ``rows`` in ``views`` (default: all), to pass to :meth:`_after`."""
-        return [(v, self.cand(v, rows)) for v in (self.views.values() if views is None else views)]
-
-    def _after(self, rows: Index, befores: list[tuple[View, Bools]]) -> None:
-        """Apply the candidacy changes of ``rows`` since :meth:`_before` to the views' counts."""
-        s = self.s
-        for v, was in befores:
-            now = self.cand(v, rows)
-            if was is _NONE:  # none was a candidate before: only gains (new samples)
-                gained = now
-            else:
-                if np.array_equal(now, was):
-                    continue
-                gained = now & ~was
-                self._count(v, s.gs[rows][was & ~now], -1)
-            if gained.any():
-                gs = s.gs[rows]
-                self._count(v, gs[gained], 1)
-                v.lo = min(v.lo, int(s.ids[rows][gained].min()))
-                v.glo = min(v.glo, int(s.gid[rows][gained].min()))
-
-    def _lower_group_hints(self, gid: int, views: Iterable[View] | None = None) -> None:
-        """A group at or above ``gid`` may have become eligible (members, acks, size)."""
-        for v in self.views.values() if views is None else views:
-            v.glo = min(v.glo, gid)
-
-    def eligible(self, v: View, lo: int, hi: int) -> Bools:
-        """Whether each group of slots ``lo:hi`` is eligible for whole-group claims in ``v``."""
-        g = self.g
-        un = g.unacked[lo:hi, v.ci]
-        m: Bools = g.live[lo:hi] & (g.alloc[lo:hi] == g.size[lo:hi]) & (un > 0)
-        m &= getattr(g, v.field)[lo:hi] == un
-        return m
-
-    def ready_groups(self, v: View) -> tuple[int, int]:
-        """(eligible groups, samples they hand out) for ``v``: one pass over the groups."""
-        n = self.g.n
-        m = self.eligible(v, 0, n)
-        return int(m.sum()), int(self.g.unacked[:n, v.ci][m].sum())
 
     # -- structure -----------------------------------------------------------------------------
 
@@ -604,13 +347,3 @@ class Topic:
             self.g.doomed[gslot] = False
             self.ndoomed -= 1
         self._lower_group_hints(int(self.g.ids[gslot]))
-
-    def tidy(self) -> None:
-        """Compact the tables once dead rows dominate (call between operations only)."""
-        self.s.maybe_compact()
-        self.g.maybe_compact()
-
-    def _groups_compacted(self, keep: Bools) -> None:
-        s, g = self.s, self.g
-        if g.n:
-            s.gs[: s.n] = np.minimum(np.searchsorted(g.ids[: g.n], s.gid[: s.n]), g.n - 1)
