@@ -121,9 +121,11 @@ def test_the_trainer_computing_old_logprobs_updates_as_an_actor_forward_would(
     import attrs
 
     from asyncflow_actors.roles._compute import Learner, sequence_logprobs
-    from asyncflow_actors.roles._settings import RunSpec, TrainSettings
+    from asyncflow_actors.roles._settings import AlgorithmSettings, RunSpec, TrainSettings
 
+    # the ratio against the old log-probs (the default at staleness 1 takes the engine's)
     base = RunSpec(mode="async", staleness=1, stage_barrier=False, colocated=False,
+                   algorithm=AlgorithmSettings(anchor="proximal"),
                    train=TrainSettings(mini_batches=mini_batches, lr=1e-2))  # fmt: skip
     task = base.task.build()
     learners = [Learner(base, task), Learner(attrs.evolve(base, trainer_forward=True), task)]
