@@ -38,7 +38,7 @@ times the share of right characters; TRL calls it, our node processes import it 
 | precision | fp32 (``bf16 = False`` [True], ``fp16 = False``) | fp32 |
 | gradient checkpointing | off [on] | none |
 | dataset order | ``shuffle_dataset = False`` [True] | ``task.dataset.shuffle = false`` |
-| mode | on-policy (generate, then train) | ``async``, ``--staleness`` (default 0: on-policy, the stages still stream within a step: the trainer's forward and backward of the groups already complete overlap the generation of the others); ``--staleness 1``: one version ahead, token-level importance weights (``is_level = "token"``) for the one-version-stale samples |
+| mode | on-policy (generate, then train) | ``async``, ``--staleness`` (default 0: on-policy, the stages still stream within a step: the trainer's forward and backward of the groups already complete overlap the generation of the others); ``--staleness 1``: one version ahead, PPO's ratio taken against the engine's log-probs of the one-version-stale samples (``algorithm.anchor = "auto"``: ``"behaviour"``; TRL's ratio is 1, on-policy) |
 | processes and threads | one process, its best torch thread count (1 or 2), measured in this sitting | two processes, one torch thread each: the rollout (HF engine) in the driver's process next to the TransferQueue, the trainer (old log-probs and advantages folded in) in a node process; the reward function runs in the rollout's process |
 
 **Thresholds**: addition 0.5 (the warm model starts near 0.32; TRL reached 0.5 in about 150
@@ -218,7 +218,7 @@ def run_ours(
         "rollout": {"engine": "hf", "group_size": GROUP, "max_new_tokens": spec["max_new_tokens"],
                     "temperature": 1.0, "top_p": 1.0, "top_k": 0},
         "algorithm": {"advantage": "grpo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean",
-                      "kl_coef": 0.0, "is_level": "token"},
+                      "kl_coef": 0.0},  # anchor "auto": the engine's log-probs at staleness 1
         "train": {"steps": steps, "prompts_per_step": spec["prompts"], "lr": spec["lr"],
                   "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": seed, "torch_threads": 1},
         "placement": {"default": placement,
