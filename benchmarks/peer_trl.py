@@ -38,7 +38,7 @@ times the share of right characters; TRL calls it, our node processes import it 
 | precision | fp32 (``bf16 = False`` [True], ``fp16 = False``) | fp32 |
 | gradient checkpointing | off [on] | none |
 | dataset order | ``shuffle_dataset = False`` [True] | ``task.dataset.shuffle = false`` |
-| mode | on-policy (generate, then train) | ``async``, ``--staleness`` (default 0: on-policy, the stages still stream within a step: the trainer's forward and backward of the groups already complete overlap the generation of the others); ``--staleness 1``: one version ahead, token-level importance weights (``is_level = "token"``) for the one-version-stale samples |
+| mode | on-policy (generate, then train) | ``async``, ``--staleness`` (0: on-policy, the stages still stream within a step: the trainer's forward and backward of the groups already complete overlap the generation of the others); ``--staleness 1`` (the default): one version ahead, PPO's ratio taken against the engine's log-probs of the one-version-stale samples (``algorithm.anchor = "auto"``: ``"behaviour"``; TRL's ratio is 1, on-policy) |
 | processes and threads | one process, its best torch thread count (1 or 2), measured in this sitting | two processes, one torch thread each: the rollout (HF engine) in the driver's process next to the TransferQueue, the trainer (old log-probs and advantages folded in) in a node process; the reward function runs in the rollout's process |
 
 **Thresholds**: addition 0.5 (the warm model starts near 0.32; TRL reached 0.5 in about 150
@@ -54,11 +54,12 @@ learning parity: steps ours vs TRL) and seconds to the first step, and the load 
 Targets (issue 28): ratio <= 0.8 on addition, <= 0.5 on the long tail; async needing no more
 than 10% more steps than TRL.
 
-**Our settings** (``--staleness``, ``--placement process|local``): staleness 0 by default, the
-best measured on these tasks (benchmarks/RESULTS.md, 2026-12-05 third sitting): on addition
-staleness 1 needed about twice the steps of staleness 0 (every sample one version stale: the
-trainer is the slower side on 2 cores, so the rollout always runs the full version ahead),
-and staleness 0 fewer steps than TRL.
+**Our settings** (``--staleness``, ``--placement process|local``): staleness 1 by default
+(benchmarks/RESULTS.md, ``peer_trl``, "Staleness 1: the anchor"): the rollout of the next
+batch overlaps the trainer's step, and with PPO's ratio taken against the engine's log-probs
+(``algorithm.anchor = "auto"``) a run needs fewer steps than at staleness 0 (addition: 58
+against 113, TRL 158, medians of 3 seeds). With the ratio against the trainer's own forward
+(the clip never bound) staleness 1 needed about twice the steps of staleness 0.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def run_trl(name: str, folder: str, seed: int, threads: int, started: float, ste
 
 def run_ours(
     name: str, folder: str, seed: int, started: float, steps: int,
-    staleness: int = 0, placement: str = "process",
+    staleness: int = 1, placement: str = "process",
 ) -> None:  # fmt: skip
     import trio
 
@@ -224,7 +225,7 @@ def run_ours(
         "rollout": {"engine": "hf", "group_size": GROUP, "max_new_tokens": spec["max_new_tokens"],
                     "temperature": 1.0, "top_p": 1.0, "top_k": 0},
         "algorithm": {"advantage": "grpo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean",
-                      "kl_coef": 0.0, "is_level": "token"},
+                      "kl_coef": 0.0},  # anchor "auto": the engine's log-probs at staleness 1
         "train": {"steps": steps, "prompts_per_step": spec["prompts"], "lr": spec["lr"],
                   "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": seed, "torch_threads": 1},
         "placement": {"default": placement,
@@ -331,7 +332,7 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--tasks", nargs="+", default=["addition", "longtail"])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
-    parser.add_argument("--staleness", type=int, default=0, help="ours: the async staleness")
+    parser.add_argument("--staleness", type=int, default=1, help="ours: the async staleness")
     parser.add_argument(
         "--placement",
         choices=["process", "local"],

@@ -157,6 +157,55 @@ def test_decoupled_ratio_clips_against_proximal_not_behaviour() -> None:
     assert out.metrics["clip_frac"] == 1.0
 
 
+def test_the_behaviour_anchor_clips_against_the_policy_that_sampled() -> None:
+    """``anchor="behaviour"`` (verl's bypass mode): the ratio is current / behaviour, so a
+    token the policy already made more likely than the sampler did (by more than the clip)
+    gets no further push, where the proximal anchor (the trainer's own weights, ratio 1) pushes
+    it again: at staleness 1 that clip never bound (issue 28)."""
+    current = torch.tensor([[LN(0.8), LN(0.45)]])
+    behaviour = torch.tensor([[LN(0.5), LN(0.5)]])  # ratios 1.6 (clipped at 1.2) and 0.9
+    adv = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    logp = current.clone().requires_grad_(True)
+    cfg = PPOLossConfig(anchor="behaviour")
+    out = policy_loss(logp, current, adv, mask, cfg, behaviour_logprobs=behaviour)
+    assert float(out.loss.detach()) == pytest.approx((-1.2 + 0.9) / 2)
+    assert out.metrics["clip_frac"] == pytest.approx(0.5)
+    assert out.metrics["ratio_mean"] == pytest.approx((1.6 + 0.9) / 2)
+    # the mismatch metrics still compare the proximal (here: current) policy with the sampler
+    assert out.metrics["mismatch_kl_k1"] == pytest.approx(-(LN(1.6) + LN(0.9)) / 2)
+    out.loss.backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.45]]))  # -A r / 2 tokens
+    # the proximal anchor on the same tokens: ratio 1, nothing clipped, both pushed
+    logp = current.clone().requires_grad_(True)
+    prox = policy_loss(logp, current, adv, mask, behaviour_logprobs=behaviour)
+    assert prox.metrics["clip_frac"] == 0.0
+    prox.loss.backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 0.5]]))
+
+
+def test_the_behaviour_anchor_refuses_importance_weights_and_needs_behaviour() -> None:
+    with pytest.raises(RLInputError, match="importance weight already"):
+        PPOLossConfig(anchor="behaviour", correction=OffPolicyCorrection(is_level="token"))
+    with pytest.raises(RLInputError, match="unknown anchor"):
+        PPOLossConfig(anchor="rollout")  # type: ignore[arg-type]
+    x = torch.zeros(1, 2)
+    with pytest.raises(RLInputError, match="anchor is 'behaviour' but behaviour_logprobs"):
+        policy_loss(x, x, x, torch.ones(1, 2), PPOLossConfig(anchor="behaviour"))
+    # rejection still applies: the tokens outside [low, high] of proximal / behaviour drop out
+    cfg = PPOLossConfig(
+        anchor="behaviour",
+        correction=OffPolicyCorrection(is_level=None, rejection_level="token"),
+    )
+    old = torch.tensor([[LN(0.5), LN(0.5)]])
+    behaviour = torch.tensor([[LN(0.1), LN(0.5)]])  # proximal / behaviour 5 (rejected) and 1
+    out = policy_loss(old, old, torch.ones(1, 2), torch.ones(1, 2), cfg,
+                      behaviour_logprobs=behaviour)  # fmt: skip
+    torch.testing.assert_close(out.loss_mask, torch.tensor([[0.0, 1.0]]))
+
+
 def test_rejection_drops_tokens_from_the_loss() -> None:
     old = torch.zeros(2, 2)
     behaviour = torch.tensor([[0.0, -LN(3.0)], [0.0, 0.0]])  # token (0, 1) has w = 3

@@ -121,9 +121,11 @@ def test_the_trainer_computing_old_logprobs_updates_as_an_actor_forward_would(
     import attrs
 
     from asyncflow_actors.roles._compute import Learner, sequence_logprobs
-    from asyncflow_actors.roles._settings import RunSpec, TrainSettings
+    from asyncflow_actors.roles._settings import AlgorithmSettings, RunSpec, TrainSettings
 
+    # the ratio against the old log-probs (the default at staleness 1 takes the engine's)
     base = RunSpec(mode="async", staleness=1, stage_barrier=False, colocated=False,
+                   algorithm=AlgorithmSettings(anchor="proximal"),
                    train=TrainSettings(mini_batches=mini_batches, lr=1e-2))  # fmt: skip
     task = base.task.build()
     learners = [Learner(base, task), Learner(attrs.evolve(base, trainer_forward=True), task)]
@@ -231,3 +233,55 @@ def test_an_entropy_bonus_trains_and_raises_the_policys_entropy() -> None:
     assert "entropy" not in plain_metrics  # computed only where the loss needs it
     assert mean_entropy(learner.model) > before + 1e-3
     assert mean_entropy(plain.model) == pytest.approx(before, abs=1e-6)  # no advantage, no bonus
+
+
+def test_the_anchor_resolves_by_staleness_and_importance_weights() -> None:
+    """``anchor = "auto"``: the engine's log-probs (behaviour) when the run trains stale
+    samples without importance weights; the proximal policy at staleness 0 (unchanged) and
+    when ``is_level`` asks for decoupled PPO's weights. ``"behaviour"`` with weights is refused."""
+    from asyncflow_actors.roles._compute import loss_config
+    from asyncflow_actors.roles._settings import SettingsError
+
+    auto = AlgorithmSettings()
+    assert auto.anchor == "auto"
+    assert loss_config(auto, 0).anchor == "proximal"
+    assert loss_config(auto, 1).anchor == "behaviour"
+    assert loss_config(auto, 2).correction is None
+    weighted = AlgorithmSettings(is_level="token")
+    assert loss_config(weighted, 1).anchor == "proximal"
+    assert loss_config(AlgorithmSettings(anchor="proximal"), 1).anchor == "proximal"
+    assert loss_config(AlgorithmSettings(anchor="behaviour"), 0).anchor == "behaviour"
+    with pytest.raises(SettingsError, match="needs is_level = 'none'"):
+        AlgorithmSettings(anchor="behaviour", is_level="sequence")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_stale_batch_does_not_push_tokens_the_policy_already_moved(staleness: int) -> None:
+    """At staleness 1 the trainer's default loss takes PPO's ratio against the engine's
+    log-probs: tokens the trainer's policy already makes e^0.5 = 1.65x as likely as the
+    sampler did, with positive advantages, are all clipped and the step leaves the weights as
+    they were. Before (the ratio against the trainer's own forward: 1) it pushed them further.
+    At staleness 0 the ratio stays the trainer's own (1) and the step moves the weights."""
+    from asyncflow_actors.roles._compute import Learner, sequence_logprobs
+    from asyncflow_actors.roles._settings import RunSpec, TrainSettings
+
+    spec = RunSpec(mode="async", staleness=staleness, stage_barrier=False, colocated=False,
+                   trainer_forward=True, train=TrainSettings(lr=1e-2, weight_decay=0.0))  # fmt: skip
+    learner = Learner(spec, spec.task.build())
+    torch.manual_seed(0)
+    prompts = [torch.tensor([1, 3 + k % 5, 4]) for k in range(8)]
+    responses = [torch.randint(3, 12, (1 + k % 4,)) for k in range(8)]
+    current = sequence_logprobs(learner.model, prompts, responses, pad_id=0, temperature=1.0)
+    data = {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "behaviour_logprobs": [c - 0.5 for c in current],
+        "advantages": [torch.ones(len(r)) for r in responses],
+    }
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    metrics = learner.step(data)
+    moved = any(
+        not torch.equal(a, b) for a, b in zip(before, learner.model.parameters(), strict=True)
+    )
+    assert metrics["clip_frac"] == (1.0 if staleness else 0.0)
+    assert moved == (staleness == 0)

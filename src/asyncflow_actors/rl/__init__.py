@@ -47,6 +47,8 @@ from ._groups import score_group as score_group
 from ._kl import KL_ESTIMATORS as KL_ESTIMATORS
 from ._kl import KLEstimator as KLEstimator
 from ._kl import kl_estimate as kl_estimate
+from ._losses import ANCHORS as ANCHORS
+from ._losses import Anchor as Anchor
 from ._losses import ClippedSurrogate as ClippedSurrogate
 from ._losses import PolicyLossOutput as PolicyLossOutput
 from ._losses import PPOLossConfig as PPOLossConfig

@@ -4,6 +4,7 @@ off-policy corrections, KL and entropy terms, and the clipped value loss."""
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import attrs
 import torch
@@ -22,6 +23,8 @@ from ._kl import KL_ESTIMATORS, KLEstimator, kl_estimate
 from ._validate import check_float, check_mask
 
 __all__ = [
+    "ANCHORS",
+    "Anchor",
     "ClippedSurrogate",
     "PPOLossConfig",
     "PolicyLossOutput",
@@ -32,6 +35,9 @@ __all__ = [
 ]
 
 _LOG_RATIO_CLAMP = 20.0
+
+Anchor = Literal["proximal", "behaviour"]
+ANCHORS: tuple[str, ...] = get_args(Anchor)
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -62,7 +68,11 @@ class PPOLossConfig:
     `kl_estimator`: KL penalty against the reference policy (added to the loss, needs
     `ref_logprobs`). `entropy_coef`: entropy bonus (subtracted, needs `entropy`).
     `correction`: how behaviour logprobs correct for stale rollouts (None: not applied, but the
-    mismatch metrics are still reported when behaviour logprobs are given).
+    mismatch metrics are still reported when behaviour logprobs are given). `anchor`: the
+    policy the PPO ratio and its clip are taken against: "proximal" (`old_logprobs`; with
+    `correction` that is decoupled PPO) or "behaviour" (the rollout engine's logprobs, which
+    sampled the tokens: PPO's own ratio, verl's "bypass mode"; the ratio is then the importance
+    weight already, so `correction.is_level` must be None; rejection still applies).
     """
 
     clip_low: float = attrs.field(default=0.2, validator=_clip)
@@ -74,9 +84,18 @@ class PPOLossConfig:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = attrs.field(default=0.0, validator=_non_negative)
     correction: OffPolicyCorrection | None = None
+    anchor: Anchor = "proximal"
 
     def __attrs_post_init__(self) -> None:
         check_agg_mode(self.agg)
+        if self.anchor not in ANCHORS:
+            raise RLInputError(f"unknown anchor {self.anchor!r}; expected one of {ANCHORS}")
+        if self.anchor == "behaviour" and self.correction and self.correction.is_level:
+            raise RLInputError(
+                "anchor='behaviour' takes the ratio against the behaviour policy, which is the "
+                f"importance weight already; set correction.is_level=None, got "
+                f"{self.correction.is_level!r}"
+            )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise RLInputError(
                 f"unknown kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}"
@@ -164,10 +183,11 @@ def policy_loss(
     """PPO / decoupled-PPO policy loss over [B, T] tensors.
 
     `logprobs`: current policy (carries the gradient). `old_logprobs`: the proximal policy the
-    clipping ratio is taken against. `behaviour_logprobs`: the rollout engine's logprobs; with
-    `config.correction` they give a per-token coefficient `w = pi_old / pi_behaviour`
-    (truncated per `correction`) and optional rejection. Per token:
-    `l_t = w_t * clipped_surrogate(logprobs - old_logprobs, A)`; the loss is
+    clipping ratio is taken against (`config.anchor = "behaviour"`: against
+    `behaviour_logprobs` instead, which it then requires). `behaviour_logprobs`: the rollout
+    engine's logprobs; with `config.correction` they give a per-token coefficient
+    `w = pi_old / pi_behaviour` (truncated per `correction`) and optional rejection. Per token:
+    `l_t = w_t * clipped_surrogate(logprobs - anchor, A)`; the loss is
     `aggregate(l) + kl_coef * aggregate(kl) - entropy_coef * aggregate(entropy)`, all over the
     surviving mask. Advantages, old, behaviour and reference logprobs are detached.
     """
@@ -210,14 +230,18 @@ def policy_loss(
                 raw = truncated_is_weights(lw, mask, level=corr.is_level, threshold=None)
                 metrics["is_weight_applied_mean"] = float(masked_mean(weights, keep))
                 metrics["is_truncated_frac"] = float(masked_mean((raw > weights).float(), keep))
-    elif cfg.correction is not None:
+    elif cfg.correction is not None or cfg.anchor == "behaviour":
+        what = "config.correction is set" if cfg.correction else "config.anchor is 'behaviour'"
         raise RLInputError(
-            "config.correction is set but behaviour_logprobs is None; the correction needs the "
-            "rollout engine's logprobs"
+            f"{what} but behaviour_logprobs is None; it needs the rollout engine's logprobs"
         )
     loss_mask = keep.to(mask.dtype) * mask
 
-    log_ratio = logprobs - old
+    if cfg.anchor == "behaviour":
+        assert behaviour_logprobs is not None
+        log_ratio = logprobs - behaviour_logprobs.detach()
+    else:
+        log_ratio = logprobs - old
     surrogate = clipped_surrogate(
         log_ratio, adv, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )

@@ -260,7 +260,8 @@ def oldest_versions(token_versions: Sequence[Tensor], stored: Sequence[int]) -> 
     return versions
 
 
-def loss_config(algorithm: AlgorithmSettings) -> PPOLossConfig:
+def loss_config(algorithm: AlgorithmSettings, staleness: int = 0) -> PPOLossConfig:
+    """The ``rl`` loss of a run's settings at ``staleness`` (which resolves ``anchor="auto"``)."""
     correction = None
     if algorithm.is_level != "none":
         correction = OffPolicyCorrection(
@@ -275,6 +276,7 @@ def loss_config(algorithm: AlgorithmSettings) -> PPOLossConfig:
         kl_estimator=algorithm.kl_estimator,  # type: ignore[arg-type]
         entropy_coef=algorithm.entropy_coef,
         correction=correction,
+        anchor=algorithm.anchor_of(staleness),  # type: ignore[arg-type]
     )
 
 
@@ -305,7 +307,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay
         )
-        self.loss = loss_config(spec.algorithm)
+        self.loss = loss_config(spec.algorithm, spec.staleness)
         self.generator = torch.Generator().manual_seed(spec.train.seed)
         if resume:
             load_optimizer(self.optimizer, self.generator, os.path.join(resume, OPTIMIZER_FILE))

@@ -156,7 +156,7 @@ class RankLearner:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=spec.train.lr, weight_decay=spec.train.weight_decay
         )
-        self.loss = loss_config(spec.algorithm)
+        self.loss = loss_config(spec.algorithm, spec.staleness)
         self.generator = torch.Generator().manual_seed(spec.train.seed)
 
     @property

@@ -266,7 +266,12 @@ class RolloutSettings:
 class AlgorithmSettings:
     """The loss (``rl``): ``advantage`` estimator, PPO clip range, aggregation, KL to the
     reference (``kl_coef > 0`` starts the RefForward role), entropy bonus, and the off-policy
-    correction of stale rollouts (``is_level`` ``"none"``, ``"token"`` or ``"sequence"``)."""
+    correction of stale rollouts (``is_level`` ``"none"``, ``"token"`` or ``"sequence"``).
+    ``anchor``: the policy PPO's ratio and clip are taken against (``rl.PPOLossConfig``):
+    ``"proximal"`` (the old log-probs: the trainer's or ActorForward's forward), ``"behaviour"``
+    (the engine's own log-probs) or ``"auto"``: ``"behaviour"`` when the run trains stale
+    samples (staleness > 0) and asks no importance weights (``is_level = "none"``), else
+    ``"proximal"`` (``anchor_of``; docs/pipeline.md says why)."""
 
     advantage: str = attrs.field(default="grpo", validator=_one_of("grpo", "dr_grpo", "rloo"))
     clip_low: float = attrs.field(default=0.2, validator=_below_one)
@@ -277,6 +282,20 @@ class AlgorithmSettings:
     entropy_coef: float = attrs.field(default=0.0, validator=_non_negative)
     is_level: str = attrs.field(default="none", validator=_one_of("none", "token", "sequence"))
     is_threshold: float = attrs.field(default=2.0, validator=_positive)
+    anchor: str = attrs.field(default="auto", validator=_one_of("auto", "proximal", "behaviour"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.anchor == "behaviour" and self.is_level != "none":
+            raise SettingsError(
+                f"anchor: 'behaviour' takes the ratio against the engine's log-probs, the "
+                f"importance weight already; it needs is_level = 'none', got {self.is_level!r}"
+            )
+
+    def anchor_of(self, staleness: int) -> str:
+        """The anchor a run at ``staleness`` uses (``"auto"`` resolved)."""
+        if self.anchor != "auto":
+            return self.anchor
+        return "behaviour" if staleness > 0 and self.is_level == "none" else "proximal"
 
 
 @attrs.frozen
