@@ -19,7 +19,9 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
   the next one starts. ``--sync`` takes the sync figures alone, and also
   ``trainer_sync_send_s_{2,4}ranks`` (the syncs' broadcast phase: the sending of the bytes),
   and ``trainer_sync_node_s_{2,4}ranks``, ``trainer_sync_node_send_s_{2,4}ranks``: the same to
-  a receiver on a node process of its own (as a rollout engine is), each against 1 rank.
+  a receiver on a node process of its own (as a rollout engine is), each against 1 rank;
+  ``trainer_sync_node_cpu_s_{2,4}ranks``: rank 0's CPU seconds (every thread of its process)
+  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load).
 - ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
   which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
   one rank holds).
@@ -125,6 +127,7 @@ class Sync(NamedTuple):
     payload: int  # bytes sent
     shard: int  # bytes of the parameters rank 0 holds
     send: float = 0.0  # median of the measured syncs' broadcast phases (the bytes' sending)
+    cpu: float = 0.0  # median CPU seconds of rank 0's process (every thread) a sync
 
 
 def _status(field: str) -> int:
@@ -182,12 +185,13 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                 ref = await system.spawn(lambda: BenchReceiver(specs), name="receiver")
             cfg = CheckpointConfig(bucket_bytes=64 << 20, **config)
             engine = ShardedSyncEngine(learner, [ref], cfg)
-            times, sends, payload = [], [], 0
+            times, sends, cpu, payload = [], [], [], 0
             for version in range(STEPS + 1):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 result = await engine.sync(version)
                 if version:  # the first one warms up
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
                     sends.append(result.broadcast_s)
                 payload = result.payload_bytes
                 # the receiver loads at its next boundary (on its loop): let it, as a trainer's
@@ -195,7 +199,7 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                 while (await ref.ask(GetReceiverStatistics())).pending_version is not None:
                     await trio.sleep(0.01)
             return Sync(statistics.median(times), payload, shard_bytes(learner),
-                        statistics.median(sends))  # fmt: skip
+                        statistics.median(sends), statistics.median(cpu))  # fmt: skip
 
     return trio.run(run)
 
@@ -262,6 +266,8 @@ def sync_only() -> None:
             emit(f"trainer_{figure}_s_{n}ranks", runs[n].seconds, "s", runs[1].seconds)
         for n in (2, 4):
             emit(f"trainer_{figure}_send_s_{n}ranks", runs[n].send, "s", runs[1].send)
+    for n in (2, 4):  # rank 0's share of the work, whatever the load (its receiver elsewhere)
+        emit(f"trainer_sync_node_cpu_s_{n}ranks", node[n].cpu, "s", node[1].cpu)
     print(f"# load average at the start {load_start}, at the end {os.getloadavg()}; "
           f"1 rank: {local[1].seconds:.3f} s here, {node[1].seconds:.3f} s to a node",
           file=sys.stderr)  # fmt: skip
