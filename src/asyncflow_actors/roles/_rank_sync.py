@@ -1,14 +1,16 @@
 """Weight sync from a sharded trainer, without a rank-0 funnel of the whole model.
 
 ``ShardedSyncEngine`` is a ``CheckpointEngine`` (same targets, transports, pause → … → commit →
-resume protocol; receivers never see a mix of versions) whose bucket source gathers the
-parameters of a ``DistributedLearner`` one at a time, as the buckets are packed: rank 0 packs
-bucket *k+1* (its parameters all-gathered, a bucket's worth with one all-gather of their
-shards' bytes, every rank taking part) while bucket *k* is in flight (the engine's double
-buffering). No process ever holds the whole model twice: rank 0 holds its shard plus about a
-bucket of gathered parameters. The other ranks are told
-the gather order first (one command); whatever the sync's outcome, rank 0 finishes the order
-(``drain``) so that no rank is left waiting in a collective.
+resume protocol; receivers never see a mix of versions) for a ``DistributedLearner``. Where it
+can (``_shard_plan``), every rank packs and sends the buckets of its own shards to the
+receivers itself, all at once (``_rank_send``: its ``RankTransport``). Elsewhere (merged LoRA
+weights, another transport, ranks that may be on other hosts, receivers the ranks cannot
+reach) its bucket source gathers the parameters one group at a time, as the buckets are
+packed: rank 0 packs bucket *k+1* (a bucket's worth of parameters with one all-gather of
+their shards' bytes, every rank taking part) while bucket *k* is in flight. Either way no
+process ever holds the whole model twice. When gathering, the other ranks are told the gather
+order first (one command); whatever the sync's outcome, rank 0 finishes the order (``drain``)
+so that no rank is left waiting in a collective.
 
 ``merged`` (LoRA for engines that cannot load adapters): each adapted weight is sent under the
 base model's name as ``W + alpha / r * B @ A``, gathered and merged one module at a time.
