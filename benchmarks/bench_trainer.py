@@ -13,9 +13,15 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
 - ``trainer_step_cpu_2ranks`` (s): rank 0's CPU time per step with 2 ranks; baseline: 1 rank
   (its share of the work, whatever the host's load; ideal 0.5 plus the collectives).
 - ``trainer_sync_s_2ranks``, ``trainer_sync_s_4ranks`` (s): a whole weight sync
-  (``ShardedSyncEngine``: parameters all-gathered bucket by bucket as they are packed, the actor
+  (``ShardedSyncEngine``: each rank packs and sends the buckets of its own shards, the actor
   transport, 64 MiB buckets) to one receiver actor in rank 0's process; baseline: the same
-  from 1 rank.
+  from 1 rank. After each sync the receiver loads the weights (at its next boundary) before
+  the next one starts. ``--sync`` takes the sync figures alone, and also
+  ``trainer_sync_send_s_{2,4}ranks`` (the syncs' broadcast phase: the sending of the bytes),
+  and ``trainer_sync_node_s_{2,4}ranks``, ``trainer_sync_node_send_s_{2,4}ranks``: the same to
+  a receiver on a node process of its own (as a rollout engine is), each against 1 rank;
+  ``trainer_sync_node_cpu_s_{2,4}ranks``: rank 0's CPU seconds (every thread of its process)
+  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load).
 - ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
   which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
   one rank holds).
@@ -23,9 +29,7 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
   resident memory rises during its first sync (``sync_memory``: a fresh process each, 8 MiB
   buckets, the receiver on a node process, glibc mapping every block from 1 MiB on by itself);
   baseline: the same with a rank-0 funnel (the full state dict gathered on rank 0, then sent by
-  a plain ``CheckpointEngine``). A few buckets and one gathered group, never the model a second
-  time. (Rank 0 still sends every byte to the receivers: the engine packs the gathered buckets
-  there, so the sync time does not fall with the ranks.)
+  a plain ``CheckpointEngine``). Two bucket buffers, never the model a second time.
 - ``trainer_lora_sync_bytes`` (bytes): a LoRA (r 8, q/k/v/o) adapters-only sync's payload;
   baseline: the full model's (what a merged sync sends).
 - ``trainer_lora_optimizer_bytes`` (bytes): AdamW's state after a step with LoRA (the
@@ -57,7 +61,7 @@ import trio
 from common import emit
 
 import asyncflow_actors as afa
-from asyncflow_actors.checkpoint import CheckpointConfig
+from asyncflow_actors.checkpoint import CheckpointConfig, GetReceiverStatistics
 from asyncflow_actors.models import CharTokenizer, TinyConfig, TinyDecoder
 from asyncflow_actors.roles import (
     AlgorithmSettings,
@@ -122,6 +126,8 @@ class Sync(NamedTuple):
     seconds: float  # median of the measured syncs
     payload: int  # bytes sent
     shard: int  # bytes of the parameters rank 0 holds
+    send: float = 0.0  # median of the measured syncs' broadcast phases (the bytes' sending)
+    cpu: float = 0.0  # median CPU seconds of rank 0's process (every thread) a sync
 
 
 def _status(field: str) -> int:
@@ -155,8 +161,10 @@ def shard_bytes(learner: DistributedLearner) -> int:
     return total
 
 
-def sync(learner: DistributedLearner, **config: Any) -> Sync:
-    """A whole sync to one receiver: its median seconds, payload, and rank 0's shard."""
+def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> Sync:
+    """A whole sync to one receiver (in rank 0's process, or with ``node`` on a node process
+    of its own, as a rollout engine would be): its median seconds, payload, and rank 0's
+    shard."""
     from sync_targets import BenchReceiver
 
     async def run() -> Sync:
@@ -165,17 +173,33 @@ def sync(learner: DistributedLearner, **config: Any) -> Sync:
             keep = CheckpointConfig(**config).tensor_filter()
             specs = {k: list(v.shape) for k, v in state.items() if keep(k)}
             del state
-            ref = await system.spawn(lambda: BenchReceiver(specs), name="receiver")
+            if node:
+                here = os.path.dirname(os.path.abspath(__file__))
+                path = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+                options = afa.NodeOptions(heartbeat_timeout=30.0)  # it imports torch on its loop
+                rx = await system.start_node("rx", allow=["sync_targets"], options=options,
+                                             env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+                ref = await rx.spawn("sync_targets:BenchReceiver", name="receiver",
+                                     kwargs={"specs": specs})  # fmt: skip
+            else:
+                ref = await system.spawn(lambda: BenchReceiver(specs), name="receiver")
             cfg = CheckpointConfig(bucket_bytes=64 << 20, **config)
             engine = ShardedSyncEngine(learner, [ref], cfg)
-            times, payload = [], 0
+            times, sends, cpu, payload = [], [], [], 0
             for version in range(STEPS + 1):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 result = await engine.sync(version)
                 if version:  # the first one warms up
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+                    sends.append(result.broadcast_s)
                 payload = result.payload_bytes
-            return Sync(statistics.median(times), payload, shard_bytes(learner))
+                # the receiver loads at its next boundary (on its loop): let it, as a trainer's
+                # step would, so that the next sync's pause does not wait for this load
+                while (await ref.ask(GetReceiverStatistics())).pending_version is not None:
+                    await trio.sleep(0.01)
+            return Sync(statistics.median(times), payload, shard_bytes(learner),
+                        statistics.median(sends), statistics.median(cpu))  # fmt: skip
 
     return trio.run(run)
 
@@ -223,6 +247,30 @@ def memory_of(ranks: int, funnel: bool, folder: Path) -> dict[str, int]:
     out = subprocess.run(args, capture_output=True, text=True, check=True, env=env)
     figures: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
     return figures
+
+
+def sync_only() -> None:
+    """``--sync``: the sync figures alone, from 1, 2 and 4 ranks, to a receiver in rank 0's
+    process (``trainer_sync_s_*``) and to one on a node process (``trainer_sync_node_s_*``)."""
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        build_model(folder)
+        local, node = {}, {}
+        for ranks in (1, 2, 4):
+            with DistributedLearner.open(spec(folder), ParallelSettings(ranks=ranks)) as group:
+                local[ranks] = sync(group)
+                node[ranks] = sync(group, node=True)
+    for figure, runs in (("sync", local), ("sync_node", node)):
+        for n in (2, 4):
+            emit(f"trainer_{figure}_s_{n}ranks", runs[n].seconds, "s", runs[1].seconds)
+        for n in (2, 4):
+            emit(f"trainer_{figure}_send_s_{n}ranks", runs[n].send, "s", runs[1].send)
+    for n in (2, 4):  # rank 0's share of the work, whatever the load (its receiver elsewhere)
+        emit(f"trainer_sync_node_cpu_s_{n}ranks", node[n].cpu, "s", node[1].cpu)
+    print(f"# load average at the start {load_start}, at the end {os.getloadavg()}; "
+          f"1 rank: {local[1].seconds:.3f} s here, {node[1].seconds:.3f} s to a node",
+          file=sys.stderr)  # fmt: skip
 
 
 def _mb(n: int) -> str:
@@ -280,6 +328,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--sync"]:
+        sys.exit(sync_only())
     if sys.argv[1:2] == ["--sync-memory"]:
         ranks, funnel, folder = sys.argv[2:5]
         print(json.dumps(sync_memory(int(ranks), bool(int(funnel)), Path(folder))))

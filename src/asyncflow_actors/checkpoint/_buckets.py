@@ -124,21 +124,34 @@ def _span(
 
 
 class BucketSource:
-    """The sender's view of a sync's tensors: packs any bucket of ``manifest`` into a buffer."""
+    """The sender's view of a sync's tensors: packs any bucket of ``manifest`` into a buffer.
+
+    ``offsets``: ``tensors[i]`` holds manifest tensor *i*'s bytes from byte ``offsets[i]`` on
+    (a shard of it: a sender of ``plan_segments`` packs only the buckets of its segments);
+    empty: every tensor whole."""
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], manifest: Manifest, *, algorithm: str
+        self,
+        tensors: Sequence[torch.Tensor],
+        manifest: Manifest,
+        *,
+        algorithm: str,
+        offsets: Sequence[int] = (),
     ) -> None:
         if algorithm:
             hasher(algorithm)  # refuse an unknown one before anything is paused
         self.tensors = list(tensors)
         self.manifest = manifest
         self.algorithm = algorithm  # "" without checksums
+        self.offsets = list(offsets)
         self._flat: dict[int, torch.Tensor] = {}
 
     @property
     def with_checksum(self) -> bool:
         return bool(self.algorithm)
+
+    def _offset(self, index: int) -> int:
+        return self.offsets[index] if self.offsets else 0
 
     def _bytes_of(self, index: int) -> torch.Tensor:
         flat = self._flat.get(index)
@@ -162,6 +175,7 @@ class BucketSource:
         want = torch.device(device)
         if (
             piece.nbytes != bucket.nbytes
+            or piece.offset != self._offset(piece.tensor)
             or piece.nbytes != tensor.numel() * tensor.element_size()
             or not tensor.is_contiguous()
             or tensor.is_conj()
@@ -188,7 +202,13 @@ class BucketSource:
                 out[end : piece.start].zero_()
                 if digest is not None:
                     _span(out[end : piece.start].numpy(), None, digest)
-            src = self._bytes_of(piece.tensor)[piece.offset : piece.offset + piece.nbytes]
+            at = piece.offset - self._offset(piece.tensor)
+            src = self._bytes_of(piece.tensor)[at : at + piece.nbytes]
+            if src.numel() != piece.nbytes or at < 0:
+                raise ManifestError(
+                    f"bucket {index}: tensor {piece.tensor} bytes {piece.offset}.."
+                    f"{piece.offset + piece.nbytes} are not held here"
+                )
             dst = out[piece.start : piece.start + piece.nbytes]
             if digest is None or src.device.type != "cpu":
                 copy_bytes(dst, src)

@@ -194,8 +194,46 @@ def _align(n: int) -> int:
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, *, split: bool = True) -> Manifest:
     """Pack ``specs`` (in order) into buckets of at most ``bucket_bytes`` (module docstring)."""
+    _check_bucket_bytes(bucket_bytes)
+    segments = [(index, 0, spec.nbytes) for index, spec in enumerate(specs)]
+    return Manifest(tuple(specs), tuple(_pack(segments, bucket_bytes, split, [])), bucket_bytes)
+
+
+def plan_segments(
+    specs: Sequence[TensorSpec],
+    segments: Sequence[Sequence[tuple[int, int, int]]],
+    bucket_bytes: int,
+) -> tuple[Manifest, tuple[int, ...]]:
+    """Buckets for several senders, each holding part of the tensors (the shards of a sharded
+    trainer's ranks): ``segments[s]`` lists sender *s*'s ``(tensor index, byte offset,
+    nbytes)`` in order. Each sender's segments are packed as ``plan_buckets`` packs tensors
+    (aligned, split where larger than a bucket) into buckets of its own, sender after sender:
+    so that every tensor's pieces lie in byte order (``Manifest.check``), sender *s*'s bytes
+    of a tensor must follow sender *s - 1*'s. Returns the manifest and each bucket's sender."""
+    _check_bucket_bytes(bucket_bytes)
+    buckets: list[BucketSpec] = []
+    senders: list[int] = []
+    for sender, mine in enumerate(segments):
+        added = _pack(mine, bucket_bytes, True, buckets)
+        senders += [sender] * len(added)
+        buckets += added
+    manifest = Manifest(tuple(specs), tuple(buckets), bucket_bytes)
+    manifest.check()
+    return manifest, tuple(senders)
+
+
+def _check_bucket_bytes(bucket_bytes: int) -> None:
     if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGNMENT:
         raise ManifestError(f"bucket_bytes must be an int >= {ALIGNMENT}, got {bucket_bytes!r}")
+
+
+def _pack(
+    segments: Iterable[tuple[int, int, int]],
+    bucket_bytes: int,
+    split: bool,
+    before: Sequence[BucketSpec],
+) -> list[BucketSpec]:
+    """``(tensor, offset, nbytes)`` segments packed into buckets numbered after ``before``."""
     buckets: list[BucketSpec] = []
     pieces: list[Piece] = []
     used = 0
@@ -203,21 +241,20 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, *, split: bool 
     def close() -> None:
         nonlocal pieces, used
         if pieces:
-            buckets.append(BucketSpec(len(buckets), used, tuple(pieces)))
+            buckets.append(BucketSpec(len(before) + len(buckets), used, tuple(pieces)))
         pieces, used = [], 0
 
-    for index, spec in enumerate(specs):
-        size = spec.nbytes
+    for index, base, size in segments:
         if size == 0:
             continue
         start = _align(used)
         if start + size <= bucket_bytes or (not split and not pieces):
-            pieces.append(Piece(index, 0, start, size))
+            pieces.append(Piece(index, base, start, size))
             used = start + size
             continue
         if size <= bucket_bytes or not split:
             close()
-            pieces.append(Piece(index, 0, 0, size))
+            pieces.append(Piece(index, base, 0, size))
             used = size
             continue
         offset = 0  # larger than a bucket: fill what is left here, then whole buckets
@@ -227,11 +264,11 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, *, split: bool 
                 close()
                 start = 0
             n = min(size - offset, bucket_bytes - start)
-            pieces.append(Piece(index, offset, start, n))
+            pieces.append(Piece(index, base + offset, start, n))
             used = start + n
             offset += n
     close()
-    return Manifest(tuple(specs), tuple(buckets), bucket_bytes)
+    return buckets
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:

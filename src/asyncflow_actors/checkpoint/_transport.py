@@ -32,7 +32,7 @@ import trio
 from ..actors import ActorRef, Request
 from ._buckets import BucketSource, checksum
 from ._config import CheckpointConfig
-from ._manifest import Manifest
+from ._manifest import BucketSpec, Manifest
 from ._messages import PutBucket
 
 if TYPE_CHECKING:
@@ -199,12 +199,14 @@ async def pipelined(
     complete: Callable[[Any], Awaitable[None]],
     *,
     fresh: bool = False,
+    buckets: Sequence[BucketSpec] | None = None,
 ) -> None:
-    """Send every bucket, double-buffered: bucket *k* is packed into buffer *k* mod 2 while
-    bucket *k-1* is in flight (at most two in flight, packed or sent from their tensor).
-    ``issue(k, data)`` starts sending bucket *k* (called in bucket order) and returns a handle;
-    ``complete(handle)`` returns once the bytes it sent may be overwritten. ``fresh``: pack
-    into new memory each bucket (handed over; still at most two in flight)."""
+    """Send every bucket (or ``buckets``: a sender's share), double-buffered: the *k*-th is
+    packed into buffer *k* mod 2 while the one before is in flight (at most two in flight,
+    packed or sent from their tensor). ``issue(index, data)`` starts sending a bucket (called
+    in order) and returns a handle; ``complete(handle)`` returns once the bytes it sent may be
+    overwritten. ``fresh``: pack into new memory each bucket (handed over; still at most two
+    in flight)."""
     free = [trio.Event(), trio.Event()]
     for event in free:
         event.set()
@@ -216,8 +218,10 @@ async def pipelined(
     completed = False
     try:
         async with trio.open_nursery() as nursery:
-            for bucket in session.manifest.buckets:
-                slot = bucket.index % 2
+            for position, bucket in enumerate(
+                session.manifest.buckets if buckets is None else buckets
+            ):
+                slot = position % 2
                 await free[slot].wait()
                 data = await session.bucket(bucket.index, buffers, slot, fresh=fresh)
                 free[slot] = trio.Event()
@@ -248,6 +252,10 @@ class ActorTransport:
         await trio.lowlevel.checkpoint()
 
     async def broadcast(self, session: SyncSession) -> None:
+        await self.send(session, session.manifest.buckets)
+
+    async def send(self, session: SyncSession, buckets: Sequence[BucketSpec]) -> None:
+        """Send ``buckets`` of the session (all of them: ``broadcast``) to every receiver."""
         # the first receiver in this process keeps the packed buckets (module docstring)
         local = [getattr(ref, "cell", None) is not None for ref in session.receivers]
         keeper = local.index(True) if True in local and self.buffers.device == "cpu" else None
@@ -269,6 +277,7 @@ class ActorTransport:
             lambda index, data: (index, data),
             complete,
             fresh=keeper is not None,
+            buckets=buckets,
         )
 
     async def close(self, session: SyncSession, *, failed: bool) -> None:

@@ -191,6 +191,26 @@ class DistributedLearner:
         header = {"op": "gather", "groups": groups}
         self.group.command(header, [], lambda: None)
 
+    def start_send(self, header: dict[str, Any]) -> None:
+        """Tell every other rank to send its buckets of a weight sync (``_rank_send``); each
+        then joins ``join_send``'s all-reduce."""
+        self.group.command(header, [], lambda: None)
+
+    def join_send(self, size: int) -> Tensor:
+        """Rank 0's part of the all-reduce closing a ``start_send``: every bucket's checksum
+        and every rank's status (``_rank_send``), as one int64 tensor of ``size``."""
+        import torch
+
+        from ._ranks import control_group
+
+        def join() -> Tensor:
+            result = torch.zeros(size, dtype=torch.int64)
+            dist.all_reduce(result, group=control_group())
+            return result
+
+        result: Tensor = self.group.collective(join)
+        return result
+
     def close(self) -> None:
         self.group.close()
 

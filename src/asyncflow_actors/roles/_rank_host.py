@@ -4,7 +4,7 @@
 ``RankLearner`` from the run's settings (sent as plain data), ``step`` trains on the global
 batch, ``state`` gathers the full state dict, ``memory`` sums the bytes of the parameters and
 the optimizer state over the ranks, ``gather`` all-gathers parameters one at a time
-in the order of a weight sync, ``save``/``load``/``export`` are the distributed checkpoint.
+in the order of a weight sync, ``sync_send`` sends this rank's buckets of one (``_rank_send``), ``save``/``load``/``export`` are the distributed checkpoint.
 A forward station's ranks (``_rank_forward``): ``forward_setup`` builds its shard of the
 policy, ``forward`` computes a batch's log-probs, ``forward_load`` loads full weights.
 ``serve`` is the loop of ranks > 0: receive a command, run it, until ``stop``.
@@ -114,6 +114,10 @@ class RankHost:
             return out if torch.distributed.get_rank() == 0 else {}
         if op == "memory":
             return learner.memory()
+        if op == "sync_send":
+            from ._rank_send import serve_send
+
+            return serve_send(learner, dict(header))
         if op == "gather":
             # the leader gathers the same tensors in the same order as it packs them
             params = dict(learner.named_parameters())
@@ -154,13 +158,18 @@ class RankHost:
 
 def serve() -> None:
     """Ranks > 0: run the leader's commands until it says stop (or the group breaks)."""
+    from ._rank_mesh import close_rank_mesh
+
     host = RankHost()
     _fault_hook(host)
-    while True:
-        header, tensors = receive_command()
-        if header["op"] == "stop":
-            return
-        host.run(header, tensors)
+    try:
+        while True:
+            header, tensors = receive_command()
+            if header["op"] == "stop":
+                return
+            host.run(header, tensors)
+    finally:
+        close_rank_mesh()  # the actor system a weight sync started here, if any
 
 
 def _first(path: str) -> bool:  # pragma: no cover - a test hook

@@ -1,14 +1,16 @@
 """Weight sync from a sharded trainer, without a rank-0 funnel of the whole model.
 
 ``ShardedSyncEngine`` is a ``CheckpointEngine`` (same targets, transports, pause → … → commit →
-resume protocol; receivers never see a mix of versions) whose bucket source gathers the
-parameters of a ``DistributedLearner`` one at a time, as the buckets are packed: rank 0 packs
-bucket *k+1* (its parameters all-gathered, a bucket's worth with one all-gather of their
-shards' bytes, every rank taking part) while bucket *k* is in flight (the engine's double
-buffering). No process ever holds the whole model twice: rank 0 holds its shard plus about a
-bucket of gathered parameters. The other ranks are told
-the gather order first (one command); whatever the sync's outcome, rank 0 finishes the order
-(``drain``) so that no rank is left waiting in a collective.
+resume protocol; receivers never see a mix of versions) for a ``DistributedLearner``. Where it
+can (``_shard_plan``), every rank packs and sends the buckets of its own shards to the
+receivers itself, all at once (``_rank_send``: its ``RankTransport``). Elsewhere (merged LoRA
+weights, another transport, ranks that may be on other hosts, receivers the ranks cannot
+reach) its bucket source gathers the parameters one group at a time, as the buckets are
+packed: rank 0 packs bucket *k+1* (a bucket's worth of parameters with one all-gather of
+their shards' bytes, every rank taking part) while bucket *k* is in flight. Either way no
+process ever holds the whole model twice. When gathering, the other ranks are told the gather
+order first (one command); whatever the sync's outcome, rank 0 finishes the order (``drain``)
+so that no rank is left waiting in a collective.
 
 ``merged`` (LoRA for engines that cannot load adapters): each adapted weight is sent under the
 base model's name as ``W + alpha / r * B @ A``, gathered and merged one module at a time.
@@ -16,6 +18,8 @@ base model's name as ``W + alpha / r * B @ A``, gathered and merged one module a
 
 from __future__ import annotations
 
+import secrets
+import subprocess
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,12 +28,21 @@ import attrs
 import torch
 import trio
 
-from ..checkpoint import BucketSource, CheckpointEngine, SyncResult
+from ..checkpoint import (
+    ActorTransport,
+    BucketSource,
+    CheckpointEngine,
+    ManifestError,
+    SyncResult,
+    SyncSession,
+)
+from ..checkpoint._buckets import resolve_checksum
 from ._distributed import DistributedLearner
 from ._rank_learner import gather_many
+from ._rank_send import RankTransport, ShardPlan, addresses_of, local_parts, plan_shards
 
 if TYPE_CHECKING:
-    from ..checkpoint import Manifest, SyncSession
+    from ..checkpoint import Manifest
 
 
 @attrs.frozen
@@ -165,6 +178,9 @@ class ShardedSyncEngine(CheckpointEngine):
         self._source: GatheringSource | None = None
         self._recipes: list[Recipe] = []
         self._groups: list[list[int]] = []
+        if type(self.transport) is ActorTransport:  # the ranks send their own buckets
+            self.transport = RankTransport(learner)
+        self._shards: tuple[Any, ShardPlan | None] | None = None  # the last layout, its key
 
     async def sync(
         self,
@@ -172,9 +188,19 @@ class ShardedSyncEngine(CheckpointEngine):
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] = (),
     ) -> SyncResult:
         """Send the learner's weights tagged ``version`` (``weights`` is ignored: they are
-        gathered from the ranks); the learner must not step meanwhile."""
+        sent from the ranks' shards, or gathered from them); the learner must not step
+        meanwhile."""
         keep = self.config.tensor_filter()
         plan = [r for r in recipes(self.learner, merged=self.merged) if keep(r.name)]
+        shards = await self._shard_plan(plan)
+        if shards is not None:
+            assert isinstance(self.transport, RankTransport)
+            self.transport.shards = shards
+            try:
+                return await super().sync(version, ())
+            finally:
+                self.transport.shards = None
+                await self.transport.finish()  # the other ranks are done: the group in step
         specs = await trio.to_thread.run_sync(self._specs, plan)
         sizes = [specs[r.name].numel() * specs[r.name].element_size() for r in plan]
         groups = groups_of(plan, sizes, self.config.bucket_bytes)
@@ -190,6 +216,45 @@ class ShardedSyncEngine(CheckpointEngine):
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(source.drain)
 
+    async def _shard_plan(self, plan: Sequence[Recipe]) -> ShardPlan | None:
+        """The layout for each rank to send the buckets of its shards (``_rank_send``), or None
+        where rank 0 gathers and sends them all: merged LoRA weights (made of several
+        parameters), another transport than the actor one, ranks that may be on other hosts
+        (Ray, torchrun), receivers the ranks cannot reach, parameters not sharded by rows."""
+        transport = self.transport
+        world = self.learner.group.world_size
+        if not isinstance(transport, RankTransport) or any(r.make is not None for r in plan):
+            return None
+        if world > 1:
+            children = self.learner.group.children
+            if len(children) != world - 1 or not all(
+                isinstance(c, subprocess.Popen) for c in children
+            ):
+                return None
+            receivers = await addresses_of(self.targets)
+            if receivers is None:
+                return None
+            transport.receivers = receivers
+        params = dict(self.learner.learner.named_parameters())
+        named = [(r.name, r.sources[0], params[r.sources[0]]) for r in plan]
+        key = (
+            world,
+            self.config.bucket_bytes,
+            [(name, source, p.dtype, p.shape) for name, source, p in named],
+        )
+        if self._shards is None or self._shards[0] != key:
+            shards = plan_shards(named, world, self.config.bucket_bytes)
+            self._shards = (key, shards)
+        return self._shards[1]
+
+    def _fusable(self, session: SyncSession) -> bool:
+        # one fused request from rank 0 carries a bucket rank 0 packs: not one of another rank's
+        transport = self.transport
+        shards = transport.shards if isinstance(transport, RankTransport) else None
+        if shards is not None and shards.world > 1:
+            return False
+        return super()._fusable(session)
+
     def _specs(self, plan: Sequence[Recipe]) -> dict[str, torch.Tensor]:
         """Placeholders (meta tensors) of each sent tensor's dtype and shape: the plan's."""
         params = dict(self.learner.learner.named_parameters())
@@ -204,6 +269,9 @@ class ShardedSyncEngine(CheckpointEngine):
         version: int,
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     ) -> SyncSession:
+        transport = self.transport
+        if isinstance(transport, RankTransport) and transport.shards is not None:
+            return self._shard_session(version, transport.shards)
         session = super()._plan(version, weights)
         self._source = GatheringSource(
             self.learner, self._recipes, self._groups, session.manifest,
@@ -211,6 +279,19 @@ class ShardedSyncEngine(CheckpointEngine):
         )  # fmt: skip
         session.source = self._source
         return session
+
+    def _shard_session(self, version: int, shards: ShardPlan) -> SyncSession:
+        """The session of a sync from every rank: rank 0's source packs its own shards."""
+        manifest = shards.manifest
+        if not manifest.tensors:
+            raise ManifestError(f"no tensor to sync: none matched {self.config.tensor_filter()}")
+        self.transport.check(manifest)
+        params = dict(self.learner.learner.named_parameters())
+        tensors, offsets = local_parts(params, shards, 0)
+        algorithm = resolve_checksum(self.config.checksum)
+        source = BucketSource(tensors, manifest, algorithm=algorithm, offsets=offsets)
+        sync_id = f"{version}-{secrets.token_hex(4)}"
+        return SyncSession(sync_id, version, manifest, self.targets, self.config, source)
 
 
 class _Empty:

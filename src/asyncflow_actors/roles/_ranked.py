@@ -82,7 +82,7 @@ class RankedLearner:
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # the ShardedSyncEngine gathers the weights itself
+        return {}  # the ShardedSyncEngine sends the weights from the ranks itself
 
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
         """A DCP checkpoint of every rank (``ranks/``) and the whole policy where the other

@@ -249,12 +249,22 @@ class RankGroup:
     ) -> Any:
         """Broadcast a command, then run this rank's part of it (``local``); its result.
         Raises ``RankFailed`` if a rank died or a collective timed out meanwhile."""
-        if self.closed:
-            raise RankFailed("the rank group is closed")
-        try:
+
+        def run() -> Any:
             if self.world_size > 1:
                 broadcast_command(header, tensors)
             return local()
+
+        return self.collective(run)
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (collectives on the group, in step with the other ranks) as ``command``
+        runs its parts: a rank that died or a collective that timed out raises ``RankFailed``
+        and leaves the group closed."""
+        if self.closed:
+            raise RankFailed("the rank group is closed")
+        try:
+            return fn()
         except Exception as exc:
             failure = self._failure(exc)
             self.terminate()  # no rank trains alone: this process may join a new group

@@ -83,6 +83,8 @@ class Peer:
             incarnation <= self.incarnation or (self.link is not None and self.link.closed is None)
         ):
             return False
+        if incarnation > self.incarnation:
+            self.gone.clear()  # a new start of the peer: its actors are new ones
         self.incarnation, self.endpoints = incarnation, endpoints
         return True
 

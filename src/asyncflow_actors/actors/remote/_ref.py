@@ -21,6 +21,7 @@ from ._typeinfo import register_types
 from ._zmq import SendTracker
 
 if TYPE_CHECKING:
+    from ._mesh import Mesh
     from ._peer import Peer
 
 M = TypeVar("M")
@@ -48,6 +49,12 @@ class RemoteActorRef(ActorRef[M]):
     def node(self) -> str:
         """The name of the actor system that hosts the actor."""
         return self._node.name
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh of the system this ref belongs to (``mesh.address_of(ref)`` names it for
+        another process)."""
+        return self._node.mesh
 
     @property
     def path(self) -> str:
