@@ -127,5 +127,5 @@ async def test_a_lora_checkpoint_keeps_the_adapter_a_vllm_lora_resume_serves(
     )
     _check_vllm_lora(served, str(saved))
     (saved / ADAPTER_DIR / "adapter_model.safetensors").unlink()
-    with pytest.raises(PipelineConfigError, match="rollout.vllm_lora: the checkpoint holds no"):
+    with pytest.raises(PipelineConfigError, match=r"rollout\.vllm_lora: the checkpoint holds no"):
         _check_vllm_lora(served, str(saved))

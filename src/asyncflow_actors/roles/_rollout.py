@@ -38,8 +38,8 @@ from ._ask_again import ask_again, tell_driver
 from ._batcher import _Batcher
 from ._evaluation import evaluate
 from ._generation import _Slot, group_request, group_rows, least_busy, oldest_version
-from ._lora import ADAPTER_DIR, open_serving_adapter
 from ._group_writing import _put_outcome, _ToWrite, _vanished, drop_group, write_groups
+from ._lora import ADAPTER_DIR, open_serving_adapter
 from ._messages import AdoptVersion, Evaluate, GetRoleStats, GroupGone, Score, Scored
 from ._multi_engine import MultiEngine
 from ._reward import reward_runner, score_groups, to_score
