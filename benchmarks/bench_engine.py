@@ -26,6 +26,9 @@ is the median of the rounds (``--rounds``); the spread (min..max) goes to stderr
   ``afa_shm`` into vLLM's worker: segments, a checksum each side, layerwise reload); baseline: a raw
   copy of the same bytes into preallocated tensors (``copy_``). The issue's bar: ratio <= 2.
   ``engine_vllm_load_weights_s``: ``VLLMEngine.load_weights`` alone, same baseline.
+  ``engine_vllm_update_floor_s``: the least any update of those bytes costs on vLLM's CPU
+  backend (one raw copy across the process boundary + vLLM's oneDNN packing of the new linear
+  weights), same baseline: a ratio above 2 there means the bar cannot be met on that backend.
   The vLLM lines need ``vllm`` (``nox -s tests_vllm``'s venv); without it they are skipped
   with a note.
 
@@ -281,6 +284,7 @@ def bench_vllm_weights(rounds: int) -> None:
             copies[name].copy_(tensor)
         return time.perf_counter() - started
 
+    _repack_floor(weights, raw, rounds)
     with tempfile.TemporaryDirectory() as folder:
         export_hf(folder, model, tok)
         engine = start_vllm_engine(_vllm_args(folder, 64), eos_id=None)
@@ -331,6 +335,45 @@ def bench_vllm_weights(rounds: int) -> None:
                 )
         finally:
             close_vllm_engine(engine)
+
+
+def _repack_floor(
+    weights: dict[str, torch.Tensor], raw: Callable[[], Awaitable[float]], rounds: int
+) -> None:
+    """``engine_vllm_update_floor_s``: what any update of these weights costs at least on
+    vLLM's CPU backend: one copy across the process boundary (the raw copy itself) plus the
+    oneDNN packing vLLM's CPU linear layers need for new weights
+    (``dispatch_cpu_unquantized_gemm`` -> ``create_onednn_mm``, one handle a linear weight,
+    here of the same tensors in this process), alternated with the raw copy."""
+    from vllm import _custom_ops as ops
+
+    if not getattr(ops, "_supports_onednn", False):
+        print("engine_vllm_update_floor_s: skipped (no oneDNN in this vLLM)", file=sys.stderr)
+        return
+    linear = [t for n, t in weights.items() if t.ndim == 2 and n.endswith("proj.weight")]
+    share = sum(t.numel() * t.element_size() for t in linear)
+    handles: list[Any] = []
+
+    async def pack() -> float:
+        await trio.lowlevel.checkpoint()
+        handles.clear()  # the last round's handles go first (their memory)
+        started = time.perf_counter()
+        for tensor in linear:
+            handles.append(ops.create_onednn_mm(tensor.t(), 32))
+        return time.perf_counter() - started
+
+    packs, b = _alternate(rounds, pack, raw)
+    floor = [p + c for p, c in zip(packs, b, strict=True)]
+    emit("engine_vllm_update_floor_s", statistics.median(floor), "s", statistics.median(b))
+    print(
+        f"engine_vllm_update_floor_s: oneDNN packing of the {len(linear)} linear weights "
+        f"({share / 1e6:.0f} MB) {statistics.median(packs):.3f} s "
+        f"[{min(packs):.3f}, {max(packs):.3f}] + the raw copy {statistics.median(b):.3f} s "
+        f"[{min(b):.3f}, {max(b):.3f}]; packing alone = "
+        f"{statistics.median([p / c for p, c in zip(packs, b, strict=True)]):.1f} raw copies "
+        "(median of the rounds' ratios)",
+        file=sys.stderr,
+    )
 
 
 BENCHES = {

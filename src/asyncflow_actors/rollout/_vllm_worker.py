@@ -4,7 +4,8 @@ vLLM imports this module in each of its workers because ``open_vllm_engine`` nam
 ``WorkerExtension`` as ``worker_extension_cls``; importing it registers the ``afa_shm`` backend
 with ``WeightTransferEngineFactory`` before the worker creates its weight-transfer engine.
 
-One update, driven by ``VLLMEngine.load_weights`` through vLLM's own weight-update calls:
+One update, driven by ``VLLMEngine.load_weights`` through vLLM's own weight-update calls (in
+two round trips: ``WorkerExtension.afa_stage`` runs 1 and 2, ``afa_commit`` 3 and 4):
 
 1. ``start_weight_update``: forget anything staged.
 2. ``update_weights({"segments", "params", "checksum"})`` (*stage*, any number of times): map
@@ -203,6 +204,20 @@ class ShmWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 class WorkerExtension(LoraWorker):
     """Methods vLLM adds to its worker class, called through ``collective_rpc`` (the
     ``afa_lora_*`` ones: ``_vllm_lora_worker``)."""
+
+    def afa_stage(self, plan: dict[str, Any]) -> None:
+        """Steps 1 and 2 in one round trip: vLLM's ``start_weight_update`` then
+        ``update_weights(plan)`` (a failure leaves the update open: the sender ends it)."""
+        worker: Any = self
+        worker.start_weight_update()
+        worker.update_weights(plan)
+
+    def afa_commit(self) -> None:
+        """Steps 3 and 4 in one round trip: the commit, then vLLM's ``finish_weight_update``
+        (the sender labels the version next, vLLM held paused)."""
+        worker: Any = self
+        worker.update_weights({"commit": True})
+        worker.finish_weight_update()
 
     def afa_dump_weights(self, path: str) -> int:
         """Write the served parameters (vLLM's names and layout) to a safetensors file at
