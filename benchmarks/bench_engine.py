@@ -27,8 +27,9 @@ is the median of the rounds (``--rounds``); the spread (min..max) goes to stderr
   copy of the same bytes into preallocated tensors (``copy_``). The issue's bar: ratio <= 2.
   ``engine_vllm_load_weights_s``: ``VLLMEngine.load_weights`` alone, same baseline.
   ``engine_vllm_update_floor_s``: the least any update of those bytes costs on vLLM's CPU
-  backend (one raw copy across the process boundary + vLLM's oneDNN packing of the new linear
-  weights), same baseline: a ratio above 2 there means the bar cannot be met on that backend.
+  backend, measured in its worker: vLLM's oneDNN packing of the new linear weights + one raw
+  copy across the process boundary; baseline: the worker's raw copy of the same bytes. A ratio
+  above 2 there means the bar cannot be met on that backend.
   The vLLM lines need ``vllm`` (``nox -s tests_vllm``'s venv); without it they are skipped
   with a note.
 
@@ -284,12 +285,12 @@ def bench_vllm_weights(rounds: int) -> None:
             copies[name].copy_(tensor)
         return time.perf_counter() - started
 
-    _repack_floor(weights, raw, rounds)
     with tempfile.TemporaryDirectory() as folder:
         export_hf(folder, model, tok)
         engine = start_vllm_engine(_vllm_args(folder, 64), eos_id=None)
         version = 0
         try:
+            _update_floor(engine, rounds)
             sync_phases: dict[str, float] = {}
 
             async def through_checkpoint_engine() -> float:
@@ -337,41 +338,25 @@ def bench_vllm_weights(rounds: int) -> None:
             close_vllm_engine(engine)
 
 
-def _repack_floor(
-    weights: dict[str, torch.Tensor], raw: Callable[[], Awaitable[float]], rounds: int
-) -> None:
-    """``engine_vllm_update_floor_s``: what any update of these weights costs at least on
-    vLLM's CPU backend: one copy across the process boundary (the raw copy itself) plus the
-    oneDNN packing vLLM's CPU linear layers need for new weights
-    (``dispatch_cpu_unquantized_gemm`` -> ``create_onednn_mm``, one handle a linear weight,
-    here of the same tensors in this process), alternated with the raw copy."""
-    from vllm import _custom_ops as ops
-
-    if not getattr(ops, "_supports_onednn", False):
-        print("engine_vllm_update_floor_s: skipped (no oneDNN in this vLLM)", file=sys.stderr)
+def _update_floor(engine: Any, rounds: int) -> None:
+    """``engine_vllm_update_floor_s``: the least any update of the model's bytes costs on
+    vLLM's CPU backend, measured inside its worker (``afa_update_floor``): vLLM re-packs every
+    linear weight for oneDNN after any load of new weights, and the bytes cross the process
+    boundary at least once (one raw copy). Baseline: the worker's own raw copy of them."""
+    (floor,) = trio.run(engine.collective_rpc, "afa_update_floor", rounds)
+    if not floor:
+        print("engine_vllm_update_floor_s: skipped (vLLM packs no linear weight)", file=sys.stderr)
         return
-    linear = [t for n, t in weights.items() if t.ndim == 2 and n.endswith("proj.weight")]
-    share = sum(t.numel() * t.element_size() for t in linear)
-    handles: list[Any] = []
-
-    async def pack() -> float:
-        await trio.lowlevel.checkpoint()
-        handles.clear()  # the last round's handles go first (their memory)
-        started = time.perf_counter()
-        for tensor in linear:
-            handles.append(ops.create_onednn_mm(tensor.t(), 32))
-        return time.perf_counter() - started
-
-    packs, b = _alternate(rounds, pack, raw)
-    floor = [p + c for p, c in zip(packs, b, strict=True)]
-    emit("engine_vllm_update_floor_s", statistics.median(floor), "s", statistics.median(b))
+    packs, copies = floor["pack"], floor["copy"]
+    total = [p + c for p, c in zip(packs, copies, strict=True)]
+    emit("engine_vllm_update_floor_s", statistics.median(total), "s", statistics.median(copies))
+    ratios = [p / c for p, c in zip(packs, copies, strict=True)]
     print(
-        f"engine_vllm_update_floor_s: oneDNN packing of the {len(linear)} linear weights "
-        f"({share / 1e6:.0f} MB) {statistics.median(packs):.3f} s "
-        f"[{min(packs):.3f}, {max(packs):.3f}] + the raw copy {statistics.median(b):.3f} s "
-        f"[{min(b):.3f}, {max(b):.3f}]; packing alone = "
-        f"{statistics.median([p / c for p, c in zip(packs, b, strict=True)]):.1f} raw copies "
-        "(median of the rounds' ratios)",
+        f"engine_vllm_update_floor_s: in vLLM's worker, oneDNN packing of the linear weights "
+        f"{statistics.median(packs):.3f} s [{min(packs):.3f}, {max(packs):.3f}], a raw copy "
+        f"{statistics.median(copies):.3f} s [{min(copies):.3f}, {max(copies):.3f}]: packing "
+        f"alone {statistics.median(ratios):.1f} raw copies [{min(ratios):.1f}, "
+        f"{max(ratios):.1f}] over {rounds} rounds",
         file=sys.stderr,
     )
 

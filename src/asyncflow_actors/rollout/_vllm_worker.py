@@ -246,6 +246,41 @@ class WorkerExtension(LoraWorker):
         save_file(tensors, f"{path}.rank{worker.rank}")
         return len(tensors)
 
+    def afa_update_floor(self, rounds: int) -> dict[str, list[float]]:
+        """A benchmark's lower bound, measured here on the worker's own cores: ``pack``, the
+        seconds of re-packing every linear weight of the model for oneDNN as vLLM's CPU
+        backend does after any weight load (``create_onednn_mm``, from same-shape tensors
+        already in memory), and ``copy``, those of a raw copy of the same bytes, alternated
+        ``rounds`` times. ``{}`` where vLLM packs no linear weight (not its CPU backend)."""
+        from vllm import _custom_ops as ops
+
+        worker: Any = self
+        model = worker.model_runner.get_model()
+        shapes = [
+            (int(m.output_size_per_partition), int(m.input_size_per_partition))
+            for _, m in model.named_modules()
+            if getattr(m, "cpu_linear", None) is not None
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.numel() == 0
+        ]
+        if not shapes or not getattr(ops, "_supports_onednn", False):
+            return {}
+        sources = [torch.randn(n, k) for n, k in shapes]
+        copies = [torch.empty_like(t) for t in sources]
+        for copy, source in zip(copies, sources, strict=True):
+            copy.copy_(source)  # faulted in: the copy baseline writes warm memory
+        out: dict[str, list[float]] = {"pack": [], "copy": []}
+        for _ in range(rounds):
+            started = time.perf_counter()
+            handles = [ops.create_onednn_mm(t.t(), 32) for t in sources]
+            out["pack"].append(time.perf_counter() - started)
+            del handles
+            started = time.perf_counter()
+            for copy, source in zip(copies, sources, strict=True):
+                copy.copy_(source)
+            out["copy"].append(time.perf_counter() - started)
+        return out
+
     def afa_transfer_stats(self) -> dict[str, Any]:
         """The ``afa_shm`` engine's backend name, commit count and the last update's seconds
         in the worker (``verify``: map and checksum, ``load``: vLLM's reload); ``{}`` without
