@@ -29,7 +29,9 @@ is the median of the rounds (``--rounds``); the spread (min..max) goes to stderr
   ``engine_vllm_update_floor_s``: the least any update of those bytes costs on vLLM's CPU
   backend, measured in its worker: vLLM's oneDNN packing of the new linear weights + one raw
   copy across the process boundary; baseline: the worker's raw copy of the same bytes. A ratio
-  above 2 there means the bar cannot be met on that backend.
+  above 2 there means the bar cannot be met on that backend. ``engine_vllm_update_fixed_s``:
+  ``load_weights`` of one small tensor (the norm), the update's fixed cost (pause, round trips
+  to the worker, label), no baseline.
   The vLLM lines need ``vllm`` (``nox -s tests_vllm``'s venv); without it they are skipped
   with a note.
 
@@ -291,6 +293,20 @@ def bench_vllm_weights(rounds: int) -> None:
         version = 0
         try:
             _update_floor(engine, rounds)
+            one = {"model.norm.weight": weights["model.norm.weight"]}
+            fixed = []
+            for _ in range(3 * rounds):
+                version += 1
+                started = time.perf_counter()
+                trio.run(engine.load_weights, one, version)
+                fixed.append(time.perf_counter() - started)
+            emit("engine_vllm_update_fixed_s", statistics.median(fixed), "s")
+            print(
+                f"engine_vllm_update_fixed_s: load_weights of one {one['model.norm.weight'].numel()}"
+                f"-value tensor, {min(fixed) * 1e3:.1f}..{max(fixed) * 1e3:.1f} ms over "
+                f"{len(fixed)} updates",
+                file=sys.stderr,
+            )
             sync_phases: dict[str, float] = {}
 
             async def through_checkpoint_engine() -> float:
