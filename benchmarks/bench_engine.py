@@ -26,6 +26,12 @@ is the median of the rounds (``--rounds``); the spread (min..max) goes to stderr
   ``afa_shm`` into vLLM's worker: segments, a checksum each side, layerwise reload); baseline: a raw
   copy of the same bytes into preallocated tensors (``copy_``). The issue's bar: ratio <= 2.
   ``engine_vllm_load_weights_s``: ``VLLMEngine.load_weights`` alone, same baseline.
+  ``engine_vllm_update_floor_s``: the least any update of those bytes costs on vLLM's CPU
+  backend, measured in its worker: vLLM's oneDNN packing of the new linear weights + one raw
+  copy across the process boundary; baseline: the worker's raw copy of the same bytes. A ratio
+  above 2 there means the bar cannot be met on that backend. ``engine_vllm_update_fixed_s``:
+  ``load_weights`` of one small tensor (the norm), the update's fixed cost (pause, round trips
+  to the worker, label), no baseline.
   The vLLM lines need ``vllm`` (``nox -s tests_vllm``'s venv); without it they are skipped
   with a note.
 
@@ -286,6 +292,21 @@ def bench_vllm_weights(rounds: int) -> None:
         engine = start_vllm_engine(_vllm_args(folder, 64), eos_id=None)
         version = 0
         try:
+            _update_floor(engine, rounds)
+            one = {"model.norm.weight": weights["model.norm.weight"]}
+            fixed = []
+            for _ in range(3 * rounds):
+                version += 1
+                started = time.perf_counter()
+                trio.run(engine.load_weights, one, version)
+                fixed.append(time.perf_counter() - started)
+            emit("engine_vllm_update_fixed_s", statistics.median(fixed), "s")
+            print(
+                f"engine_vllm_update_fixed_s: load_weights of one {one['model.norm.weight'].numel()}"
+                f"-value tensor, {min(fixed) * 1e3:.1f}..{max(fixed) * 1e3:.1f} ms over "
+                f"{len(fixed)} updates",
+                file=sys.stderr,
+            )
             sync_phases: dict[str, float] = {}
 
             async def through_checkpoint_engine() -> float:
@@ -331,6 +352,29 @@ def bench_vllm_weights(rounds: int) -> None:
                 )
         finally:
             close_vllm_engine(engine)
+
+
+def _update_floor(engine: Any, rounds: int) -> None:
+    """``engine_vllm_update_floor_s``: the least any update of the model's bytes costs on
+    vLLM's CPU backend, measured inside its worker (``afa_update_floor``): vLLM re-packs every
+    linear weight for oneDNN after any load of new weights, and the bytes cross the process
+    boundary at least once (one raw copy). Baseline: the worker's own raw copy of them."""
+    (floor,) = trio.run(engine.collective_rpc, "afa_update_floor", rounds)
+    if not floor:
+        print("engine_vllm_update_floor_s: skipped (vLLM packs no linear weight)", file=sys.stderr)
+        return
+    packs, copies = floor["pack"], floor["copy"]
+    total = [p + c for p, c in zip(packs, copies, strict=True)]
+    emit("engine_vllm_update_floor_s", statistics.median(total), "s", statistics.median(copies))
+    ratios = [p / c for p, c in zip(packs, copies, strict=True)]
+    print(
+        f"engine_vllm_update_floor_s: in vLLM's worker, oneDNN packing of the linear weights "
+        f"{statistics.median(packs):.3f} s [{min(packs):.3f}, {max(packs):.3f}], a raw copy "
+        f"{statistics.median(copies):.3f} s [{min(copies):.3f}, {max(copies):.3f}]: packing "
+        f"alone {statistics.median(ratios):.1f} raw copies [{min(ratios):.1f}, "
+        f"{max(ratios):.1f}] over {rounds} rounds",
+        file=sys.stderr,
+    )
 
 
 BENCHES = {

@@ -23,6 +23,12 @@ def length(completions: list[Any], **kw: Any) -> list[float | None]:
     return [-float(len(_text(c))) or None for c in completions]
 
 
+def digits(completions: list[Any], **kw: Any) -> list[float]:
+    """The sum of the completion's digits: it differs between the samples of an untrained
+    policy, so its first steps already move the weights (a LoRA B that leaves zero)."""
+    return [float(sum(int(ch) for ch in _text(c) if ch.isdigit())) for c in completions]
+
+
 def flaky(completions: list[Any], **kw: Any) -> list[float]:
     """Raises on one call in five."""
     if _flaky.random() < 0.2:

@@ -82,3 +82,50 @@ def test_vllm_lora_refuses_what_cannot_work(
         table[key] = {**table.get(key, {}), **value}
     with pytest.raises(PipelineConfigError, match=f"rollout.vllm_lora: {message}"):
         preflight(tiny("async", **table))
+
+
+async def test_a_lora_checkpoint_keeps_the_adapter_a_vllm_lora_resume_serves(
+    tmp_path: Path, hf_folder: Path
+) -> None:
+    """A LoRA checkpoint holds the adapter alone (``adapter/``) beside the merged policy: read
+    back under the trainer's names and merged into the base as a forward station does on
+    resume, it gives the checkpoint's merged policy to the bit; the preflight lets a
+    ``rollout.vllm_lora`` run resume from it, and refuses a checkpoint without it."""
+    from safetensors.torch import load_file
+
+    from asyncflow_actors.pipeline import run_pipeline
+    from asyncflow_actors.pipeline._preflight import _check_vllm_lora
+    from asyncflow_actors.roles._hf_policy import load_hf_policy
+    from asyncflow_actors.roles._lora import ADAPTER_DIR, adapter_config, read_adapter
+
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    config = tiny(
+        "sync",
+        run_dir=str(tmp_path / "run"),
+        model={"hf": str(hf_folder), "lora": lora},
+        task={"reward": ["tests.tasks.rewards:digits"]},
+        rollout={"engine": "hf"},
+        train={"steps": 1, "checkpoint_every": 1, "lr": 1e-2},
+    )
+    result = await run_pipeline(config)
+    saved = Path(result.checkpoints[-1])
+    adapter = read_adapter(str(saved / ADAPTER_DIR))
+    assert len(adapter) == 2 * 2 * 2  # 2 layers, q and v, A and B
+    assert all(name.startswith(PREFIX) and ".default.weight" in name for name in adapter)
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if ".lora_B." in n)  # trained
+    assert adapter_config(str(saved / ADAPTER_DIR))["r"] == 4
+    base, _ = load_hf_policy(str(hf_folder), "cpu")
+    copy = PolicyCopy(base, 0, LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj")))
+    await copy.load_weights(adapter, 1)
+    merged = load_file(str(saved / "policy" / "model.safetensors"))
+    state = base.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in merged.items())
+    served = tiny(
+        "sync",
+        model={"hf": str(hf_folder), "lora": lora},
+        rollout={"engine": "vllm", "vllm_lora": True},
+    )
+    _check_vllm_lora(served, str(saved))
+    (saved / ADAPTER_DIR / "adapter_model.safetensors").unlink()
+    with pytest.raises(PipelineConfigError, match=r"rollout\.vllm_lora: the checkpoint holds no"):
+        _check_vllm_lora(served, str(saved))

@@ -227,10 +227,12 @@ def _check_vllm_lora(config: PipelineConfig, checkpoint: str | None) -> None:
         problem = "forward stations on ranks (train.forward_ranks > 1) load merged weights only"
     elif unsynced := [m for m in config.model.lora.target_modules if m in _UNSYNCED]:
         problem = f"the sync carries linear projections' adapters, not {unsynced}"
-    elif checkpoint is not None:
+    elif checkpoint is not None and not os.path.isfile(
+        os.path.join(checkpoint, "adapter", "adapter_model.safetensors")
+    ):
         problem = (
-            "a checkpoint holds the policy merged, not the base and its adapter: resume with "
-            "rollout.vllm_lora = false"
+            f"the checkpoint holds no adapter/ ({checkpoint}: written before LoRA checkpoints "
+            "kept it), only the merged policy: resume with rollout.vllm_lora = false"
         )
     if problem is not None:
         raise PipelineConfigError(f"rollout.vllm_lora: {problem}")

@@ -178,10 +178,11 @@ class DistributedLearner:
         meta: dict[str, Any] = self._command({"op": "load", "directory": directory})
         return meta
 
-    def export(self, directory: str, *, merge: bool = True) -> str:
-        """The final model under ``directory`` (HF ``save_pretrained``, or safetensors for the
-        TinyDecoder; LoRA merged into the base unless ``merge`` is false). Its path."""
-        path: str = self._command({"op": "export", "directory": directory, "merge": merge})
+    def export(self, directory: str, *, merge: bool = True, name: str = "policy") -> str:
+        """The final model under ``directory/name`` (HF ``save_pretrained``, or safetensors for
+        the TinyDecoder; LoRA merged into the base unless ``merge`` is false). Its path."""
+        header = {"op": "export", "directory": directory, "merge": merge, "name": name}
+        path: str = self._command(header)
         return path
 
     def start_gather(self, groups: list[list[str]]) -> None:

@@ -189,8 +189,16 @@ class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):
         self.receiver = WeightReceiver(
             self.copy, load="lazy", name=self.worker, pause=self.spec.rollout.pauses
         )
+        resume = self.spec.resume_from
+        if resume and self.spec.rollout.vllm_lora:  # the checkpoint's adapter, merged
+            from ._lora import ADAPTER_DIR, read_adapter
+
+            adapter = await in_thread(read_adapter, os.path.join(resume, ADAPTER_DIR))
+            await self.copy.load_weights(adapter, self.spec.start_version)
 
     async def load_model(self) -> tuple[Any, Any]:
+        if self.spec.rollout.vllm_lora:  # the base: adapters merge into it (AdapterMerger)
+            return await super().load_model()
         return await load_policy(self.spec, self.compute, self.task)
 
     def policy_path(self) -> str | None:

@@ -6,13 +6,18 @@ adapters (``lora_A`` / ``lora_B``); their names are PEFT's, which the weight syn
 ``lora_only`` filter selects. ``merged_state`` turns a full PEFT state dict into the base
 model's names with ``W + alpha / r * B @ A`` folded in, for engines that cannot load adapters
 and for a merged export; ``AdapterMerger`` does the same on a receiver of an adapters-only sync
-(``rollout.vllm_lora``: the forward stations hold plain weights).
+(``rollout.vllm_lora``: the forward stations hold plain weights). A LoRA checkpoint holds the
+adapter alone too (``ADAPTER_DIR``, PEFT's folder), which ``read_adapter`` reads back under the
+trainer's names for a resumed ``rollout.vllm_lora`` run.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from torch import Tensor, nn
@@ -21,7 +26,11 @@ from ._rank_settings import LoraSettings
 from ._settings import SettingsError
 
 PREFIX = "base_model.model."
+#: A LoRA checkpoint's adapter folder (PEFT's ``save_pretrained``: ``adapter_config.json``,
+#: ``adapter_model.safetensors``), next to the merged ``policy/``.
+ADAPTER_DIR = "adapter"
 _ADAPTER = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
+_FILE = re.compile(r"\.lora_(?P<ab>[AB])\.weight$")  # PEFT's file names: no adapter name
 _PARTS = re.compile(r"^(?P<stem>.+)\.lora_(?P<ab>[AB])\.[^.]+\.weight$")
 
 
@@ -111,3 +120,37 @@ class AdapterMerger:
 def adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The adapters of a full PEFT state dict."""
     return {name: tensor for name, tensor in state.items() if is_adapter(name)}
+
+
+def read_adapter(folder: str) -> dict[str, Tensor]:
+    """The adapter of a PEFT folder (``ADAPTER_DIR``) under the trainer's names
+    (``...q_proj.lora_A.default.weight``: what a sync sends). ``OSError`` if it is missing."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    return {
+        _FILE.sub(r".lora_\g<ab>.default.weight", name): tensor for name, tensor in tensors.items()
+    }
+
+
+def adapter_config(folder: str) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a PEFT folder (``r``, ``lora_alpha``, ``target_modules``,
+    ``base_model_name_or_path``)."""
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
+@asynccontextmanager
+async def open_serving_adapter(
+    opened: AbstractAsyncContextManager[Any], folder: str, version: int
+) -> AsyncIterator[Any]:
+    """The engine ``opened`` (on the base, LoRA on) serving the adapter of ``folder`` as
+    ``version`` before anything is generated: a resumed ``rollout.vllm_lora`` run, whose
+    adapter loads through the same two-phase sync as the trainer's."""
+    from ._worker import in_thread
+
+    async with opened as engine:
+        weights = await in_thread(read_adapter, folder)
+        await engine.load_weights(weights, version)
+        yield engine

@@ -77,11 +77,14 @@ def load(learner: RankLearner, directory: str) -> dict[str, Any]:
     return meta
 
 
-def export(learner: RankLearner, directory: str, *, merge: bool = True) -> str:
-    """The final model, gathered on rank 0 and written there (a collective); its path."""
+def export(
+    learner: RankLearner, directory: str, *, merge: bool = True, name: str = "policy"
+) -> str:
+    """The final model, gathered on rank 0 and written there under ``directory/name`` (a
+    collective); its path."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(learner.policy, options=options)
-    out = os.path.join(directory, "policy")
+    out = os.path.join(directory, name)
     if rank() == 0:
         os.makedirs(directory, exist_ok=True)
         _write(learner, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, out,

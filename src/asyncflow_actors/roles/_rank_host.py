@@ -131,7 +131,10 @@ class RankHost:
                 return ckpt.save(learner, header["directory"], header.get("meta", {}))
             if op == "load":
                 return ckpt.load(learner, header["directory"])
-            return ckpt.export(learner, header["directory"], merge=header.get("merge", True))
+            return ckpt.export(
+                learner, header["directory"], merge=header.get("merge", True),
+                name=header.get("name", "policy"),
+            )  # fmt: skip
         raise RuntimeError(f"unknown rank command {op!r}")
 
     def _forward(self, op: str, header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:

@@ -20,6 +20,7 @@ import torch
 
 from ._compute import PaddedRows
 from ._distributed import DistributedLearner
+from ._lora import ADAPTER_DIR
 from ._rank_settings import RANKS_DIR, parallel_of
 from ._settings import RunSpec, SettingsError
 
@@ -86,9 +87,12 @@ class RankedLearner:
 
     def save(self, directory: str, meta: Mapping[str, Any]) -> None:
         """A DCP checkpoint of every rank (``ranks/``) and the whole policy where the other
-        roles load it on resume."""
+        roles load it on resume; with LoRA also the adapter alone (``adapter/``, PEFT's
+        folder: what a resumed ``rollout.vllm_lora`` run serves on the base)."""
         self.dist.save(os.path.join(directory, RANKS_DIR), meta)
         self.dist.export(directory)
+        if self.spec.model.lora.enabled:
+            self.dist.export(directory, merge=False, name=ADAPTER_DIR)
 
     def close(self) -> None:
         """Stop the other ranks at once (the Trainer stops: a step may still be in flight in

@@ -39,6 +39,7 @@ from ._batcher import _Batcher
 from ._evaluation import evaluate
 from ._generation import _Slot, group_request, group_rows, least_busy, oldest_version
 from ._group_writing import _put_outcome, _ToWrite, _vanished, drop_group, write_groups
+from ._lora import ADAPTER_DIR, open_serving_adapter
 from ._messages import AdoptVersion, Evaluate, GetRoleStats, GroupGone, Score, Scored
 from ._multi_engine import MultiEngine
 from ._reward import reward_runner, score_groups, to_score
@@ -116,7 +117,10 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
             from ._hf_policy import HFTokenizer
 
             folder = spec.model.hf
-            if spec.resume_from:
+            resumed = None  # vllm_lora: the base, serving the checkpoint's adapter
+            if spec.resume_from and spec.rollout.vllm_lora:
+                resumed = os.path.join(spec.resume_from, ADAPTER_DIR)
+            elif spec.resume_from:
                 folder = os.path.join(spec.resume_from, "policy")
             self.tokenizer = HFTokenizer(await in_thread(_auto_tokenizer, folder))
             args = {"model": folder, **dict(spec.rollout.vllm_args)}
@@ -126,7 +130,10 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
                 if spec.rollout.vllm_lora
                 else None
             )
-            return rollout.open_vllm_engine(args, version=spec.start_version, lora=adapter)
+            opened = rollout.open_vllm_engine(args, version=spec.start_version, lora=adapter)
+            if resumed is not None:
+                return open_serving_adapter(opened, resumed, spec.start_version)
+            return opened
         model, self.tokenizer = await self._model()
         config = rollout.EngineConfig(
             max_batch=spec.engine_rows,

@@ -16,6 +16,8 @@ may share one engine across tests).
   finish, queued ones stay queued for after the resume); ``ABORT`` is ``mode="abort"`` (the
   requests come back ``ABORTED`` with their prefix); ``KEEP`` is ``mode="keep"`` with
   ``clear_cache=False`` (frozen requests keep their KV cache and go on under the new weights).
+  ``KEEP``, a drained engine and the hold of an update skip ``pause_generation``'s 20 ms sleep
+  (it waits for final outputs, and those end none).
   Requests made while paused wait for ``resume``.
 - ``load_weights``: ``_vllm_weights`` (``afa_shm`` through shared memory by default; vLLM's
   CUDA/NPU IPC as an opt-in). vLLM is held paused (``keep``) during the update if it was not
@@ -379,9 +381,10 @@ class VLLMEngine:
             in_flight = self._live
             await self._call(
                 functools.partial(
-                    self.llm.pause_generation,
-                    mode=_VLLM_MODES[mode],
+                    self._pause_vllm,
+                    _VLLM_MODES[mode],
                     clear_cache=mode is not PauseMode.KEEP,
+                    outputs=in_flight > 0 and mode is not PauseMode.KEEP,
                 )
             )
         except BaseException:
@@ -397,6 +400,19 @@ class VLLMEngine:
             aborted=in_flight if mode is PauseMode.ABORT else 0,
         )
         return self._ack
+
+    async def _pause_vllm(self, mode: str, *, clear_cache: bool, outputs: bool) -> None:
+        """On the asyncio thread: pause vLLM's scheduler. ``AsyncLLM.pause_generation`` then
+        sleeps 20 ms so that the final outputs of requests it ended are out before it returns
+        (not needed for correctness, vLLM says); that only matters when some may come
+        (``outputs``): ``KEEP`` ends none (its requests wait), a drained engine has none."""
+        core: Any = getattr(self.llm, "engine_core", None)
+        if outputs or not hasattr(core, "pause_scheduler_async"):
+            await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+            return
+        if clear_cache:
+            await self.llm.renderer.clear_mm_cache_async()
+        await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -424,7 +440,9 @@ class VLLMEngine:
             try:
                 if hold:
                     await self._call(
-                        functools.partial(self.llm.pause_generation, mode="keep", clear_cache=False)
+                        functools.partial(
+                            self._pause_vllm, "keep", clear_cache=False, outputs=False
+                        )
                     )
             except BaseException:
                 if lora:

@@ -52,8 +52,6 @@ async def send_shm(
     ``version``; returns the bytes sent (``timings``, if given, gets the seconds of each phase:
     ``write``, ``stage``, ``commit``, ``label``). The caller holds vLLM paused (no step runs between
     the commit and the label). Cancellation before the commit abandons the update."""
-    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
     clock = _Clock(timings)
     plan = await trio.to_thread.run_sync(
         functools.partial(
@@ -66,9 +64,9 @@ async def send_shm(
     )
     clock.lap("write")
     try:
-        await bridge.call(llm.start_weight_update)
+        # one round trip: vLLM's start_weight_update and update_weights in the worker
         await bridge.call(
-            llm.update_weights, WeightTransferUpdateRequest(update_info=plan.to_wire())
+            functools.partial(llm.collective_rpc, "afa_stage", args=(plan.to_wire(),))
         )
         clock.lap("stage")
     except BaseException as exc:
@@ -82,16 +80,15 @@ async def send_shm(
     # committed and labelled whole, even if the caller is cancelled meanwhile
     with trio.CancelScope(shield=True):
         try:
-            await bridge.call(
-                llm.update_weights, WeightTransferUpdateRequest(update_info={"commit": True})
-            )
+            # one round trip: the commit and vLLM's finish_weight_update in the worker
+            await bridge.call(functools.partial(llm.collective_rpc, "afa_commit"))
         except Exception as exc:
             await _abandon(llm, bridge)
             raise WeightCommitError(
                 f"vLLM failed loading the weights of version {version}: {worker_reason(exc)}"
             ) from exc
         clock.lap("commit")
-        await bridge.call(llm.finish_weight_update, str(version))
+        await bridge.call(llm.update_weight_version, str(version))
         clock.lap("label")
     return plan.nbytes
 

@@ -4,7 +4,8 @@ vLLM imports this module in each of its workers because ``open_vllm_engine`` nam
 ``WorkerExtension`` as ``worker_extension_cls``; importing it registers the ``afa_shm`` backend
 with ``WeightTransferEngineFactory`` before the worker creates its weight-transfer engine.
 
-One update, driven by ``VLLMEngine.load_weights`` through vLLM's own weight-update calls:
+One update, driven by ``VLLMEngine.load_weights`` through vLLM's own weight-update calls (in
+two round trips: ``WorkerExtension.afa_stage`` runs 1 and 2, ``afa_commit`` 3 and 4):
 
 1. ``start_weight_update``: forget anything staged.
 2. ``update_weights({"segments", "params", "checksum"})`` (*stage*, any number of times): map
@@ -204,6 +205,20 @@ class WorkerExtension(LoraWorker):
     """Methods vLLM adds to its worker class, called through ``collective_rpc`` (the
     ``afa_lora_*`` ones: ``_vllm_lora_worker``)."""
 
+    def afa_stage(self, plan: dict[str, Any]) -> None:
+        """Steps 1 and 2 in one round trip: vLLM's ``start_weight_update`` then
+        ``update_weights(plan)`` (a failure leaves the update open: the sender ends it)."""
+        worker: Any = self
+        worker.start_weight_update()
+        worker.update_weights(plan)
+
+    def afa_commit(self) -> None:
+        """Steps 3 and 4 in one round trip: the commit, then vLLM's ``finish_weight_update``
+        (the sender labels the version next, vLLM held paused)."""
+        worker: Any = self
+        worker.update_weights({"commit": True})
+        worker.finish_weight_update()
+
     def afa_dump_weights(self, path: str) -> int:
         """Write the served parameters (vLLM's names and layout) to a safetensors file at
         ``path`` + ``.rank<N>``; returns how many tensors.
@@ -230,6 +245,41 @@ class WorkerExtension(LoraWorker):
                 tensors[f"{name}.weight"] = kernel(eye, weight, None).T.contiguous()
         save_file(tensors, f"{path}.rank{worker.rank}")
         return len(tensors)
+
+    def afa_update_floor(self, rounds: int) -> dict[str, list[float]]:
+        """A benchmark's lower bound, measured here on the worker's own cores: ``pack``, the
+        seconds of re-packing every linear weight of the model for oneDNN as vLLM's CPU
+        backend does after any weight load (``create_onednn_mm``, from same-shape tensors
+        already in memory), and ``copy``, those of a raw copy of the same bytes, alternated
+        ``rounds`` times. ``{}`` where vLLM packs no linear weight (not its CPU backend)."""
+        from vllm import _custom_ops as ops
+
+        worker: Any = self
+        model = worker.model_runner.get_model()
+        shapes = [
+            (int(m.output_size_per_partition), int(m.input_size_per_partition))
+            for _, m in model.named_modules()
+            if getattr(m, "cpu_linear", None) is not None
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.numel() == 0
+        ]
+        if not shapes or not getattr(ops, "_supports_onednn", False):
+            return {}
+        sources = [torch.randn(n, k) for n, k in shapes]
+        copies = [torch.empty_like(t) for t in sources]
+        for copy, source in zip(copies, sources, strict=True):
+            copy.copy_(source)  # faulted in: the copy baseline writes warm memory
+        out: dict[str, list[float]] = {"pack": [], "copy": []}
+        for _ in range(rounds):
+            started = time.perf_counter()
+            handles = [ops.create_onednn_mm(t.t(), 32) for t in sources]
+            out["pack"].append(time.perf_counter() - started)
+            del handles
+            started = time.perf_counter()
+            for copy, source in zip(copies, sources, strict=True):
+                copy.copy_(source)
+            out["copy"].append(time.perf_counter() - started)
+        return out
 
     def afa_transfer_stats(self) -> dict[str, Any]:
         """The ``afa_shm`` engine's backend name, commit count and the last update's seconds
