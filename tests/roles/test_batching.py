@@ -136,6 +136,31 @@ async def test_rollout_generates_a_global_batch_of_groups_at_once_by_default() -
     assert stats.extra["prompt_leases"] == 1, "32 prompts ready: one lease"
 
 
+async def test_prompts_for_slots_freed_while_a_fetch_waited_start_with_the_fetched_ones() -> None:
+    # 16 slots (2 x 8 prompts admitted, 64 rows). Prompt 0 alone: the rollout takes it and
+    # waits for more with room for the 15 other slots; prompt 0's slot frees meanwhile. Then
+    # 16 prompts come: the waiting fetch takes 15 and the 16th is taken at once for the freed
+    # slot (a lease of its own), and all 16 groups start together: one prefill and the decode
+    # steps (a static-batching engine would otherwise decode the 16th in a wave of its own).
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        with trio.fail_after(60):
+            ref = await system.spawn(
+                lambda: Rollout(SPEC, queue.controller, "rollout-0"), name="rollout-0"
+            )
+            await put_prompts(client, [0])
+            first = await client.get(S.ROLLOUT, "trainer", [S.RESPONSE_IDS], 4)
+            await trio.testing.wait_all_tasks_blocked(0.05)  # its slot free, a fetch waiting
+            await put_prompts(client, list(range(1, 17)))
+            rest = await client.get(S.ROLLOUT, "trainer", [S.RESPONSE_IDS], 64)
+            stats = await ref.ask(GetRoleStats())
+    assert first is not None and rest is not None and len(set(rest.group_ids)) == 16
+    assert stats.extra["prompt_leases"] == 3, "prompt 0; then 15 and the top-up of 1"
+    max_new = SPEC.rollout.max_new_tokens
+    assert stats.extra["engine_steps"] == 2 * max_new, "prompt 0's steps, then one wave's"
+
+
 async def put_prompts(
     client: afa.transfer_queue.TransferQueueClient, indexes: list[int], min_version: int = 0
 ) -> None:
