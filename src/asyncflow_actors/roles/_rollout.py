@@ -147,7 +147,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         spec = self.spec
         slots = max(1, spec.engine_rows * len(self.engines) // spec.rollout.group_size)
         free = trio.Semaphore(slots)
-        columns = (S.PROMPT_TEXT, S.ANSWER, S.GROUP, S.PROMPT_INDEX, S.MIN_VERSION, S.RECORD)
+        columns = (S.PROMPT_TEXT, S.PROMPT_IDS, S.ANSWER, S.GROUP, S.PROMPT_INDEX,
+                   S.MIN_VERSION, S.RECORD)  # fmt: skip
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._scorer.serve)
             nursery.start_soon(self._writer.serve)
@@ -217,12 +218,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         try:
             prompt, answer = batch[S.PROMPT_TEXT][k], batch[S.ANSWER][k]
             record = batch[S.RECORD][k]
+            ids = tuple(batch[S.PROMPT_IDS][k].tolist())  # tokenized by the Driver
             gid = int(column(batch, S.GROUP)[k])
             index = int(column(batch, S.PROMPT_INDEX)[k])
             least = int(column(batch, S.MIN_VERSION)[k])
             attempt = 0
             while not await self._generate_and_write(
-                (prompt, answer, record), gid, index, least, attempt, slot
+                (prompt, answer, record), ids, gid, index, least, attempt, slot
             ):
                 attempt += 1
                 # Stale again: this worker's weights are behind the window (a sync is on its
@@ -237,6 +239,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
     async def _generate_and_write(
         self,
         source: tuple[str, str, str],
+        prompt_ids: tuple[int, ...],
         gid: int,
         index: int,
         least: int,
@@ -251,7 +254,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         prompt, answer, record = source
         await self.weights.wait_for(least)
         engine = least_busy(self.engines)
-        request = group_request(self.spec, self.tokenizer, prompt, index, attempt)
+        request = group_request(self.spec, prompt_ids, index, attempt)
         with self.meter.track.span("rollout", group=gid, version=engine.version) as span:
             self._generating(+1)
             try:
