@@ -8,7 +8,6 @@ names, which both engines load. Imports transformers (the ``hf`` extra).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 from typing import Any
@@ -76,7 +75,7 @@ def _forward_options(model: Any, width: int) -> dict[str, Any]:
     """No KV cache (a model config's default builds one, unused by a full forward), and the
     logits of the positions that predict the response only (``logits_to_keep``, as TRL asks):
     each where the model's ``forward`` names the argument."""
-    names = _forward_names(type(model))
+    names = _forward_names(model)
     options: dict[str, Any] = {}
     if "use_cache" in names:
         options["use_cache"] = False
@@ -85,9 +84,15 @@ def _forward_options(model: Any, width: int) -> dict[str, Any]:
     return options
 
 
-@functools.cache
-def _forward_names(cls: type) -> frozenset[str]:
-    return frozenset(inspect.signature(cls.forward).parameters)
+_FORWARD_NAMES: dict[type, frozenset[str]] = {}  # per model class
+
+
+def _forward_names(model: Any) -> frozenset[str]:
+    names = _FORWARD_NAMES.get(type(model))
+    if names is None:
+        names = frozenset(inspect.signature(model.forward).parameters)
+        _FORWARD_NAMES[type(model)] = names
+    return names
 
 
 def save_hf_policy(model: Any, tokenizer: HFTokenizer, directory: str) -> None:
