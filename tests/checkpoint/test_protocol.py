@@ -552,3 +552,41 @@ async def test_apply_pending_waits_for_a_load_another_task_started(autojump_cloc
         await trio.sleep(0.1)  # the first is loading
         nursery.start_soon(group, "second")
     assert seen == {"first": 4, "second": 4}
+
+
+async def test_the_waiters_of_a_load_wake_together() -> None:
+    """The tasks that wait for a load another task runs wake in one scheduling round (an
+    event), not one a round through a lock: a rollout's groups then reach the engine together,
+    and a static-batching engine decodes them in one wave."""
+    from asyncflow_actors.checkpoint import WeightReceiver
+    from tests.checkpoint.doubles import EngineDouble
+
+    release = trio.Event()
+
+    class HeldLoad(EngineDouble):
+        async def load_weights(self, weights: Any, version: int) -> None:
+            await release.wait()
+            await super().load_weights(weights, version)
+
+    engine = HeldLoad()
+    receiver = WeightReceiver(engine, load="lazy")
+    receiver._pending, receiver._pending_version = weights_of(4), 4
+    back: list[str] = []
+
+    async def group(name: str) -> None:
+        await receiver.apply_pending()
+        back.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(group, "loader")
+        await trio.testing.wait_all_tasks_blocked()
+        for k in range(8):
+            nursery.start_soon(group, f"waiter-{k}")
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+        while "loader" not in back:
+            await trio.lowlevel.checkpoint()
+        for _ in range(3):  # the loader's round, then the waiters' (in either order)
+            await trio.lowlevel.checkpoint()
+        assert len(back) == 9, f"only {back} back three rounds after the load"
+    assert engine.version == 4

@@ -75,6 +75,7 @@ async def test_rollout_takes_every_ready_prompt_in_one_lease() -> None:
                 )
                 prompt = {
                     S.PROMPT_TEXT: [f"{index}+1="],
+                    S.PROMPT_IDS: [torch.tensor([1])],
                     S.ANSWER: [str(index + 1)],
                     S.GROUP: torch.tensor([slot.group_id]),
                     S.PROMPT_INDEX: torch.tensor([index]),
@@ -136,6 +137,57 @@ async def test_rollout_generates_a_global_batch_of_groups_at_once_by_default() -
     assert stats.extra["prompt_leases"] == 1, "32 prompts ready: one lease"
 
 
+async def test_prompts_for_slots_freed_while_a_fetch_waited_start_with_the_fetched_ones() -> None:
+    # 16 slots (2 x 8 prompts admitted, 64 rows). Prompt 0 alone: the rollout takes it and
+    # waits for more with room for the 15 other slots; prompt 0's slot frees meanwhile. Then
+    # 16 prompts come: the waiting fetch takes 15 and the 16th is taken at once for the freed
+    # slot (a lease of its own), and all 16 groups start together: one prefill and the decode
+    # steps (a static-batching engine would otherwise decode the 16th in a wave of its own).
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        with trio.fail_after(60):
+            ref = await system.spawn(
+                lambda: Rollout(SPEC, queue.controller, "rollout-0"), name="rollout-0"
+            )
+            await put_prompts(client, [0])
+            first = await client.get(S.ROLLOUT, "trainer", [S.RESPONSE_IDS], 4)
+            await trio.testing.wait_all_tasks_blocked(0.05)  # its slot free, a fetch waiting
+            await put_prompts(client, list(range(1, 17)))
+            rest = await client.get(S.ROLLOUT, "trainer", [S.RESPONSE_IDS], 64)
+            stats = await ref.ask(GetRoleStats())
+    assert first is not None and rest is not None and len(set(rest.group_ids)) == 16
+    assert stats.extra["prompt_leases"] == 3, "prompt 0; then 15 and the top-up of 1"
+    max_new = SPEC.rollout.max_new_tokens
+    assert stats.extra["engine_steps"] == 2 * max_new, "prompt 0's steps, then one wave's"
+
+
+async def test_the_rollout_generates_from_the_prompt_ids_the_driver_put(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The Driver tokenizes each prompt once (the group stores the ids, the prompt carries
+    # them); the rollout does not tokenize it again.
+    from asyncflow_actors.models import CharTokenizer
+
+    encoded: list[str] = []
+    encode = CharTokenizer.encode
+
+    def counted(self: CharTokenizer, text: str, *args: Any, **kwargs: Any) -> list[int]:
+        encoded.append(text)
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(CharTokenizer, "encode", counted)
+    tq = TransferQueueConfig(topics=topic_specs(SPEC), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        client = await queue.client("driver")
+        with trio.fail_after(60):
+            await system.spawn(lambda: Rollout(SPEC, queue.controller, "rollout-0"), name="r")
+            await put_prompts(client, [0, 1])
+            batch = await client.get(S.ROLLOUT, "trainer", [S.RESPONSE_IDS], 8)
+    assert batch is not None and len(set(batch.group_ids)) == 2
+    assert encoded == [], "the rollout re-tokenized a prompt"
+
+
 async def put_prompts(
     client: afa.transfer_queue.TransferQueueClient, indexes: list[int], min_version: int = 0
 ) -> None:
@@ -147,6 +199,7 @@ async def put_prompts(
         groups.append(slot.group_id)
     prompts = {
         S.PROMPT_TEXT: [f"{index}+1=" for index in indexes],
+        S.PROMPT_IDS: [torch.tensor([1]) for _ in indexes],
         S.ANSWER: [str(index + 1) for index in indexes],
         S.GROUP: torch.tensor(groups),
         S.PROMPT_INDEX: torch.tensor(indexes),

@@ -285,3 +285,29 @@ def test_a_stale_batch_does_not_push_tokens_the_policy_already_moved(staleness: 
     )
     assert metrics["clip_frac"] == (1.0 if staleness else 0.0)
     assert moved == (staleness == 0)
+
+
+def test_hf_logprobs_without_the_cache_and_the_prompt_logits_are_the_full_forward_s() -> None:
+    # ``hf_logprobs`` asks a Hugging Face model for no KV cache and for the logits of the
+    # response positions only; the log-probs (and entropies) are those of a plain forward.
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncflow_actors.roles._hf_policy import hf_logprobs
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=13, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=32)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    batch = pack_batch([[1, 5, 6], [1, 7], [1, 2, 3, 4]], [[8, 9], [10], [11, 12]], pad_id=0)
+    ids, mask = batch.input_ids, batch.attention_mask.long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    full = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    width = batch.response_length
+    logp = torch.log_softmax(full[:, -width - 1 : -1].float() / 0.7, dim=-1)
+    want = logp.gather(-1, ids[:, -width:, None]).squeeze(-1)
+    got = hf_logprobs(model, batch, 0.7, with_entropy=True)
+    torch.testing.assert_close(got.logprobs, want, rtol=0, atol=1e-6)
+    assert got.entropy is not None
+    torch.testing.assert_close(got.entropy, -(logp.exp() * logp).sum(-1), rtol=0, atol=1e-6)

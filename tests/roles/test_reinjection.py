@@ -131,6 +131,7 @@ async def put_prompt(client: Any, index: int, gid: int) -> None:
         S.PROMPTS,
         {
             S.PROMPT_TEXT: [f"{index}+1="],
+            S.PROMPT_IDS: [torch.tensor([1])],
             S.ANSWER: [str(index + 1)],
             S.GROUP: torch.tensor([gid]),
             S.PROMPT_INDEX: torch.tensor([index]),

@@ -147,3 +147,29 @@ def test_llama_weight_names_cover_the_model() -> None:
     assert set(mapped) == set(LlamaForCausalLM(llama_config_from_tiny(model.config)).state_dict())
     with pytest.raises(KeyError, match="nope"):
         llama_weights_from_tiny({"nope": torch.zeros(1)}, model.config)
+
+
+async def test_groups_submitted_a_few_scheduling_rounds_apart_decode_in_one_wave(
+    folder: Path,
+) -> None:
+    # A rollout's groups reach the engine from their own tasks, a scheduler round or two
+    # apart: an idle engine lets them all join before it starts, so a static wave holds
+    # every group (one prefill, then the decode steps) instead of the first group alone
+    # followed by a second wave of the rest.
+    config = EngineConfig(max_batch=16, eos_id=None)
+
+    async def group(engine: object, i: int, rounds: int) -> None:
+        for _ in range(rounds):
+            await trio.lowlevel.checkpoint()
+        params = SamplingConfig(3, temperature=1.0, seed=i)
+        await engine.generate_many(  # type: ignore[attr-defined]
+            [GenerationRequest(prompts()[i % 4], params, request_id=f"{i}-{k}") for k in range(4)]
+        )
+
+    async with open_hf_engine(folder, config) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(group, engine, i, i % 3)
+        stats = engine.statistics()
+    assert stats.completed == 16
+    assert stats.steps == 3, "one wave: a prefill and two decode steps"

@@ -150,6 +150,7 @@ class WeightReceiver:
         self._pending_version: int | None = None
         self._loading: int | None = None  # the version a load under way brings
         self._load_lock = trio.Lock()
+        self._loaded = trio.Event()  # set when the load under way ends (replaced per load)
         self._limiter = trio.CapacityLimiter(2)  # background checksums at a time
         self._committed = self._aborted = self._expired = 0
         self._bytes = self._loads = self._load_errors = 0
@@ -171,12 +172,19 @@ class WeightReceiver:
         await trio.lowlevel.checkpoint()
         if self._pending is None and not self._load_lock.locked():
             return None
-        # A load under way (another task took the pending weights): wait for it, so that
-        # whatever the caller starts next runs on the new weights.
         return await self._apply()
 
     async def _apply(self) -> int | None:
+        # A load under way (another task took the pending weights): wait for it, so that
+        # whatever the caller starts next runs on the new weights. Its waiters wake together
+        # (an event), not one per scheduling round through the lock: the groups a rollout
+        # starts after a load then reach its engine together, in one wave.
+        while self._load_lock.locked():
+            await self._loaded.wait()
+        if self._pending is None:
+            return None
         async with self._load_lock:
+            self._loaded = trio.Event()
             weights, version = self._pending, self._pending_version
             if weights is None or version is None:
                 return None
@@ -190,6 +198,7 @@ class WeightReceiver:
                 raise
             finally:
                 self._loading = None
+                self._loaded.set()
             self._loads += 1
             self._last_load = time.perf_counter() - started
             return version

@@ -245,15 +245,17 @@ class Driver(Actor[_Msg]):
         import torch
 
         problems = [self.problem(index) for index in indexes]
+        # tokenized once here: the group stores the ids, the rollout generates from them
+        encode = self.tokenizer.encode
+        ids = [torch.tensor(encode(p.prompt, add_bos=True), dtype=torch.int64) for p in problems]
         given: list[int | None] = list(groups) if groups is not None else [None] * len(indexes)
         # the groups still to open, in one request (all or none: a failure opens none)
         fresh = [k for k, group in enumerate(given) if group is None]
         if fresh:
-            encode = self.tokenizer.encode
             attempts = [self.ledger.next_attempt(indexes[k]) for k in fresh]
             shared = [
                 {
-                    S.PROMPT_IDS: torch.tensor(encode(problems[k].prompt, add_bos=True)),
+                    S.PROMPT_IDS: ids[k],
                     S.PROMPT_KEY: torch.tensor([indexes[k], attempt, version]),
                 }
                 for k, attempt in zip(fresh, attempts, strict=True)
@@ -274,6 +276,7 @@ class Driver(Actor[_Msg]):
             opened.append(group)
         data = {
             S.PROMPT_TEXT: [p.prompt for p in problems],
+            S.PROMPT_IDS: ids,
             S.ANSWER: [p.answer for p in problems],
             S.GROUP: torch.tensor(opened),
             S.PROMPT_INDEX: torch.tensor(indexes),

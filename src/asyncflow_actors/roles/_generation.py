@@ -47,10 +47,10 @@ def sample_seed(seed: int, prompt_index: int, attempt: int) -> int:
 
 
 def group_request(
-    spec: RunSpec, tokenizer: Any, prompt: str, index: int, attempt: int
+    spec: RunSpec, prompt_ids: Sequence[int], index: int, attempt: int
 ) -> GenerationRequest:
-    """The request for attempt ``attempt`` at the group of prompt ``index``: ``group_size``
-    samples with the run's sampling settings."""
+    """The request for attempt ``attempt`` at the group of prompt ``index`` (``prompt_ids``: as
+    the Driver tokenized it): ``group_size`` samples with the run's sampling settings."""
     from ..rollout import GenerationRequest, SamplingConfig
 
     sampling = SamplingConfig(
@@ -61,7 +61,7 @@ def group_request(
         n=spec.rollout.group_size,
         seed=sample_seed(spec.train.seed, index, attempt),
     )
-    return GenerationRequest(tokenizer.encode(prompt, add_bos=True), sampling)
+    return GenerationRequest(tuple(prompt_ids), sampling)
 
 
 def least_busy(engines: Sequence[GenerationEngine]) -> GenerationEngine:

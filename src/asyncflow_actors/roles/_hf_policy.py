@@ -8,6 +8,7 @@ names, which both engines load. Imports transformers (the ``hf`` extra).
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -57,14 +58,41 @@ def hf_logprobs(
     ids = batch.input_ids.to(device)
     mask = batch.attention_mask.to(device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits
     width = batch.response_length
+    logits = model(
+        input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+        **_forward_options(model, width),
+    ).logits  # fmt: skip
     logits = logits[:, -width - 1 : -1].float() / temperature
     targets = ids[:, -width:]
     logp_all = torch.log_softmax(logits, dim=-1)
     out = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(dim=-1).cpu() if with_entropy else None
     return TokenLogprobs(logprobs=out.cpu(), entropy=entropy)
+
+
+def _forward_options(model: Any, width: int) -> dict[str, Any]:
+    """No KV cache (a model config's default builds one, unused by a full forward), and the
+    logits of the positions that predict the response only (``logits_to_keep``, as TRL asks):
+    each where the model's ``forward`` names the argument."""
+    names = _forward_names(model)
+    options: dict[str, Any] = {}
+    if "use_cache" in names:
+        options["use_cache"] = False
+    if "logits_to_keep" in names:
+        options["logits_to_keep"] = width + 1
+    return options
+
+
+_FORWARD_NAMES: dict[type, frozenset[str]] = {}  # per model class
+
+
+def _forward_names(model: Any) -> frozenset[str]:
+    names = _FORWARD_NAMES.get(type(model))
+    if names is None:
+        names = frozenset(inspect.signature(model.forward).parameters)
+        _FORWARD_NAMES[type(model)] = names
+    return names
 
 
 def save_hf_policy(model: Any, tokenizer: HFTokenizer, directory: str) -> None:

@@ -34,7 +34,7 @@ from ..actors import Actor, ActorContext, ActorRef
 from ..checkpoint import SYNC_MESSAGES, SyncMessage, SyncResume, WeightReceiver
 from ..observe import clock_ns, get_registry
 from . import _schema as S
-from ._ask_again import ask_again, tell_driver
+from ._ask_again import ask_again, storage_unavailable, tell_driver
 from ._batcher import _Batcher
 from ._evaluation import evaluate
 from ._generation import _Slot, group_request, group_rows, least_busy, oldest_version
@@ -154,7 +154,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         spec = self.spec
         slots = max(1, spec.engine_rows * len(self.engines) // spec.rollout.group_size)
         free = trio.Semaphore(slots)
-        columns = (S.PROMPT_TEXT, S.ANSWER, S.GROUP, S.PROMPT_INDEX, S.MIN_VERSION, S.RECORD)
+        columns = (S.PROMPT_TEXT, S.PROMPT_IDS, S.ANSWER, S.GROUP, S.PROMPT_INDEX,
+                   S.MIN_VERSION, S.RECORD)  # fmt: skip
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._scorer.serve)
             nursery.start_soon(self._writer.serve)
@@ -172,18 +173,51 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
                                          topic=S.PROMPTS)  # fmt: skip
                 for _ in range(room - len(batch)):
                     free.release()
+                batches = [batch]
+                if len(batch) == room:
+                    batches += await self._top_up(columns, free)
                 extra = self.meter.extra
-                extra["prompt_leases"] = extra.get("prompt_leases", 0) + 1
-                nursery.start_soon(self._prompts, batch, free)
+                extra["prompt_leases"] = extra.get("prompt_leases", 0) + len(batches)
+                nursery.start_soon(self._prompts, batches, free)
 
-    async def _prompts(self, batch: Any, free: trio.Semaphore) -> None:
-        """Generate and write the group of every prompt of ``batch`` concurrently, each freeing
-        its slot once generated; then ack the prompts (never before)."""
+    async def _top_up(self, columns: tuple[str, ...], free: trio.Semaphore) -> list[Any]:
+        """The prompts that fit the slots freed while a fetch waited (the groups of one wave
+        free theirs a decode step or two apart), taken without waiting, so that they start
+        with the fetched ones: a static-batching engine (``hf``) would otherwise generate them
+        in a wave of their own after the first one, a step's generation twice over."""
         assert self.client is not None
+        room = 0
+        while free.value > 0:
+            free.acquire_nowait()
+            room += 1
+        if room == 0:
+            return []
+        client = self.client
+        more = await ask_again(  # as ``fetch`` does: a unit that restarted empty, again
+            lambda: client.get(S.PROMPTS, self.consumer, columns, room, min_count=1, wait=False),
+            f"{self.role} {self.worker}: get",
+            transient=storage_unavailable,
+        )
+        for _ in range(room - (len(more) if more is not None else 0)):
+            free.release()
+        return [more] if more is not None else []
+
+    async def _prompts(self, batches: list[Any], free: trio.Semaphore) -> None:
+        """Generate and write the group of every prompt of ``batches`` concurrently, each
+        freeing its slot once generated; then ack each batch (never before). The weights the
+        oldest prompt was admitted for are loaded first, once: the groups then reach the
+        engines together (one wave), where a load taken by one group's task would let that
+        group start alone while the others still wait for it."""
+        assert self.client is not None
+        least = min(int(column(b, S.MIN_VERSION).min()) for b in batches)
+        await self.weights.wait_for(least)
         async with trio.open_nursery() as nursery:
-            for k in range(len(batch)):
-                nursery.start_soon(self._prompt, batch, k, free)
-        await self.client.ack(batch)
+            for batch in batches:
+                for k in range(len(batch)):
+                    nursery.start_soon(self._prompt, batch, k, free)
+        async with trio.open_nursery() as nursery:
+            for batch in batches:
+                nursery.start_soon(self.client.ack, batch)
 
     async def _prompt(self, batch: Any, k: int, free: trio.Semaphore) -> None:
         """Generate and write the group of the ``k``-th prompt of ``batch``."""
@@ -191,12 +225,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         try:
             prompt, answer = batch[S.PROMPT_TEXT][k], batch[S.ANSWER][k]
             record = batch[S.RECORD][k]
+            ids = tuple(batch[S.PROMPT_IDS][k].tolist())  # tokenized by the Driver
             gid = int(column(batch, S.GROUP)[k])
             index = int(column(batch, S.PROMPT_INDEX)[k])
             least = int(column(batch, S.MIN_VERSION)[k])
             attempt = 0
             while not await self._generate_and_write(
-                (prompt, answer, record), gid, index, least, attempt, slot
+                (prompt, answer, record), ids, gid, index, least, attempt, slot
             ):
                 attempt += 1
                 # Stale again: this worker's weights are behind the window (a sync is on its
@@ -211,6 +246,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
     async def _generate_and_write(
         self,
         source: tuple[str, str, str],
+        prompt_ids: tuple[int, ...],
         gid: int,
         index: int,
         least: int,
@@ -225,7 +261,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         prompt, answer, record = source
         await self.weights.wait_for(least)
         engine = least_busy(self.engines)
-        request = group_request(self.spec, self.tokenizer, prompt, index, attempt)
+        request = group_request(self.spec, prompt_ids, index, attempt)
         with self.meter.track.span("rollout", group=gid, version=engine.version) as span:
             self._generating(+1)
             try:

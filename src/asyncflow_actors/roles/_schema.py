@@ -21,6 +21,7 @@ ROLLOUT: Final = "rollout"
 
 # prompts
 PROMPT_TEXT: Final = "prompt"
+# (the prompt's token ids, ``PROMPT_IDS`` below: tokenized once, by the Driver, for both topics)
 ANSWER: Final = "answer"
 GROUP: Final = "group"  # the rollout group id opened for this prompt
 PROMPT_INDEX: Final = "prompt_index"  # the prompt's position in the run's prompt stream
@@ -57,6 +58,7 @@ def topic_specs(spec: RunSpec) -> tuple[TopicSpec, TopicSpec]:
             "lease_ttl": 3600.0,  # a long-tail generation holds its prompt for a while
             "columns": {
                 PROMPT_TEXT: {},
+                PROMPT_IDS: {"dtype": "int64", "shape": [None]},
                 ANSWER: {},
                 GROUP: {"dtype": "int64", "shape": []},
                 PROMPT_INDEX: {"dtype": "int64", "shape": []},
