@@ -206,3 +206,29 @@ async def test_a_crashing_helper_stops_the_children_through_the_normal_path() ->
                 await trio.sleep(0.01)
     # the child's on_stop ran (a graceful stop), before the parent's own
     assert log == ["child started", "child stopped", "parent stopped ExceptionGroup"]
+
+
+class Escape(BaseException):
+    """Not an ``Exception``: what an actor's code never catches (like ``KeyboardInterrupt``)."""
+
+
+class EscapingStop(afa.Actor[Any]):
+    """A child whose ``on_stop`` lets a ``BaseException`` out of its incarnation."""
+
+    async def on_stop(self, ctx: afa.ActorContext[Any], error: BaseException | None) -> None:
+        await trio.lowlevel.checkpoint()
+        raise Escape("out of on_stop")
+
+
+class Parent(afa.Actor[Any]):
+    async def on_start(self, ctx: afa.ActorContext[Any]) -> None:
+        await ctx.spawn(EscapingStop, name="child")
+
+
+async def test_a_base_exception_escaping_an_incarnation_surfaces_and_the_stop_ends() -> None:
+    """A ``BaseException`` out of a child's incarnation ends its parent's incarnation too; the
+    system's shielded stop of the root must still end (it waited for an exit nobody signalled:
+    a run hung at its stop) and the exception surfaces from the block."""
+    with trio.fail_after(10), pytest.RaisesGroup(Escape, flatten_subgroups=True):
+        async with afa.open_actor_system(shutdown_grace=2.0) as system:
+            await system.spawn(Parent, name="parent")

@@ -312,13 +312,30 @@ class ActorCell:
         self.system_queue.clear()
         self._failure = None
         self.self_exit = False
+        kill_scope = trio.CancelScope(deadline=self._kill_deadline)
+        self._kill_scope = kill_scope
+        try:
+            return await self._incarnation(factory, context, task_status, kill_scope)
+        except BaseException as exc:
+            # Something escaped the incarnation (a child's task raising, a BaseException out
+            # of on_stop): it propagates, but whoever waits for this exit (a stop, shielded)
+            # must not wait for good.
+            if not self.exited.is_set():
+                self._end_incarnation(exc)
+            raise
+
+    async def _incarnation(
+        self,
+        factory: Callable[[], Actor[Any]],
+        context: ContextFactory,
+        task_status: trio.TaskStatus[BaseException | None],
+        kill_scope: trio.CancelScope,
+    ) -> IncarnationExit:
         error: BaseException | None = None
         started = False
         reported = False
         killed = False
         ctx: ActorContext[Any] | None = None
-        kill_scope = trio.CancelScope(deadline=self._kill_deadline)
-        self._kill_scope = kill_scope
         try:
             # Children live in their own nursery: a crashing helper task cancels the helpers
             # and the loop, never the children, which are then stopped gracefully.
