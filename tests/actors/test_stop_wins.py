@@ -232,3 +232,42 @@ async def test_a_base_exception_escaping_an_incarnation_surfaces_and_the_stop_en
     with trio.fail_after(10), pytest.RaisesGroup(Escape, flatten_subgroups=True):
         async with afa.open_actor_system(shutdown_grace=2.0) as system:
             await system.spawn(Parent, name="parent")
+
+
+class FailsWhenKilled(afa.Actor[Any]):
+    """Stuck in ``receive``; its helper task fails as the kill cancels it: the helpers' group
+    holds the kill's ``Cancelled`` and a ``ValueError``."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def on_start(self, ctx: afa.ActorContext[Any]) -> None:
+        ctx.start_soon(self.helper)
+
+    async def helper(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise ValueError("failed as it was killed")
+
+    async def receive(self, msg: Any, ctx: afa.ActorContext[Any]) -> None:
+        await trio.sleep_forever()
+
+    async def on_stop(self, ctx: afa.ActorContext[Any], error: BaseException | None) -> None:
+        self.log.append(f"stop {type(error).__name__}")
+
+
+async def test_a_helper_failing_as_the_kill_cancels_it_is_the_incarnations_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What a kill's scope leaves of the helpers' group (their errors, its ``Cancelled`` taken)
+    is the incarnation's error, as any helper's failure is: it never escapes the cell to fail
+    its supervisor (the vLLM rollout's engine error as its stop's grace ran out did)."""
+    log: list[str] = []
+    async with afa.open_actor_system(shutdown_grace=1.0) as system:
+        ref = await system.spawn(lambda: FailsWhenKilled(log), name="stuck")
+        await ref.send(Poke())
+        await trio.sleep(0.1)
+        with trio.fail_after(10):
+            await ref.stop()
+    assert log == ["stop ExceptionGroup"]

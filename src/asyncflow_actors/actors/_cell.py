@@ -341,32 +341,40 @@ class ActorCell:
             # and the loop, never the children, which are then stopped gracefully.
             async with trio.open_nursery() as children:
                 try:
-                    with kill_scope:
-                        try:
-                            actor = factory()
-                            self.actor = actor
-                            async with trio.open_nursery() as helpers:
-                                ctx = context(self, actor, helpers, children)
-                                self.ctx = ctx
-                                try:
-                                    started = await self._start(actor, ctx)
-                                    if started:
-                                        self.state = ActorState.RUNNING
-                                        self.loop_task = trio.lowlevel.current_task()
-                                        task_status.started(None)
-                                        reported = True
-                                        await self._loop(actor, ctx)
-                                except Exception as exc:
+                    try:
+                        with kill_scope:
+                            try:
+                                actor = factory()
+                                self.actor = actor
+                                async with trio.open_nursery() as helpers:
+                                    ctx = context(self, actor, helpers, children)
+                                    self.ctx = ctx
+                                    try:
+                                        started = await self._start(actor, ctx)
+                                        if started:
+                                            self.state = ActorState.RUNNING
+                                            self.loop_task = trio.lowlevel.current_task()
+                                            task_status.started(None)
+                                            reported = True
+                                            await self._loop(actor, ctx)
+                                    except Exception as exc:
+                                        error = exc
+                                    finally:
+                                        self.loop_task = None
+                                    helpers.cancel_scope.cancel()
+                            except Exception as exc:  # the factory, or a helper task (a group)
+                                if error is None:
                                     error = exc
-                                finally:
-                                    self.loop_task = None
-                                helpers.cancel_scope.cancel()
-                        except Exception as exc:  # the factory, or a helper task (a group)
-                            if error is None:
-                                error = exc
+                            self.state = ActorState.STOPPING
+                            if ctx is not None:
+                                await ctx.stop_children()
+                    except Exception as exc:
+                        # A group of the helpers' that held the kill's Cancelled too: the kill
+                        # scope took its Cancelled and left the rest, the incarnation's error
+                        # (what the children still run lost its grace: killed below).
+                        if error is None:
+                            error = exc
                         self.state = ActorState.STOPPING
-                        if ctx is not None:
-                            await ctx.stop_children()
                 finally:
                     killed = kill_scope.cancelled_caught
                     children.cancel_scope.cancel()  # what is left lost its grace: kill it

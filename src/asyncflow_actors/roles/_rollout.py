@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from ..rollout import Completion, GenerationEngine
 
 log = logging.getLogger("asyncflow_actors.roles")
+# how long the engines wait, at a stop, for the work still using them (a weight load) to end
+ENGINE_DRAIN_S = 10.0
 
 
 class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluate]):
@@ -72,6 +74,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         self.driver = driver
         self.reward = reward
         self.engines: list[GenerationEngine] = []
+        self._work_done = trio.Event()  # set: no work is using the engines (none started yet)
+        self._work_done.set()
         self._active = 0
         self._busy_since = 0
         self._paused = get_registry().gauge("afa_rollout_paused", worker=worker)
@@ -106,7 +110,15 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
                 engine = await stack.enter_async_context(await self._open_engine(i))
                 self.engines.append(engine)
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                # The engines close after the work using them has ended, never under it: a
+                # weight load is atomic (shielded until its engine answers), and an engine
+                # closed beneath it failed it, and the stop with it. Bounded: past the bound
+                # they close anyway (what still waits on them fails).
+                with trio.CancelScope(shield=True), trio.move_on_after(ENGINE_DRAIN_S):
+                    await self._work_done.wait()
 
     async def _open_engine(self, i: int) -> contextlib.AbstractAsyncContextManager[Any]:
         from .. import rollout
@@ -151,6 +163,13 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         return await load_policy(self.spec, self.compute, self.task)
 
     async def run(self) -> None:
+        self._work_done = trio.Event()
+        try:
+            await self._generate()
+        finally:
+            self._work_done.set()
+
+    async def _generate(self) -> None:
         spec = self.spec
         slots = max(1, spec.engine_rows * len(self.engines) // spec.rollout.group_size)
         free = trio.Semaphore(slots)
