@@ -16,8 +16,9 @@ may share one engine across tests).
   finish, queued ones stay queued for after the resume); ``ABORT`` is ``mode="abort"`` (the
   requests come back ``ABORTED`` with their prefix); ``KEEP`` is ``mode="keep"`` with
   ``clear_cache=False`` (frozen requests keep their KV cache and go on under the new weights).
-  ``KEEP``, a drained engine and the hold of an update skip ``pause_generation``'s 20 ms sleep
-  (it waits for final outputs, and those end none).
+  A drained engine (no request in flight) skips ``pause_generation``'s 20 ms sleep: with
+  requests in flight it stays, for every mode, since tokens the engine core produced just before
+  the pause may still be on their way (counted, and tagged with their version, as they arrive).
   Requests made while paused wait for ``resume``.
 - ``load_weights``: ``_vllm_weights`` (``afa_shm`` through shared memory by default; vLLM's
   CUDA/NPU IPC as an opt-in). vLLM is held paused (``keep``) during the update if it was not
@@ -384,7 +385,7 @@ class VLLMEngine:
                     self._pause_vllm,
                     _VLLM_MODES[mode],
                     clear_cache=mode is not PauseMode.KEEP,
-                    outputs=in_flight > 0 and mode is not PauseMode.KEEP,
+                    outputs=in_flight > 0,
                 )
             )
         except BaseException:
@@ -403,9 +404,10 @@ class VLLMEngine:
 
     async def _pause_vllm(self, mode: str, *, clear_cache: bool, outputs: bool) -> None:
         """On the asyncio thread: pause vLLM's scheduler. ``AsyncLLM.pause_generation`` then
-        sleeps 20 ms so that the final outputs of requests it ended are out before it returns
-        (not needed for correctness, vLLM says); that only matters when some may come
-        (``outputs``): ``KEEP`` ends none (its requests wait), a drained engine has none."""
+        sleeps 20 ms so that the outputs the engine core produced before the pause are out
+        before it returns; that only matters when some may come (``outputs``: requests in
+        flight, ``KEEP``'s included: a token produced just before the pause arriving after the
+        ack would be counted, and versioned, after it). A drained engine has none."""
         core: Any = getattr(self.llm, "engine_core", None)
         if outputs or not hasattr(core, "pause_scheduler_async"):
             await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
@@ -441,7 +443,7 @@ class VLLMEngine:
                 if hold:
                     await self._call(
                         functools.partial(
-                            self._pause_vllm, "keep", clear_cache=False, outputs=False
+                            self._pause_vllm, "keep", clear_cache=False, outputs=self._live > 0
                         )
                     )
             except BaseException:
