@@ -186,14 +186,17 @@ async def test_cross_process_backpressure() -> None:
     async with afa.open_actor_system() as system:
         node = await system.start_node("n", allow=ALLOW)
         ref = await node.spawn(Slow, name="slow")  # mailbox of 2: 2 credits
+        # before the first message leaves: the node may start on it at once (a clock read
+        # after the sends below counted from a moment the receiver had already begun)
+        t0 = trio.current_time()
         ref.send_nowait(Add(1))
         ref.send_nowait(Add(1))
         with pytest.raises(trio.WouldBlock):
             ref.send_nowait(Add(1))
         assert ref.statistics().mailbox_depth == 2
-        t0 = trio.current_time()
         for _ in range(6):
             await ref.send(Add(1))  # each waits for the node to take one more
+        # the 8th enters the mailbox once the 4th is taken: after 3 receives of 0.05 s each
         assert trio.current_time() - t0 >= 0.05 * 3  # paced by the slow receiver
         assert await ref.ask(Total()) == 8
 
