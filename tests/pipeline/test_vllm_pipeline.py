@@ -21,6 +21,14 @@ pytestmark = pytest.mark.skipif(
     reason="`vllm` is not importable here: this test runs in `nox -s tests_vllm`",
 )
 
+# vLLM on CPU for a tiny model: a tenth of host memory, no compilation, fp32 (the mismatch checks)
+VLLM_ARGS = {
+    "gpu_memory_utilization": 0.1,
+    "enforce_eager": True,
+    "max_model_len": 32,
+    "dtype": "float32",
+}
+
 
 @pytest.mark.timeout(400)
 async def test_a_pipeline_with_vllm_rollout_trains_and_syncs(tmp_path: Path) -> None:
@@ -40,12 +48,7 @@ async def test_a_pipeline_with_vllm_rollout_trains_and_syncs(tmp_path: Path) -> 
         rollout={
             "engine": "vllm",
             "pause_mode": "keep",
-            "vllm_args": {
-                "gpu_memory_utilization": 0.1,
-                "enforce_eager": True,
-                "max_model_len": 32,
-                "dtype": "float32",
-            },
+            "vllm_args": VLLM_ARGS,
         },
         train={"steps": 3},
     )
@@ -106,12 +109,7 @@ async def test_a_lora_pipeline_syncs_the_adapters_alone_into_vllm_and_resumes(
                 "engine": "vllm",
                 "vllm_lora": True,
                 "pause_mode": "keep",
-                "vllm_args": {
-                    "gpu_memory_utilization": 0.1,
-                    "enforce_eager": True,
-                    "max_model_len": 32,
-                    "dtype": "float32",
-                },
+                "vllm_args": VLLM_ARGS,
             },
             train={"steps": steps, "lr": 1e-2, "checkpoint_every": 2},
         )

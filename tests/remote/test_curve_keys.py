@@ -8,8 +8,6 @@ processes over real sockets.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -39,6 +37,7 @@ from tests.remote.curve_actors import (
     speak,
 )
 from tests.remote.light_actors import Forward, Forwarder, Hello, Hi
+from tests.remote.test_node_faults import _killed
 
 ALLOW = ["tests.remote"]
 REFUSED = ("NotAuthorized", "NotAuthorized")
@@ -61,14 +60,6 @@ def _key(system: afa.NodeSystem, node: str) -> str:
 def _driver_key(system: afa.NodeSystem) -> str:
     assert system.mesh.keys is not None
     return system.mesh.keys.keypair.public.decode()
-
-
-async def _killed(node: afa.Node) -> None:
-    old = node.pid
-    assert old is not None
-    os.kill(old, signal.SIGKILL)
-    while node.pid in (None, old):
-        await trio.sleep(0.02)
 
 
 async def test_nodes_get_keys_of_their_own_and_the_mesh_works_across_restarts() -> None:
