@@ -1,4 +1,8 @@
-"""Actors the mesh tests place on nodes: TQ producers and consumers, relays (importable by nodes)."""
+"""Actors the mesh tests place on nodes: TQ producers and consumers, relays (importable by nodes).
+
+torch is imported by the actors that handle tensors as they start, not at import: most tests
+spawn only the light actors here, and torch's import is most of a node's start-up.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import time
 from typing import Any
 
 import attrs
-import torch
 import trio
 
 import asyncflow_actors as afa
@@ -32,8 +35,19 @@ class Consume(afa.Request[dict[int, float]]):
     hold: bool = False
 
 
+def _import_torch() -> None:
+    """Import torch now, not while decoding a batch: a lease's ttl (1 s in the mesh tests)
+    would run during the import."""
+    import torch  # noqa: F401
+
+
 class Producer(afa.Actor[Produce]):
+    def __init__(self) -> None:
+        _import_torch()
+
     async def receive(self, msg: Produce, ctx: afa.ActorContext[Produce]) -> tuple[int, ...]:
+        import torch
+
         client = await tq.TransferQueueClient.connect(msg.controller, holder=ctx.name)
         gen = torch.Generator().manual_seed(msg.seed)
         data = {"x": torch.randn(msg.n, ROW, generator=gen)}
@@ -42,6 +56,9 @@ class Producer(afa.Actor[Produce]):
 
 
 class Consumer(afa.Actor[Consume]):
+    def __init__(self) -> None:
+        _import_torch()
+
     async def receive(self, msg: Consume, ctx: afa.ActorContext[Consume]) -> dict[int, float]:
         client = await tq.TransferQueueClient.connect(msg.controller, holder=ctx.name)
         batch = await client.get("t", "c", ["x"], msg.count)

@@ -1,15 +1,21 @@
-"""Actors the remote tests spawn on nodes (importable by the node processes)."""
+"""Actors the remote tests spawn on nodes (importable by the node processes).
+
+No torch at import: a node spawning these starts in under a second instead of several (torch's
+import is most of a node's start-up); a node that receives tensors imports it as it decodes them.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 import trio
 
 import asyncflow_actors as afa
+
+if TYPE_CHECKING:
+    import torch
 
 
 @attrs.frozen
