@@ -12,11 +12,14 @@ import sys
 
 def main(argv: list[str]) -> int:
     host, port, rank, world, backend, timeout, threads = argv
-    import torch
-    import torch.distributed as dist
+    from ._gc import gc_paused
 
-    from ._rank_host import serve
-    from ._ranks import Rendezvous
+    with gc_paused(freeze=True):  # as a node's preload: no full collections during the imports
+        import torch
+        import torch.distributed as dist
+
+        from ._rank_host import serve
+        from ._ranks import Rendezvous
 
     torch.set_num_threads(int(threads))
     Rendezvous(host, int(port), int(world), backend, float(timeout)).join(int(rank))
