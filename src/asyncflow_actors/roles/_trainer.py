@@ -34,6 +34,7 @@ import trio
 from ..actors import Actor, ActorContext, ActorRef
 from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFailed
 from ..observe import MetricInfo, clock_ns, get_registry
+from ..transfer_queue import StorageUnavailable
 from . import _schema as S
 from ._advantage import Advantages
 from ._ask_again import ask_again, driver_resuming
@@ -247,8 +248,14 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 await previous.wait()  # the sync of the last version finished
                 self._answer_wait = None
             start = clock_ns()
-            async with self._model_lock:  # no sync or checkpoint reads them meanwhile
-                metrics = await in_thread(self._finish, step)
+            try:
+                async with self._model_lock:  # no sync or checkpoint reads them meanwhile
+                    metrics = await in_thread(self._finish, step)
+            except StorageUnavailable as exc:  # a rank could not fetch its rows: none trained
+                log.warning("%s: step %d: %s; its samples go out again", self.worker,
+                            self.version + 1, exc)  # fmt: skip
+                await self._nack(batches)
+                continue
             self.meter.busy(start)
             indexes = tuple(i for b in batches for i in b.indexes)
             self.meter.track.tracer.record(
@@ -314,14 +321,29 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             for batch in batches:
                 nursery.start_soon(self.client.ack, batch)
 
+    async def _leased(self, batch: Any, data: dict[str, Any]) -> None:
+        from ._rank_fetch import leased_data
+
+        await leased_data(self.client, batch, data, self.columns, self.learner)
+
+    async def _nack(self, batches: list[Any]) -> None:
+        assert self.client is not None
+        for batch in batches:
+            await self.client.nack(batch)
+
     async def _whole(self) -> _Step:
         """A global batch in one fetch, its updates run up to their first optimizer step (one
         compute thread: the staleness check, the advantages, the first forward and backward;
         it reads the weights only, as a sync does, and the event loop stays free for it)."""
         size = self.spec.batch_size
-        batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
+        fetched = await self._fetched()
+        batch = await self.fetch(
+            self.columns, size, whole_groups=True, min_count=size, fetch=fetched
+        )
         # whole columns, no per-row Python: fixed-shape ones are one tensor each
-        data = {name: columns(batch, name) for name in self.columns}
+        data = {name: columns(batch, name) for name in fetched or self.columns}
+        if fetched is not None:
+            await self._leased(batch, data)
         start = clock_ns()
         updates, lags, lengths = await in_thread(self._prepare, batch, data)
         self.meter.busy(start)
@@ -338,8 +360,13 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             nursery.start_soon(self._renew, step.batches)
             while left > 0:
                 least = min(left, spec.rollout.group_size)
-                batch = await self.fetch(self.columns, left, whole_groups=True, min_count=least)
-                data = {name: columns(batch, name) for name in self.columns}
+                fetched = await self._fetched()
+                batch = await self.fetch(
+                    self.columns, left, whole_groups=True, min_count=least, fetch=fetched
+                )
+                data = {name: columns(batch, name) for name in fetched or self.columns}
+                if fetched is not None:
+                    await self._leased(batch, data)
                 start = clock_ns()
                 step.started = step.started or start
                 first = not step.batches
@@ -356,6 +383,16 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 left -= len(batch)
             nursery.cancel_scope.cancel()
         return step
+
+    async def _fetched(self) -> list[str] | None:
+        """The columns this trainer fetches: all (None), or the small ones when each of its
+        ranks fetches its own rows (``_rank_fetch``)."""
+        if not getattr(self.learner, "rank_fetch", False):
+            return None
+        from ._rank_fetch import rank_columns  # a rank group: torch is loaded
+
+        text = completions_due(self.spec.report, self.version + 1)
+        return await rank_columns(self.client, self.learner, self.columns, text=text)
 
     @functools.cached_property
     def _renew_every(self) -> float:
@@ -374,7 +411,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
     def _checked(self, batch: Any, data: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Each sample's lag (``StalenessViolation`` before any update if one lies outside the
         window) and response length; the advantages (``trainer_advantage``) into ``data``."""
-        lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
+        lengths = [int(r.shape[0]) for r in data.get(S.RESPONSE_IDS, data[S.TOKEN_VERSIONS])]
         lags = self._lags(data[S.TOKEN_VERSIONS], batch.versions)
         if self.advantages is not None:
             rows = range(len(batch))
