@@ -275,9 +275,10 @@ def step_rows(
     tensors: Sequence[Tensor],
     fetch: Callable[[Sequence[int], Sequence[str], Sequence[str]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """This rank's part of ``step_rows`` (module docstring): its metrics, or ``{"failed":
-    unit}`` on every rank when a rank could not fetch its rows. ``fetch``: rank 0's way to
-    its rows; a rank > 0 fetches from its own actor system."""
+    """This rank's part of ``step_rows`` (module docstring): its metrics (with
+    ``rows_fetched``, its rows, and ``fetched_bytes``, the most bytes of rows a rank fetched),
+    or ``{"failed": unit, "rank": r}`` on every rank when rank ``r`` could not fetch its rows.
+    ``fetch``: rank 0's way to its rows; a rank > 0 fetches from its own actor system."""
     from ._rank_learner import needed, rank, world
     from ._ranks import control_group
 
@@ -289,23 +290,25 @@ def step_rows(
     mode = header["advantages"]
     columns, shared = columns_of(learner, mode)
     units = sorted(header["units"])
-    status = torch.zeros(world(), dtype=torch.int64)
+    size = world()
+    status = torch.zeros(2 * size, dtype=torch.int64)  # each rank's status, then its bytes
     data: dict[str, Any] = {}
     try:
         if fetch is not None:
             data = fetch(positions, columns, shared)
         else:
             data = _fetch_here(learner, header, positions, columns, shared)
+        status[size + me] = sum(int(t.nbytes) for rows in data.values() for t in rows)
     except StorageUnavailable as exc:
         log.warning("rank %d: fetching its rows failed: %s", me, exc)
         status[me] = 1 + (units.index(exc.unit) if exc.unit in units else len(units))
-    if world() > 1:
+    if size > 1:
         dist.all_reduce(status, group=control_group())
-    failed = [int(s) for s in status.tolist() if s]
+    codes = status[:size].tolist()
+    failed = [(r, code - 1) for r, code in enumerate(codes) if code]
     if failed:
-        code = failed[0] - 1
-        return {"failed": units[code] if code < len(units) else "?",
-                "rank": status.tolist().index(failed[0])}  # fmt: skip
+        r, code = failed[0]
+        return {"failed": units[code] if code < len(units) else "?", "rank": r}
     if mode != "fetch":
         data[S.ADVANTAGES] = _advantage_rows(mode, tensors, positions, header["lengths"])
     rows = MiniBatches(
@@ -315,6 +318,7 @@ def step_rows(
     local[torch.tensor(positions, dtype=torch.long)] = torch.arange(len(positions))
     metrics: dict[str, Any] = learner.train(rows, updates, local)
     metrics["rows_fetched"] = float(len(positions))
+    metrics["fetched_bytes"] = float(max(status[size:].tolist()))  # the most a rank fetched
     return metrics
 
 
