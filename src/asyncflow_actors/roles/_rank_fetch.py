@@ -8,8 +8,8 @@ columns...): it checks staleness, estimates the advantages when the trainer does
 names refs, no pickle) and, when rank 0 estimated them, the advantages. Every rank then draws
 the step's updates (``RankLearner.plan``: the same on every rank), fetches the rows its passes
 read (``needed``) with ``fetch_rows`` (located parts mapped, the unit asked otherwise, each
-request bounded by the queue's ``unit_timeout``), and all ranks all-reduce a status: 0, or
-1 + the number of a unit that failed. If one did, every rank returns before any forward (no
+request bounded as the client bounds its requests to units: the queue's ``io_timeout``), and
+all ranks all-reduce a status: 0, or 1 + the number of a unit that failed. If one did, every rank returns before any forward (no
 rank is left in a collective, the group stays usable) and rank 0 raises ``StorageUnavailable``
 naming the unit (the Trainer nacks the leases and fetches again). Else the ranks train on their
 rows with the global normaliser, as with the broadcast, and rank 0 acks the leases.
@@ -263,7 +263,7 @@ def _advantage_rows(mode: str, tensors: Sequence[Tensor], positions: Sequence[in
 
 def columns_of(learner: Any, mode: str) -> tuple[list[str], list[str]]:
     """The per-sample and group-shared columns a rank fetches for ``learner``'s step."""
-    names = [S.RESPONSE_IDS, *learner._columns(learner.spec.trainer_forward)]
+    names = [S.RESPONSE_IDS, *learner.loss_columns(learner.spec.trainer_forward)]
     if mode != "fetch":
         names.remove(S.ADVANTAGES)
     return names, [S.PROMPT_IDS]
@@ -312,7 +312,7 @@ def step_rows(
     if mode != "fetch":
         data[S.ADVANTAGES] = _advantage_rows(mode, tensors, positions, header["lengths"])
     rows = MiniBatches(
-        data, learner._columns(learner.spec.trainer_forward), learner.tokenizer.pad_id
+        data, learner.loss_columns(learner.spec.trainer_forward), learner.tokenizer.pad_id
     )
     local = torch.full((len(sizes),), -1, dtype=torch.long)
     local[torch.tensor(positions, dtype=torch.long)] = torch.arange(len(positions))

@@ -1,12 +1,15 @@
 """One rank of a data-parallel trainer: its shard of the policy, its share of each update.
 
-Every rank holds the same global batch and takes a length-balanced partition of each
-mini-batch (``partition_lpt``); the loss of each of its micro-batches is scaled by its share of
-the loss's normaliser (its loss tokens, its non-empty sequences, or for
-``seq-mean-token-sum-norm`` its rows times the mini-batch's padded width), the gradients are
-summed over ranks (FSDP2 with ``set_gradient_divide_factor(1.0)``, as torchtitan does;
-``ddp``: replicated parameters, one all-reduce of the flat gradients), and divided by the global normaliser, all-reduced: the update is the
-one a single process would take on the whole mini-batch, whatever the split. Then one clipped
+Every rank draws the same updates of a global batch (``plan``: mini-batches, each cut into
+length-balanced partitions by ``partition_lpt``) and trains on its partition of each, holding
+the whole batch (the ``step`` command) or only the rows it needs (``needed``: ``step_rows``,
+each rank fetching them from the TransferQueue, ``_rank_fetch``). The loss of each of its
+micro-batches is scaled by its share of the loss's normaliser (its loss tokens, its non-empty
+sequences, or for ``seq-mean-token-sum-norm`` its rows times the mini-batch's padded width),
+the gradients are summed over ranks (FSDP2 with ``set_gradient_divide_factor(1.0)``, as
+torchtitan does; ``ddp``: replicated parameters, one all-reduce of the flat gradients), and
+divided by the global normaliser, all-reduced: the update is the one a single process would
+take on the whole mini-batch, whatever the split. Then one clipped
 optimizer step (``clip_grad_norm_`` over the sharded gradients) per mini-batch.
 
 The policy is sharded from outside (``fully_shard`` per block, then the root), with
@@ -189,7 +192,7 @@ class RankLearner:
     def policy(self) -> nn.Module:
         return self.model
 
-    def _columns(self, reuse: bool) -> list[str]:
+    def loss_columns(self, reuse: bool) -> list[str]:
         names = ["advantages", "behaviour_logprobs"]
         return (
             names
@@ -225,7 +228,9 @@ class RankLearner:
         """Train on one global batch (every rank passes the same one): ``mini_batches``
         updates, ``epochs`` times, each rank computing its partition. Returns the metrics of
         this rank's share (``grad_norm`` and ``valid_tokens`` global)."""
-        rows = MiniBatches(data, self._columns(self.spec.trainer_forward), self.tokenizer.pad_id)
+        rows = MiniBatches(
+            data, self.loss_columns(self.spec.trainer_forward), self.tokenizer.pad_id
+        )
         return self.train(rows, self.plan(rows.prompt_lengths + rows.lengths, rows.lengths))
 
     def train(

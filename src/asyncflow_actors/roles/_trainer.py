@@ -254,7 +254,8 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             except StorageUnavailable as exc:  # a rank could not fetch its rows: none trained
                 log.warning("%s: step %d: %s; its samples go out again", self.worker,
                             self.version + 1, exc)  # fmt: skip
-                await self._nack(batches)
+                for batch in batches:
+                    await self.client.nack(batch)
                 continue
             self.meter.busy(start)
             indexes = tuple(i for b in batches for i in b.indexes)
@@ -321,29 +322,30 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             for batch in batches:
                 nursery.start_soon(self.client.ack, batch)
 
-    async def _leased(self, batch: Any, data: dict[str, Any]) -> None:
-        from ._rank_fetch import leased_data
+    async def _take(self, count: int, least: int) -> tuple[Any, dict[str, Any]]:
+        """Whole groups, and their columns as the batch holds them (no per-row Python); when
+        each rank fetches its own rows, only the small columns, and the lease for the ranks
+        (``_rank_fetch``)."""
+        fetched = None
+        if getattr(self.learner, "rank_fetch", False):
+            from ._rank_fetch import leased_data, rank_columns  # a rank group: torch is loaded
 
-        await leased_data(self.client, batch, data, self.columns, self.learner)
-
-    async def _nack(self, batches: list[Any]) -> None:
-        assert self.client is not None
-        for batch in batches:
-            await self.client.nack(batch)
+            text = completions_due(self.spec.report, self.version + 1)
+            fetched = await rank_columns(self.client, self.learner, self.columns, text=text)
+        batch = await self.fetch(
+            self.columns, count, whole_groups=True, min_count=least, fetch=fetched
+        )
+        data = {name: columns(batch, name) for name in fetched or self.columns}
+        if fetched is not None:
+            await leased_data(self.client, batch, data, self.columns, self.learner)
+        return batch, data
 
     async def _whole(self) -> _Step:
         """A global batch in one fetch, its updates run up to their first optimizer step (one
         compute thread: the staleness check, the advantages, the first forward and backward;
         it reads the weights only, as a sync does, and the event loop stays free for it)."""
         size = self.spec.batch_size
-        fetched = await self._fetched()
-        batch = await self.fetch(
-            self.columns, size, whole_groups=True, min_count=size, fetch=fetched
-        )
-        # whole columns, no per-row Python: fixed-shape ones are one tensor each
-        data = {name: columns(batch, name) for name in fetched or self.columns}
-        if fetched is not None:
-            await self._leased(batch, data)
+        batch, data = await self._take(size, size)
         start = clock_ns()
         updates, lags, lengths = await in_thread(self._prepare, batch, data)
         self.meter.busy(start)
@@ -359,14 +361,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._renew, step.batches)
             while left > 0:
-                least = min(left, spec.rollout.group_size)
-                fetched = await self._fetched()
-                batch = await self.fetch(
-                    self.columns, left, whole_groups=True, min_count=least, fetch=fetched
-                )
-                data = {name: columns(batch, name) for name in fetched or self.columns}
-                if fetched is not None:
-                    await self._leased(batch, data)
+                batch, data = await self._take(left, min(left, spec.rollout.group_size))
                 start = clock_ns()
                 step.started = step.started or start
                 first = not step.batches
@@ -383,16 +378,6 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 left -= len(batch)
             nursery.cancel_scope.cancel()
         return step
-
-    async def _fetched(self) -> list[str] | None:
-        """The columns this trainer fetches: all (None), or the small ones when each of its
-        ranks fetches its own rows (``_rank_fetch``)."""
-        if not getattr(self.learner, "rank_fetch", False):
-            return None
-        from ._rank_fetch import rank_columns  # a rank group: torch is loaded
-
-        text = completions_due(self.spec.report, self.version + 1)
-        return await rank_columns(self.client, self.learner, self.columns, text=text)
 
     @functools.cached_property
     def _renew_every(self) -> float:
