@@ -366,8 +366,8 @@ async def _fetch_from(
 
 def _unreachable(refs: dict[str, Any], resolve: Any) -> None:  # pragma: no cover - a test hook
     """``AFA_RANK_UNREACHABLE=<rank>:<unit>:<file>``: while ``file`` exists, that rank
-    addresses the unit at an endpoint nobody listens on (its requests time out), once: it
-    removes the file."""
+    addresses the unit at ``AFA_RANK_UNREACHABLE_AT`` (default an endpoint nobody listens on:
+    its requests time out; empty: nowhere, they fail at once), once: it removes the file."""
     import os
 
     from ..actors.remote import ActorAddress
@@ -377,7 +377,8 @@ def _unreachable(refs: dict[str, Any], resolve: Any) -> None:  # pragma: no cove
     if me != str(dist.get_rank()) or unit not in refs or not os.path.exists(path):
         return
     os.unlink(path)
-    refs[unit] = resolve(ActorAddress("afa-nobody", "nobody", ("tcp://127.0.0.1:9",), 1))
+    at = os.environ.get("AFA_RANK_UNREACHABLE_AT", "tcp://127.0.0.1:9")
+    refs[unit] = resolve(ActorAddress("afa-nobody", "nobody", (at,) if at else (), 1))
 
 
 def step_data(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[Tensor]]:
