@@ -66,7 +66,8 @@ class RankedLearner:
         self.tokenizer = self.dist.learner.tokenizer
         self.model = self.dist.learner.policy
         self.rng_state = (torch.get_rng_state(), self.dist.learner.generator.get_state())
-        self._plain: str | None = None
+        # one rank has no rows to split: it fetches them all in one go, as a trainer does
+        self._plain: str | None = "one rank" if self.dist.group.world_size == 1 else None
         reason = plain_reason(self.dist.group)
         if reason is not None:
             self.broadcast_rows(reason)
