@@ -1,7 +1,8 @@
 """Each of 2 trainer ranks fetches its own rows of a step's lease from the TransferQueue: the
 same update as rank 0 broadcasting every row (every aggregation mode, mini-batches, the
 advantages fetched or estimated by rank 0); a rank whose unit is unreachable fails the step
-naming the unit, within the bound on a request to a unit (``io_timeout``), and the group trains on."""
+naming the unit, within the bound on a request to a unit (``io_timeout``), and the group
+trains on."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ names refs, no pickle) and, when rank 0 estimated them, the advantages. Every ra
 the step's updates (``RankLearner.plan``: the same on every rank), fetches the rows its passes
 read (``needed``) with ``fetch_rows`` (located parts mapped, the unit asked otherwise, each
 request bounded as the client bounds its requests to units: the queue's ``io_timeout``), and
-all ranks all-reduce a status: 0, or 1 + the number of a unit that failed. If one did, every rank returns before any forward (no
-rank is left in a collective, the group stays usable) and rank 0 raises ``StorageUnavailable``
-naming the unit (the Trainer nacks the leases and fetches again). Else the ranks train on their
+all ranks all-reduce a status: 0, or 1 + the number of a unit that failed. If one did, every
+rank returns before any forward (no rank is left in a collective, the group stays usable) and
+rank 0 raises ``StorageUnavailable`` naming the unit (the Trainer nacks the leases and fetches
+again). Else the ranks train on their
 rows with the global normaliser, as with the broadcast, and rank 0 acks the leases.
 
 A rank > 0 reaches the units from its own actor system (``_rank_mesh``); rank 0 from the
@@ -53,7 +54,10 @@ async def rank_columns(
     some), or None (all) when the ranks cannot reach the queue's units (then never again:
     ``learner.broadcast_rows``)."""
     if await _addresses(client) is None:
-        learner.broadcast_rows("the run's mesh runs under CURVE: the ranks hold no key")
+        learner.broadcast_rows(
+            "the queue's units cannot be reached from another process (a mesh under CURVE: "
+            "the ranks hold no key; or no mesh)"
+        )
         return None
     return [c for c in columns if c in SMALL or (text and c == S.RESPONSE_IDS)]
 
@@ -184,7 +188,7 @@ async def leased_data(
 ) -> None:
     """Rank 0, after fetching ``batch``'s small columns into ``data``: the lease for the ranks
     (``data[RANK_FETCH]``), or, where they cannot reach the units, the rest of ``columns``
-    fetched here (the rows are then broadcast; ``learner.plain`` says why from now on)."""
+    fetched here (the rows are then broadcast, from now on: ``learner.broadcast_rows``)."""
     topic = client.specs[batch.lease.topic]
     leases = await rank_leases(client, topic, batch)
     if leases is not None:
@@ -276,7 +280,8 @@ def step_rows(
     fetch: Callable[[Sequence[int], Sequence[str], Sequence[str]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """This rank's part of ``step_rows`` (module docstring): its metrics (with
-    ``rows_fetched``, its rows, and ``fetched_bytes``, the most bytes of rows a rank fetched),
+    ``rows_fetched``, its rows, and ``fetched_bytes``, the most bytes of rows a rank fetched,
+    a group's prompt counted with each of its rows),
     or ``{"failed": unit, "rank": r}`` on every rank when rank ``r`` could not fetch its rows.
     ``fetch``: rank 0's way to its rows; a rank > 0 fetches from its own actor system."""
     from ._rank_learner import needed, rank, world
