@@ -46,6 +46,8 @@ async def test_rows_of_a_lease_are_mapped_where_located_else_asked_with_their_gr
         client = await queue.client()
         put = await client.put("rollout", {"tokens": tokens, "response": responses}, version=0)
         await client.flush()
+        with pytest.raises(tq.InvalidArgument, match="not claimed"):
+            await client.get("rollout", "trainer", ["tokens"], 8, fetch=["response"])
         batch = await client.get("rollout", "trainer", ["tokens", "response"], 8, fetch=[])
         assert batch.data == {} and set(batch.located) == set(batch.lease.placement)
         positions = [5, 1, 6]

@@ -398,9 +398,13 @@ class TransferQueueClient:
         returned first), ``ControllerUnavailable``, and the controller's typed errors.
         """
         spec = self._spec(topic)
-        for name in (*columns, *(fetch or ())):
+        for name in columns:
             if name not in spec.columns:
                 raise UnknownColumn(f"topic {topic!r} has no column {name!r}")
+        if fetch is not None and not set(fetch) <= set(columns):
+            raise InvalidArgument(
+                f"fetch names columns not claimed: {sorted(set(fetch) - set(columns))}"
+            )
         claim_id = next(_request_ids)
         claim = M.Claim(
             topic, consumer, tuple(columns), count, self.holder, claim_id, sampler,
