@@ -13,16 +13,20 @@ from tests.pipeline.kit import tiny
 
 
 @pytest.mark.parametrize(
-    ("mode", "roles"),
-    [("async", {}), ("sync", {"advantage": "trainer"})],  # streamed pieces; whole batches
+    ("mode", "placement"),
+    [
+        ("async", {}),  # streamed pieces, the queue in this process
+        ("sync", {"roles": {"advantage": "trainer"}}),  # whole batches, advantages by rank 0
+        ("async", {"tq_placement": "process", "tq_units": 2}),  # units on node processes
+    ],
 )
 async def test_a_two_rank_run_whose_ranks_fetch_their_rows_keeps_the_ledger_exact(
-    tmp_path: Path, mode: str, roles: dict[str, str]
+    tmp_path: Path, mode: str, placement: dict[str, object]
 ) -> None:
     """Each step's rows are fetched by the ranks (rank 0 trains on its half of them), every
     admitted prompt is trained once or reported, and the advantages the trainer estimates
     reach the ranks with their rows."""
-    config = tiny(mode, train={"ranks": 2}, placement={"roles": roles}, run_dir=str(tmp_path))
+    config = tiny(mode, train={"ranks": 2}, placement=placement, run_dir=str(tmp_path))
     result = await run_pipeline(config)
     assert [r.version for r in result.records] == [1, 2, 3]
     for record in result.records:
