@@ -6,6 +6,8 @@ trains on."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -157,3 +159,18 @@ async def test_a_rank_that_cannot_reach_a_unit_fails_the_step_naming_it(
         metrics = await trio.to_thread.run_sync(ranks.step_leased, step)
         await client.ack(batch)
     assert metrics["updates"] == 1 and metrics["normaliser"] > 0
+
+
+def test_ranks_that_may_run_on_other_hosts_keep_the_broadcast() -> None:
+    """Child processes fetch their rows; ranks started by torchrun / SLURM (not children of
+    rank 0) or by Ray (actors, not processes of ours) get them broadcast by rank 0."""
+    from types import SimpleNamespace
+
+    from asyncflow_actors.roles._rank_fetch import plain_reason
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert plain_reason(SimpleNamespace(world_size=2, children=[child])) is None
+    assert plain_reason(SimpleNamespace(world_size=1, children=[])) is None
+    assert "torchrun" in str(plain_reason(SimpleNamespace(world_size=2, children=[])))
+    assert "Ray" in str(plain_reason(SimpleNamespace(world_size=2, children=[object()])))
