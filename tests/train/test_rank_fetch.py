@@ -174,3 +174,17 @@ def test_ranks_that_may_run_on_other_hosts_keep_the_broadcast() -> None:
     assert plain_reason(SimpleNamespace(world_size=1, children=[])) is None
     assert "torchrun" in str(plain_reason(SimpleNamespace(world_size=2, children=[])))
     assert "Ray" in str(plain_reason(SimpleNamespace(world_size=2, children=[object()])))
+
+
+async def test_units_the_ranks_cannot_reach_switch_the_trainer_to_the_broadcast() -> None:
+    """A unit ref that names no address another process could use (no mesh; a mesh under
+    CURVE): rank 0 fetches every column, from then on, and says why once."""
+    from types import SimpleNamespace
+
+    from asyncflow_actors.roles._rank_fetch import rank_columns
+
+    reasons: list[str] = []
+    learner = SimpleNamespace(broadcast_rows=reasons.append)
+    client = SimpleNamespace(units={"unit-0": object()})
+    assert await rank_columns(client, learner, CLAIMED, text=False) is None
+    assert len(reasons) == 1 and "CURVE" in reasons[0]
