@@ -33,6 +33,7 @@ class TinyConfig:
 
     `d_model` must be divisible by `n_heads` and the head size must be even (rotary embeddings
     rotate pairs of channels). `d_ff` defaults to `3 * d_model` (SwiGLU hidden width).
+    `tie_embeddings`: the output head shares the embedding matrix (one parameter).
     Raises `ModelConfigError` on any invalid field.
     """
 
@@ -48,6 +49,7 @@ class TinyConfig:
     rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
     norm_eps: float = attrs.field(default=1e-5, validator=_positive_float)
     init_std: float = attrs.field(default=0.02, validator=_positive_float)
+    tie_embeddings: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:

@@ -125,14 +125,26 @@ class TinyDecoder(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        half = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         self.rope_cos: Tensor
         self.rope_sin: Tensor
-        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.rebuild_rope()
         self.reset_parameters()
+
+    def rebuild_rope(self) -> None:
+        """Compute the rotary tables (on the model's device): after a build on ``meta``."""
+        config = self.config
+        device = self.embed.weight.device
+        half = config.head_dim // 2
+        steps = torch.arange(half, dtype=torch.float64, device=device)
+        inv_freq = 1.0 / (config.rope_theta ** (steps / half))
+        positions = torch.arange(config.max_seq_len, dtype=torch.float64, device=device)
+        angles = torch.outer(positions, inv_freq)
+        self.rope_cos = angles.cos().float()
+        self.rope_sin = angles.sin().float()
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 L)."""
