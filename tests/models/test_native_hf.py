@@ -211,7 +211,7 @@ def test_a_model_specific_tokenizer_class_is_not_native(tmp_path: Path) -> None:
         NativeTokenizer(folder)
 
 
-def test_the_native_path_never_imports_transformers(tmp_path: Path) -> None:
+def test_the_native_path_never_imports_transformers_or_dynamo(tmp_path: Path) -> None:
     folder = _llama_folder(tmp_path / "m", vocab_size=300)
     _bpe_folder(folder)
     code = (
@@ -220,10 +220,11 @@ def test_the_native_path_never_imports_transformers(tmp_path: Path) -> None:
         f"model, tok = load_native_policy({str(folder)!r}, 'cpu')\n"
         "ids = torch.tensor([tok.encode('the dog', add_bos=True)])\n"
         "model(ids)\n"
-        "print(type(tok).__name__, 'transformers' in sys.modules)\n"
+        "print(type(tok).__name__, 'transformers' in sys.modules, 'torch._dynamo' in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
-    assert out.stdout.split() == ["NativeTokenizer", "False"]
+    # neither transformers nor torch's compiler stack (2.5 s of imports a build on ``meta`` cost)
+    assert out.stdout.split() == ["NativeTokenizer", "False", "False"]

@@ -200,12 +200,9 @@ def load_native_model(
     folder = os.fspath(folder)
     info = native_model_info(folder)
     weights = tiny_weights_from_llama(_read_weights(folder), info.config)
-    with torch.device("meta"):
-        model = TinyDecoder(info.config)
-    model = model.to_empty(device=device or "cpu")
-    if info.config.tie_embeddings:  # ``to_empty`` gives each module a parameter of its own
-        model.lm_head.weight = model.embed.weight
-    model.rebuild_rope()
+    # built on the CPU and overwritten: a build on ``meta`` would skip the random init, but
+    # its ``normal_`` runs torch's Python reference, which imports ``torch._dynamo`` (2.5 s)
+    model = TinyDecoder(info.config)
     for name, param in model.state_dict().items():
         if weights[name].shape != param.shape:
             raise NativeConfigError(
@@ -216,4 +213,4 @@ def load_native_model(
         model.load_state_dict(weights, strict=True)
     if info.dtype != torch.float32:
         model = model.to(dtype=info.dtype)
-    return model
+    return model.to(device) if device is not None else model

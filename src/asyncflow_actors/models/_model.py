@@ -135,7 +135,7 @@ class TinyDecoder(nn.Module):
         self.reset_parameters()
 
     def rebuild_rope(self) -> None:
-        """Compute the rotary tables (on the model's device): after a build on ``meta``."""
+        """Compute the rotary tables on the model's device (after ``to_empty``)."""
         config = self.config
         device = self.embed.weight.device
         half = config.head_dim // 2
