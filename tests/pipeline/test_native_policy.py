@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncflow_actors.models import CharTokenizer, TinyConfig, TinyDecoder, load_model
+from asyncflow_actors.models import (
+    CharTokenizer,
+    TinyConfig,
+    TinyDecoder,
+    load_model,
+)
 from asyncflow_actors.pipeline import PipelineConfigError, run_pipeline
 from asyncflow_actors.pipeline._preflight import check_contents
 
@@ -93,3 +98,21 @@ def test_preflight_names_an_unrepresentable_field(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(PipelineConfigError, match=r"model.impl='native': rope_scaling="):
         check_contents(tiny("async", model={"hf": str(folder), "impl": "native"}), None)
+
+
+async def test_a_native_run_resumes_from_its_tiny_checkpoint(tmp_path: Path) -> None:
+    folder = _folder(tmp_path / "hf")
+    config = tiny(
+        "sync", run_dir=str(tmp_path / "run"),
+        model={"hf": str(folder), "impl": "native"},
+        task={"reward": "tests.tasks.rewards:digits"},
+        train={"steps": 3, "checkpoint_every": 1, "lr": 1e-2},
+    )  # fmt: skip
+    first = await run_pipeline(config)
+    step1 = tmp_path / "run" / "checkpoints" / "step-000001"
+    assert (step1 / "policy.safetensors").exists() and (step1 / "policy" / "config.json").exists()
+    # the weights come from the checkpoint: the folder's own are not read again
+    (folder / "model.safetensors").unlink()
+    resumed = await run_pipeline(config, resume=str(step1))
+    assert [(r.step, r.version) for r in first.records] == [(1, 1), (2, 2), (3, 3)]
+    assert [(r.step, r.version) for r in resumed.records] == [(2, 2), (3, 3)]
