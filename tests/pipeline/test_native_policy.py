@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,3 +117,19 @@ async def test_a_native_run_resumes_from_its_tiny_checkpoint(tmp_path: Path) -> 
     resumed = await run_pipeline(config, resume=str(step1))
     assert [(r.step, r.version) for r in first.records] == [(1, 1), (2, 2), (3, 3)]
     assert [(r.step, r.version) for r in resumed.records] == [(2, 2), (3, 3)]
+
+
+def test_the_engine_cache_is_sized_by_the_run_not_by_the_folder_context() -> None:
+    from types import SimpleNamespace
+
+    from asyncflow_actors.roles._native_policy import native_kv_capacity
+
+    model = TinyDecoder(TinyConfig(vocab_size=8, d_model=8, n_heads=2, max_seq_len=1000))
+    dataset = SimpleNamespace(max_prompt_length=10)
+    spec: Any = SimpleNamespace(task=SimpleNamespace(dataset=dataset),
+                                rollout=SimpleNamespace(max_new_tokens=6))  # fmt: skip
+    assert native_kv_capacity(spec, model) == 2 * (10 + 6)
+    dataset.max_prompt_length = 5000  # past the context: the context bounds it
+    assert native_kv_capacity(spec, model) == 2 * 1000
+    dataset.max_prompt_length = None  # unknown: the engine's default
+    assert native_kv_capacity(spec, model) is None

@@ -26,8 +26,15 @@ from ..models import (
     load_native_model,
     save_safetensors,
 )
+from ._settings import RunSpec
 
-__all__ = ["HF_EXPORT_DIR", "load_native_policy", "native_tokenizer", "save_native_export"]
+__all__ = [
+    "HF_EXPORT_DIR",
+    "load_native_policy",
+    "native_kv_capacity",
+    "native_tokenizer",
+    "save_native_export",
+]
 
 HF_EXPORT_DIR = "policy"  # a checkpoint's Hugging Face folder, as an ``hf`` run names it
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -52,6 +59,17 @@ def load_native_policy(folder: str, device: str, *, path: str | None = None) -> 
     and the folder's tokenizer."""
     model = load_model(path, device=device) if path else load_native_model(folder, device=device)
     return model, native_tokenizer(folder)
+
+
+def native_kv_capacity(spec: RunSpec, model: TinyDecoder) -> int | None:
+    """Columns of the built-in engine's cache for a native run: twice the longest sequence the
+    run can make (``task.dataset.max_prompt_length`` + ``rollout.max_new_tokens``) where that
+    is below the folder's ``max_position_embeddings``; the engine's default (twice the
+    latter, 2 x 131072 columns a row for a recent Llama) otherwise."""
+    prompt = spec.task.dataset.max_prompt_length
+    if prompt is None:
+        return None
+    return 2 * min(model.config.max_seq_len, prompt + spec.rollout.max_new_tokens)
 
 
 def save_native_export(model: TinyDecoder, folder: str, directory: str) -> str:
