@@ -66,9 +66,11 @@ def _compare(folder: Path, seed: int, batch: int = 3, width: int = 12) -> None:
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_native_logits_equal_transformers(tmp_path: Path, tied: bool) -> None:
-    folder = _llama_folder(tmp_path / "m", tie_word_embeddings=tied, rope_theta=500.0)
+@pytest.mark.parametrize(("tied", "kv_heads"), [(False, 4), (True, 4), (False, 2), (True, 1)])
+def test_native_logits_equal_transformers(tmp_path: Path, tied: bool, kv_heads: int) -> None:
+    folder = _llama_folder(
+        tmp_path / "m", tie_word_embeddings=tied, rope_theta=500.0, num_key_value_heads=kv_heads
+    )
     _compare(folder, 1)
     model = load_native_model(folder)
     assert (model.lm_head.weight is model.embed.weight) == tied
@@ -79,6 +81,7 @@ def test_native_logits_equal_transformers(tmp_path: Path, tied: bool) -> None:
 )
 @given(
     heads=st.sampled_from([1, 2, 4]),
+    groups=st.sampled_from([1, 2, 4]),
     head_dim=st.sampled_from([4, 8, 16]),
     layers=st.integers(1, 3),
     ff=st.integers(8, 48),
@@ -88,25 +91,32 @@ def test_native_logits_equal_transformers(tmp_path: Path, tied: bool) -> None:
     seed=st.integers(0, 2**16),
 )
 def test_native_logits_equal_transformers_over_configs(
-    tmp_path_factory: pytest.TempPathFactory, heads: int, head_dim: int, layers: int, ff: int,
-    tied: bool, theta: float, eps: float, seed: int,
+    tmp_path_factory: pytest.TempPathFactory, heads: int, groups: int, head_dim: int,
+    layers: int, ff: int, tied: bool, theta: float, eps: float, seed: int,
 ) -> None:  # fmt: skip
     hidden = heads * head_dim
+    kv_heads = max(1, heads // groups)  # grouped-query attention where groups > 1
     folder = _llama_folder(
         tmp_path_factory.mktemp("m"), seed=seed, hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=heads, num_hidden_layers=layers, intermediate_size=ff,
+        num_key_value_heads=kv_heads, num_hidden_layers=layers, intermediate_size=ff,
         tie_word_embeddings=tied, rope_theta=theta, rms_norm_eps=eps,
     )  # fmt: skip
     _compare(folder, seed, width=20)
 
 
-def test_an_export_of_the_tiny_model_loads_natively_to_the_same_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_an_export_of_the_tiny_model_loads_natively_to_the_same_model(
+    tmp_path: Path, kv_heads: int | None
+) -> None:
     from asyncflow_actors.models import TinyConfig, TinyDecoder
     from asyncflow_actors.rollout import export_hf
 
     tok = CharTokenizer("0123456789+=")
     torch.manual_seed(3)
-    tiny = TinyDecoder(TinyConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=2, max_seq_len=48))
+    config = TinyConfig(
+        vocab_size=tok.vocab_size, d_model=32, n_heads=2, max_seq_len=48, n_kv_heads=kv_heads
+    )
+    tiny = TinyDecoder(config)
     export_hf(tmp_path / "m", tiny, tok)
     native = load_native_model(tmp_path / "m")
     assert native.config == tiny.config
@@ -118,7 +128,7 @@ def test_an_export_of_the_tiny_model_loads_natively_to_the_same_model(tmp_path: 
     ("field", "value"),
     [
         ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
-        ("num_key_value_heads", 2),
+        ("num_key_value_heads", 3),
         ("hidden_act", "gelu"),
         ("attention_bias", True),
         ("mlp_bias", True),

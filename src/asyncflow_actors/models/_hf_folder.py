@@ -3,8 +3,8 @@
 The two architectures coincide (pre-norm RMSNorm blocks, rotary embeddings in the rotate-half
 layout with the same frequencies, SwiGLU, no biases), so a folder whose ``config.json`` stays
 inside that common ground loads exactly: ``q``/``k``/``v`` concatenate into ``wqkv`` and
-``gate``/``up`` into ``w_gate_up``. Every field outside it (rope scaling, grouped-query
-attention, biases, another activation...) raises ``NativeConfigError`` naming the field, so a
+``gate``/``up`` into ``w_gate_up`` (grouped-query attention included). Every field outside it
+(rope scaling, biases, another activation...) raises ``NativeConfigError`` naming the field, so a
 folder is never served approximately. ``config.json`` is read as plain JSON and the weights
 with this package's own safetensors reader: torch only, as vLLM and SGLang keep their own model
 implementations for inference.
@@ -94,11 +94,10 @@ def _tiny_config(raw: Mapping[str, Any]) -> TinyConfig:
         ff = int(raw["intermediate_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise NativeConfigError(f"model.impl='native': config.json lacks {exc}") from exc
-    kv_heads = raw.get("num_key_value_heads")
-    if kv_heads is not None and int(kv_heads) != heads:
-        raise _refuse(
-            "num_key_value_heads", kv_heads, f"differs from num_attention_heads={heads} (GQA)"
-        )
+    kv_raw = raw.get("num_key_value_heads")
+    kv_heads = heads if kv_raw is None else int(kv_raw)
+    if kv_heads <= 0 or heads % kv_heads:
+        raise _refuse("num_key_value_heads", kv_raw, f"does not divide num_attention_heads={heads}")
     head_dim = raw.get("head_dim")
     if head_dim is not None and hidden % heads == 0 and int(head_dim) != hidden // heads:
         raise _refuse("head_dim", head_dim, f"differs from hidden_size / heads = {hidden // heads}")
@@ -122,6 +121,7 @@ def _tiny_config(raw: Mapping[str, Any]) -> TinyConfig:
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             init_std=float(raw.get("initializer_range", 0.02)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            n_kv_heads=None if kv_heads == heads else kv_heads,
         )
     except ModelConfigError as exc:
         raise NativeConfigError(f"model.impl='native': {exc}; use model.impl='hf'") from exc
