@@ -133,3 +133,26 @@ def test_the_engine_cache_is_sized_by_the_run_not_by_the_folder_context() -> Non
     assert native_kv_capacity(spec, model) == 2 * 1000
     dataset.max_prompt_length = None  # unknown: the engine's default
     assert native_kv_capacity(spec, model) is None
+
+
+def test_a_native_run_in_one_process_never_imports_transformers(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    folder = _folder(tmp_path / "hf")
+    code = f"""
+import sys, trio
+from asyncflow_actors.pipeline import run_pipeline
+from tests.pipeline.kit import tiny
+config = tiny("async", run_dir={str(tmp_path / "run")!r}, train={{"steps": 2, "checkpoint_every": 2}},
+              model={{"hf": {str(folder)!r}, "impl": "native"}})
+result = trio.run(run_pipeline, config)
+print(len(result.records), "transformers" in sys.modules)
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env, cwd=root)  # fmt: skip
+    assert out.stdout.split() == ["2", "False"]
+    assert (tmp_path / "run" / "final" / "policy" / "model.safetensors").exists()
