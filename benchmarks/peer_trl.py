@@ -55,7 +55,9 @@ learning parity: steps ours vs TRL) and seconds to the first step, and the load 
 Targets (issue 28): ratio <= 0.8 on addition, <= 0.5 on the long tail; async needing no more
 than 10% more steps than TRL.
 
-**Our settings** (``--staleness``, ``--placement process|local``): staleness 1 by default
+**Our settings** (``--staleness``, ``--placement process|local``, ``--impl native|hf``):
+``model.impl = "native"`` by default (benchmarks/RESULTS.md, ``peer_trl``, "The native fast
+path": the first step 2.8 s in one process against 3.7 with ``hf``); staleness 1 by default
 (benchmarks/RESULTS.md, ``peer_trl``, "Staleness 1: the anchor"): the rollout of the next
 batch overlaps the trainer's step, and with PPO's ratio taken against the engine's log-probs
 (``algorithm.anchor = "auto"``) a run needs fewer steps than at staleness 0 (addition: 58
