@@ -156,3 +156,24 @@ print(len(result.records), "transformers" in sys.modules)
                          check=True, env=env, cwd=root)  # fmt: skip
     assert out.stdout.split() == ["2", "False"]
     assert (tmp_path / "run" / "final" / "policy" / "model.safetensors").exists()
+
+
+async def test_a_native_run_with_two_trainer_ranks_exports_the_folder(tmp_path: Path) -> None:
+    """FSDP2 over the tied TinyDecoder on 2 gloo ranks: it trains, and the export gathered on
+    rank 0 is the folder again, loadable by transformers."""
+    folder = _folder(tmp_path / "hf", tied=True)
+    config = tiny(
+        "sync", run_dir=str(tmp_path / "run"),
+        model={"hf": str(folder), "impl": "native"},
+        task={"reward": "tests.tasks.rewards:digits"},
+        train={"steps": 2, "ranks": 2, "checkpoint_every": 2, "lr": 1e-2},
+    )  # fmt: skip
+    result = await run_pipeline(config)
+    assert [r.version for r in result.records] == [1, 2]
+    assert all(r.sync["sync_bytes"] > 0 for r in result.records)
+    exported = Path(result.checkpoints[-1]) / "policy"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    trained = load_model(Path(result.checkpoints[-1]) / "policy.safetensors")
+    ids = torch.tensor([[1, 4, 5, 13, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, trained(ids), atol=1e-5, rtol=0)

@@ -118,7 +118,6 @@ def _check_native_folder(folder: str | None) -> None:
         native_tokenizer(folder)
     except (ModelConfigError, ValueError, OSError) as exc:
         raise PipelineConfigError(f"model.hf: {_line(exc)}") from exc
-    return None
 
 
 def _check_model(config: PipelineConfig) -> int | None:
