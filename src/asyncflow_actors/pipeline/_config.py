@@ -6,7 +6,8 @@ mode = "async"          # sync | colocated | one_step_off | async
 staleness = 1           # async only: versions rollout may run ahead (0: on-policy)
 run_dir = "runs/exp1"
 
-[model]                 # models.TinyDecoder, or init = "policy.safetensors"
+[model]                 # models.TinyDecoder, init = "policy.safetensors", or hf = "folder"
+                        # (impl = "hf" | "native": a Llama folder as the built-in model)
 [task]                  # kind = "addition" | "longtail" | "jsonl" | "dataset"; [task.options]
                         # reward = "my_rewards:correct" (or a list), reward_weights; [task.dataset]
 [reward]                # on_error = "raise" | "zero" | "drop", concurrency, timeout
