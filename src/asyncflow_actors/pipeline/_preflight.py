@@ -88,6 +88,11 @@ def _check_extras(config: PipelineConfig) -> None:
         raise PipelineConfigError(
             "train.rank_launcher: 'ray' needs ray, which is not installed (the 'ray' extra)"
         )
+    if config.model.native and importlib.util.find_spec("tokenizers") is None:
+        raise PipelineConfigError(
+            "model.impl: 'native' reads tokenizer.json with tokenizers, which is not installed "
+            "(the 'hf' extra)"
+        )
 
 
 def _check_model_files(config: PipelineConfig) -> None:
