@@ -219,6 +219,11 @@ def test_a_model_specific_tokenizer_class_is_not_native(tmp_path: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(NativeTokenizerError, match="tokenizer_class='LlamaTokenizer'"):
         NativeTokenizer(folder)
+    # a run falls back to transformers' tokenizer for it (the model stays native)
+    from asyncflow_actors.roles._hf_policy import HFTokenizer
+    from asyncflow_actors.roles._native_policy import native_tokenizer
+
+    assert isinstance(native_tokenizer(str(folder)), HFTokenizer)
 
 
 def test_the_native_path_never_imports_transformers_or_dynamo(tmp_path: Path) -> None:
