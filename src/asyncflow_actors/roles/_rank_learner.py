@@ -90,10 +90,12 @@ def shard(model: nn.Module, parallel: ParallelSettings) -> nn.Module:
     policy = MixedPrecisionPolicy()
     if parallel.dtype == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = blocks(model)
+    units: list[nn.Module | list[nn.Module]] = list(blocks(model))
     if isinstance(model, TinyDecoder):
-        # its log-probs call hidden_states, then lm_head: each its own unit (no weight tying)
-        units.append(model.lm_head)
+        # its log-probs call hidden_states, then lm_head: the head is a unit of its own, or
+        # one with the embedding it is tied to (a shared parameter lives in one FSDP group)
+        tied = model.config.tie_embeddings
+        units.append([model.embed, model.lm_head] if tied else model.lm_head)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

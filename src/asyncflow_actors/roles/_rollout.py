@@ -159,6 +159,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
             if resumed is not None:
                 return open_serving_adapter(opened, resumed, spec.start_version)
             return opened
+        from ._native_policy import native_kv_capacity
+
         model, self.tokenizer = await self._model()
         config = rollout.EngineConfig(
             max_batch=spec.engine_rows,
@@ -167,6 +169,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
             max_run_seconds=spec.rollout.max_run_seconds,
             seed=spec.train.seed + i,
             version=spec.start_version,
+            kv_capacity=native_kv_capacity(spec, model) if spec.model.native else None,
         )
         if kind == "hf":
             return rollout.open_hf_engine(model, config)
