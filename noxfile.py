@@ -156,12 +156,16 @@ def bench_peer(session: nox.Session) -> None:
 @nox.session
 def bench_peer_trl(session: nox.Session) -> None:
     """Our pipeline against TRL's GRPOTrainer (trl 1.16.0) on the same model, prompts and
-    reward, in its own venv (benchmarks/peer_trl.py)."""
+    reward, in its own venv (benchmarks/peer_trl.py), then the seconds to the first step
+    (benchmarks/peer_first_step.py)."""
     session.install(TORCH)  # first: an unpinned torch pulls a multi-GB CUDA build
     session.install("trl==1.16.0")
     session.install("-e", ".[hf,datasets]")
     session.env["PYTHONPATH"] = "benchmarks"
     session.run("python", "benchmarks/peer_trl.py", *session.posargs)
+    # the seconds to the first step, ours (both placements) against TRL, fresh processes
+    rounds = "1" if "--quick" in session.posargs else "5"
+    session.run("python", "benchmarks/peer_first_step.py", "--rounds", rounds)
 
 
 @nox.session

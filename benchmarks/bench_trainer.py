@@ -35,6 +35,13 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
 - ``trainer_lora_optimizer_bytes`` (bytes): AdamW's state after a step with LoRA (the
   adapters' moments), summed over the 2 ranks; baseline: full fine-tuning's.
 - ``trainer_bf16_step`` (s): a 2-rank step with ``dtype = "bf16"``; baseline: fp32.
+- ``trainer_step_rank_bytes_2ranks`` (bytes): what rank 1 receives for a step when each rank
+  fetches its own rows from the TransferQueue (the ``step_rows`` command, and the most bytes
+  of rows a rank fetched); baseline: the ``step`` command broadcasting every row.
+  ``trainer_step_rank_fetch_s_2ranks`` (s): such a step, from the claim of its lease to the
+  end of the update; baseline: the same with rank 0 fetching and broadcasting every row. The
+  two alternate, step by step, on one group and one queue (units on node processes, shared
+  memory); ``--rank-fetch`` takes these figures alone.
 
 A ``#`` line on stderr gives the load average at the start and the end, rank 0's resident
 memory before each memory figure's sync and its rise, and ``DistributedLearner.memory()`` of
@@ -273,6 +280,93 @@ def sync_only() -> None:
           file=sys.stderr)  # fmt: skip
 
 
+CLAIMED = ("prompt_ids", "response_ids", "behaviour_logprobs", "token_versions",
+           "old_logprobs", "advantages")  # fmt: skip
+
+
+def command_bytes(header: dict[str, Any], tensors: list[torch.Tensor]) -> int:
+    """Bytes a rank > 0 receives of a command: its msgpack header and its tensors."""
+    import msgspec
+
+    return len(msgspec.msgpack.encode(header)) + sum(int(t.nbytes) for t in tensors)
+
+
+async def rank_fetch_steps(group: DistributedLearner) -> dict[str, list[float]]:
+    """Steps of the global batch alternately broadcast by rank 0 and fetched by each rank
+    from a queue (``trainer_step_rank_*``): each kind's seconds and bytes rank 1 receives."""
+    from asyncflow_actors.roles import _schema as S
+    from asyncflow_actors.roles._rank_fetch import RANK_FETCH, rank_leases, step_data
+    from asyncflow_actors.roles._rank_host import encode_batch
+    from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
+
+    topic = S.topic_specs(group.learner.spec)[1]
+    config = TransferQueueConfig(topics=(topic,), units=2, placement="process")
+    data = batch()
+    out: dict[str, list[float]] = {"broadcast": [], "fetch": [], "broadcast_bytes": [],
+                                   "fetch_bytes": []}  # fmt: skip
+    async with afa.open_actor_system() as system, open_transfer_queue(system, config) as queue:
+        client = await queue.client()
+
+        async def put() -> None:
+            slots = await client.open_groups(
+                S.ROLLOUT, [1] * ROWS, [{S.PROMPT_IDS: p} for p in data["prompt_ids"]]
+            )
+            rows = {name: data[name] for name in CLAIMED if name in data and name != S.PROMPT_IDS}
+            rows[S.TOKEN_VERSIONS] = [torch.zeros(RESPONSE, dtype=torch.long)] * ROWS
+            await client.put(S.ROLLOUT, rows, version=0, group=list(slots))
+
+        async def broadcast() -> tuple[float, int]:
+            await put()
+            t0 = time.perf_counter()
+            got = await client.get(S.ROLLOUT, "trainer", CLAIMED, ROWS)
+            step = {c: got.expand(c) if c in got.shared else got[c] for c in data}
+            await trio.to_thread.run_sync(group.step, step)
+            seconds = time.perf_counter() - t0
+            await client.ack(got)
+            layout, tensors = encode_batch(step)
+            return seconds, command_bytes({"op": "step", "layout": layout}, tensors)
+
+        async def fetch() -> tuple[float, int]:
+            await put()
+            t0 = time.perf_counter()
+            got = await client.get(S.ROLLOUT, "trainer", CLAIMED, ROWS,
+                                   fetch=[S.PROMPT_IDS, S.TOKEN_VERSIONS])  # fmt: skip
+            step = {S.PROMPT_IDS: got.expand(S.PROMPT_IDS), S.TOKEN_VERSIONS: got[S.TOKEN_VERSIONS],
+                    RANK_FETCH: await rank_leases(client, topic, got)}  # fmt: skip
+            metrics = await trio.to_thread.run_sync(group.step_leased, step)
+            seconds = time.perf_counter() - t0
+            await client.ack(got)
+            header, tensors = step_data(step)
+            return seconds, command_bytes(header, tensors) + int(metrics["fetched_bytes"])
+
+        await broadcast()  # warm-up, both ways
+        await fetch()
+        for _ in range(STEPS):
+            for kind, take in (("broadcast", broadcast), ("fetch", fetch)):
+                seconds, nbytes = await take()
+                out[kind].append(seconds)
+                out[f"{kind}_bytes"].append(nbytes)
+    return out
+
+
+def rank_fetch_only(folder: Path | None = None) -> None:
+    """``--rank-fetch``: the ``trainer_step_rank_*`` figures alone."""
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        if folder is None:
+            folder = Path(tmp) / "model"
+            build_model(folder)
+        with DistributedLearner.open(spec(folder), ParallelSettings(ranks=2)) as two:
+            runs = trio.run(rank_fetch_steps, two)
+    emit("trainer_step_rank_bytes_2ranks", statistics.median(runs["fetch_bytes"]), "bytes",
+         statistics.median(runs["broadcast_bytes"]))  # fmt: skip
+    emit("trainer_step_rank_fetch_s_2ranks", statistics.median(runs["fetch"]), "s",
+         statistics.median(runs["broadcast"]))  # fmt: skip
+    print(f"# rank fetch: load average at the start {load_start}, at the end "
+          f"{os.getloadavg()}; steps (s) broadcast {runs['broadcast']}, fetch {runs['fetch']}",
+          file=sys.stderr)  # fmt: skip
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
 
@@ -317,6 +411,7 @@ def main() -> None:
         emit("trainer_lora_optimizer_bytes", lora_memory["optimizer_bytes"], "bytes",
              full_memory["optimizer_bytes"])  # fmt: skip
         emit("trainer_bf16_step", step_bf16, "s", step_2)
+        rank_fetch_only(folder)
     memory = ", ".join(
         [f"{n} rank(s) {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in rises.items()]
         + [f"funnel {n} ranks {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in funnels.items()]
@@ -330,6 +425,8 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--sync"]:
         sys.exit(sync_only())
+    if sys.argv[1:2] == ["--rank-fetch"]:
+        sys.exit(rank_fetch_only())
     if sys.argv[1:2] == ["--sync-memory"]:
         ranks, funnel, folder = sys.argv[2:5]
         print(json.dumps(sync_memory(int(ranks), bool(int(funnel)), Path(folder))))

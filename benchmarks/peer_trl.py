@@ -39,7 +39,8 @@ times the share of right characters; TRL calls it, our node processes import it 
 | gradient checkpointing | off [on] | none |
 | dataset order | ``shuffle_dataset = False`` [True] | ``task.dataset.shuffle = false`` |
 | mode | on-policy (generate, then train) | ``async``, ``--staleness`` (0: on-policy, the stages still stream within a step: the trainer's forward and backward of the groups already complete overlap the generation of the others); ``--staleness 1`` (the default): one version ahead, PPO's ratio taken against the engine's log-probs of the one-version-stale samples (``algorithm.anchor = "auto"``: ``"behaviour"``; TRL's ratio is 1, on-policy) |
-| processes and threads | one process, its best torch thread count (1 or 2), measured in this sitting | two processes, one torch thread each: the rollout (HF engine) in the driver's process next to the TransferQueue, the trainer (old log-probs and advantages folded in) in a node process; the reward function runs in the rollout's process |
+| model implementation and rollout engine | transformers' ``LlamaForCausalLM``; ``model.generate`` | ``--impl native`` (the default): ``model.impl = "native"``, the folder read into the built-in ``TinyDecoder`` (same logits as transformers within 1e-5, ``tests/models/test_native_hf.py``), served by the built-in engine (continuous batching, rows reused as they free, a group's prompt prefilled once), its tokenizer through ``tokenizers`` alone (no transformers import); ``--impl hf``: transformers' model, the ``hf`` engine (static waves through the model's forward) |
+| processes and threads | one process, its best torch thread count (1 or 2), measured in this sitting | two processes, one torch thread each: the rollout in the driver's process next to the TransferQueue, the trainer (old log-probs and advantages folded in) in a node process; the reward function runs in the rollout's process (``--placement local``: all in one process) |
 
 **Thresholds**: addition 0.5 (the warm model starts near 0.32; TRL reached 0.5 in about 150
 steps in a trial); long tail: the warm model's mean reward (512 problems sampled as in
@@ -54,7 +55,9 @@ learning parity: steps ours vs TRL) and seconds to the first step, and the load 
 Targets (issue 28): ratio <= 0.8 on addition, <= 0.5 on the long tail; async needing no more
 than 10% more steps than TRL.
 
-**Our settings** (``--staleness``, ``--placement process|local``): staleness 1 by default
+**Our settings** (``--staleness``, ``--placement process|local``, ``--impl native|hf``):
+``model.impl = "native"`` by default (benchmarks/RESULTS.md, ``peer_trl``, "The native fast
+path": the first step 2.8 s in one process against 3.7 with ``hf``); staleness 1 by default
 (benchmarks/RESULTS.md, ``peer_trl``, "Staleness 1: the anchor"): the rollout of the next
 batch overlaps the trainer's step, and with PPO's ratio taken against the engine's log-probs
 (``algorithm.anchor = "auto"``) a run needs fewer steps than at staleness 0 (addition: 58
@@ -210,7 +213,7 @@ def run_trl(name: str, folder: str, seed: int, threads: int, started: float, ste
 
 def run_ours(
     name: str, folder: str, seed: int, started: float, steps: int,
-    staleness: int = 1, placement: str = "process",
+    staleness: int = 1, placement: str = "process", impl: str = "native",
 ) -> None:  # fmt: skip
     import trio
 
@@ -219,10 +222,10 @@ def run_ours(
     spec = _tasks()[name]
     config = PipelineConfig.from_dict({
         "mode": "async", "staleness": staleness, "progress": "none", "plot": False,
-        "model": {"hf": folder},
+        "model": {"hf": folder, "impl": impl},
         "task": {"kind": "dataset", "reward": f"{HERE}:reward",
                  "dataset": {"path": os.path.join(folder, "prompts.jsonl"), "shuffle": False}},
-        "rollout": {"engine": "hf", "group_size": GROUP, "max_new_tokens": spec["max_new_tokens"],
+        "rollout": {"engine": "hf" if impl == "hf" else "builtin", "group_size": GROUP, "max_new_tokens": spec["max_new_tokens"],
                     "temperature": 1.0, "top_p": 1.0, "top_k": 0},
         "algorithm": {"advantage": "grpo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean",
                       "kl_coef": 0.0},  # anchor "auto": the engine's log-probs at staleness 1
@@ -339,6 +342,12 @@ if __name__ == "__main__":
         default="process",
         help="ours: one process per role (process) or all in one (local)",
     )
+    parser.add_argument(
+        "--impl",
+        choices=["native", "hf"],
+        default="native",
+        help="ours: model.impl (native: the built-in model and engine; hf: transformers')",
+    )
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -351,9 +360,11 @@ if __name__ == "__main__":
         run_trl(args.task, args.folder, args.seed, args.threads, args.started, args.steps)
     elif args.child == "ours":
         run_ours(args.task, args.folder, args.seed, args.started, args.steps, args.staleness,
-                 args.placement)  # fmt: skip
+                 args.placement, args.impl)  # fmt: skip
     else:
         sys.path.insert(0, os.path.dirname(HERE))
-        ours = ("--staleness", str(args.staleness), "--placement", args.placement)
-        print(f"# ours: staleness {args.staleness}, placement {args.placement}", file=sys.stderr)
+        ours = ("--staleness", str(args.staleness), "--placement", args.placement,
+                "--impl", args.impl)  # fmt: skip
+        print(f"# ours: staleness {args.staleness}, placement {args.placement}, "
+              f"impl {args.impl}", file=sys.stderr)  # fmt: skip
         main(args.seeds, args.tasks, args.quick, ours)

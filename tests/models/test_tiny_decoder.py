@@ -64,8 +64,9 @@ def test_left_and_right_padding_do_not_change_real_logits() -> None:
         torch.testing.assert_close(out[i, : len(row)], alone[i], atol=ATOL, rtol=0)
 
 
-def test_kv_cache_incremental_decoding_matches_full_forward() -> None:
-    model = _model()
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # 2, 1: grouped-query attention
+def test_kv_cache_incremental_decoding_matches_full_forward(kv_heads: int) -> None:
+    model = _model(n_kv_heads=kv_heads)
     rows = [[3, 4, 5, 6], [7, 8], [9]]
     continuation = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     ids, mask = left_pad(rows, pad_id=0)
@@ -219,11 +220,12 @@ def test_kv_cache_insert_rows_places_a_prefilled_batch_as_inserting_row_by_row_w
         cache.insert_rows([0, 3], scratch, [0])
 
 
-def test_decode_step_is_the_one_token_forward_bit_for_bit() -> None:
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decode_step_is_the_one_token_forward_bit_for_bit(kv_heads: int) -> None:
     """``decode_step`` is the engine's and ``generate``'s per-token forward without the
     argument checks: the same numbers as ``model(tokens[:, None], ...)[:, -1]`` and the same
     cache afterwards, padding rows (``real`` false) and a view of the low rows included."""
-    model = _model()
+    model = _model(n_kv_heads=kv_heads)
     rows = [[3, 4, 5, 6], [7, 8], [9], [5, 5, 5]]
     ids, mask = left_pad(rows, pad_id=0)
     gen = torch.Generator().manual_seed(0)

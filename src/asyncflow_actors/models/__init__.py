@@ -12,6 +12,13 @@ from ._batch import left_pad as left_pad
 from ._batch import pack_batch as pack_batch
 from ._config import ModelConfigError as ModelConfigError
 from ._config import TinyConfig as TinyConfig
+from ._hf_folder import NativeConfigError as NativeConfigError
+from ._hf_folder import NativeModelInfo as NativeModelInfo
+from ._hf_folder import load_native_model as load_native_model
+from ._hf_folder import native_model_info as native_model_info
+from ._hf_folder import tiny_weights_from_llama as tiny_weights_from_llama
+from ._hf_tokenizer import NativeTokenizer as NativeTokenizer
+from ._hf_tokenizer import NativeTokenizerError as NativeTokenizerError
 from ._io import load_model as load_model
 from ._io import load_tokenizer as load_tokenizer
 from ._io import save_model as save_model

@@ -33,6 +33,9 @@ class TinyConfig:
 
     `d_model` must be divisible by `n_heads` and the head size must be even (rotary embeddings
     rotate pairs of channels). `d_ff` defaults to `3 * d_model` (SwiGLU hidden width).
+    `tie_embeddings`: the output head shares the embedding matrix (one parameter).
+    `n_kv_heads`: grouped-query attention, that many key/value heads (a divisor of `n_heads`;
+    query head `i` reads key/value head `i // (n_heads / n_kv_heads)`); `None`: `n_heads`.
     Raises `ModelConfigError` on any invalid field.
     """
 
@@ -48,11 +51,19 @@ class TinyConfig:
     rope_theta: float = attrs.field(default=10000.0, validator=_positive_float)
     norm_eps: float = attrs.field(default=1e-5, validator=_positive_float)
     init_std: float = attrs.field(default=0.02, validator=_positive_float)
+    tie_embeddings: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    n_kv_heads: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive_int)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:
             raise ModelConfigError(
                 f"TinyConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.n_heads % self.kv_heads != 0:
+            raise ModelConfigError(
+                f"TinyConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})"
             )
         if self.head_dim % 2 != 0:
             raise ModelConfigError(
@@ -63,6 +74,11 @@ class TinyConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `n_kv_heads`, or `n_heads` without grouped-query attention."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

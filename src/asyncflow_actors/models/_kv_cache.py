@@ -74,7 +74,7 @@ class KVCache:
         return cls(
             n_layers=config.n_layers,
             batch_size=batch_size,
-            n_heads=config.n_heads,
+            n_heads=config.kv_heads,
             head_dim=config.head_dim,
             capacity=capacity,
             dtype=dtype,

@@ -46,8 +46,10 @@ class Attention(nn.Module):
     def __init__(self, config: TinyConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        self.wqkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        width = (config.n_heads + 2 * config.kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.d_model, width, bias=False)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(
@@ -61,15 +63,38 @@ class Attention(nn.Module):
         start: int,
     ) -> Tensor:
         batch, steps, width = x.shape
-        qkv = self.wqkv(x).view(batch, steps, 3, self.n_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = _split_qkv(self.wqkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
+        k, v = _repeat_kv(k, v, self.n_heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         projected: Tensor = self.wo(out.transpose(1, 2).reshape(batch, steps, width))
         return projected
+
+
+def _split_qkv(qkv: Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[Tensor, ...]:
+    """[B, T, (H + 2 K) D] projections as q [B, H, T, D], k and v [B, K, T, D]."""
+    batch, steps, _ = qkv.shape
+    if kv_heads == heads:
+        return tuple(qkv.view(batch, steps, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0))
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+    q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+    return (
+        q.view(batch, steps, heads, head_dim).transpose(1, 2),
+        k.view(batch, steps, kv_heads, head_dim).transpose(1, 2),
+        v.view(batch, steps, kv_heads, head_dim).transpose(1, 2),
+    )
+
+
+def _repeat_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention: each key/value head serves ``heads / K`` consecutive query
+    heads (transformers' ``repeat_kv``); unchanged without grouping."""
+    groups = heads // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 class MLP(nn.Module):
@@ -125,14 +150,26 @@ class TinyDecoder(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        half = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         self.rope_cos: Tensor
         self.rope_sin: Tensor
-        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.rebuild_rope()
         self.reset_parameters()
+
+    def rebuild_rope(self) -> None:
+        """Compute the rotary tables on the model's device (after ``to_empty``)."""
+        config = self.config
+        device = self.embed.weight.device
+        half = config.head_dim // 2
+        steps = torch.arange(half, dtype=torch.float64, device=device)
+        inv_freq = 1.0 / (config.rope_theta ** (steps / half))
+        positions = torch.arange(config.max_seq_len, dtype=torch.float64, device=device)
+        angles = torch.outer(positions, inv_freq)
+        self.rope_cos = angles.cos().float()
+        self.rope_sin = angles.sin().float()
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 L)."""
@@ -261,11 +298,12 @@ def decode_step(model: TinyDecoder, tokens: Tensor, real: Tensor, kv_cache: KVCa
         block = cast(Block, layer)
         attn, mlp = block.attn, block.mlp
         h = _rms_norm(x, block.attn_norm)
-        qkv = F.linear(h, attn.wqkv.weight).view(batch, 1, 3, attn.n_heads, attn.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = F.linear(h, attn.wqkv.weight)
+        q, k, v = _split_qkv(qkv, attn.n_heads, attn.n_kv_heads, attn.head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         k, v = kv_cache.write(i, start, k, v)
+        k, v = _repeat_kv(k, v, attn.n_heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + F.linear(out.transpose(1, 2).reshape(batch, 1, width), attn.wo.weight)
         gate, up = F.linear(_rms_norm(x, block.mlp_norm), mlp.w_gate_up.weight).chunk(2, dim=-1)

@@ -6,7 +6,8 @@ mode = "async"          # sync | colocated | one_step_off | async
 staleness = 1           # async only: versions rollout may run ahead (0: on-policy)
 run_dir = "runs/exp1"
 
-[model]                 # models.TinyDecoder, or init = "policy.safetensors"
+[model]                 # models.TinyDecoder, init = "policy.safetensors", or hf = "folder"
+                        # (impl = "hf" | "native": a Llama folder as the built-in model)
 [task]                  # kind = "addition" | "longtail" | "jsonl" | "dataset"; [task.options]
                         # reward = "my_rewards:correct" (or a list), reward_weights; [task.dataset]
 [reward]                # on_error = "raise" | "zero" | "drop", concurrency, timeout
@@ -310,7 +311,9 @@ def _check(config: PipelineConfig) -> None:
             )
     if config.train.forward_ranks > 1:
         _check_forward_ranks(config)
-    hf = config.model.hf is not None
+    if config.model.native:
+        _check_native(config)
+    hf = config.model.transformers
     if hf != (config.rollout.engine in ("hf", "vllm")):
         raise PipelineConfigError(
             f"rollout.engine: {config.rollout.engine!r} "
@@ -329,12 +332,30 @@ def _check(config: PipelineConfig) -> None:
             "train.sft_warmup_steps: needs a run_dir (every role loads the warmed-up model "
             "from run_dir/warmup/)"
         )
-    tiny = config.model.init is None and not hf
+    tiny = config.model.init is None and config.model.hf is None
     if tiny and config.model.max_seq_len <= config.rollout.max_new_tokens:
         raise PipelineConfigError(
             f"rollout.max_new_tokens: {config.rollout.max_new_tokens} leaves no room for the "
             f"prompt within model.max_seq_len = {config.model.max_seq_len}"
         )
+
+
+def _check_native(config: PipelineConfig) -> None:
+    """``model.impl="native"``: the folder runs as the tiny policy, so what needs a
+    transformers model is refused by name."""
+    refused = {
+        "rollout.engine": config.rollout.engine != "builtin"
+        and f"{config.rollout.engine!r} serves transformers models; native runs the built-in "
+        "engine (rollout.engine='builtin')",
+        "model.lora": config.model.lora.r > 0 and "LoRA adapters need peft on a transformers model",
+        "train.sft_warmup_steps": bool(config.train.sft_warmup_steps)
+        and "the warm-up writes a tiny-model file, not the folder",
+        "train.gradient_checkpointing": config.train.gradient_checkpointing
+        and "needs a transformers model",
+    }
+    for field, why in refused.items():
+        if why:
+            raise PipelineConfigError(f"{field}: model.impl='native': {why}; use model.impl='hf'")
 
 
 def _check_forward_ranks(config: PipelineConfig) -> None:

@@ -161,7 +161,8 @@ class Placement:
         roles start: ``model.hf`` where it hosts a role that loads the policy with transformers
         (not a vLLM rollout: vLLM loads its own), else ``None``."""
         roles = _MODEL_ROLES - {"rollout"} if self.config.rollout.engine == "vllm" else _MODEL_ROLES
-        return self.config.model.hf if self.hosts(node, roles) else None
+        model = self.config.model
+        return model.hf if model.transformers and self.hosts(node, roles) else None
 
     def start_soon(
         self, nursery: trio.Nursery, modules: Mapping[str, str], *, observe_later: bool = False

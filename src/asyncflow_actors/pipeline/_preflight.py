@@ -88,6 +88,11 @@ def _check_extras(config: PipelineConfig) -> None:
         raise PipelineConfigError(
             "train.rank_launcher: 'ray' needs ray, which is not installed (the 'ray' extra)"
         )
+    if config.model.native and importlib.util.find_spec("tokenizers") is None:
+        raise PipelineConfigError(
+            "model.impl: 'native' reads tokenizer.json with tokenizers, which is not installed "
+            "(the 'hf' extra)"
+        )
 
 
 def _check_model_files(config: PipelineConfig) -> None:
@@ -104,11 +109,30 @@ def _check_model_files(config: PipelineConfig) -> None:
         raise PipelineConfigError(f"model.init: no such file: {model.init}")
 
 
+def _check_native_folder(folder: str | None) -> None:
+    """``model.impl="native"``: the folder's config and tokenizer are representable
+    (``NativeConfigError`` names the field). Prompt lengths are in its tokenizer's tokens,
+    checked as an ``hf`` run's are."""
+    from ..models import native_model_info
+    from ..models._config import ModelConfigError
+    from ..roles._native_policy import native_tokenizer
+
+    assert folder is not None
+    try:
+        native_model_info(folder)
+        native_tokenizer(folder)
+    except (ModelConfigError, ValueError, OSError) as exc:
+        raise PipelineConfigError(f"model.hf: {_line(exc)}") from exc
+
+
 def _check_model(config: PipelineConfig) -> int | None:
     """The model's files (``_check_model_files``) load their config; its ``max_seq_len`` if
     known."""
     _check_model_files(config)
     model = config.model
+    if model.native:
+        _check_native_folder(model.hf)
+        return None
     if model.hf is not None:
         try:
             from transformers import AutoConfig

@@ -54,6 +54,11 @@ def build_policy(model: ModelSettings, task: Task, *, path: str | None = None) -
     """The policy of a run and its tokenizer: loaded from ``path`` (a checkpoint) or
     ``model.init``/``model.hf``, else built from the seed (every process builds the same
     weights)."""
+    if model.native:
+        from ._native_policy import load_native_policy
+
+        assert model.hf is not None
+        return load_native_policy(model.hf, model.device, path=path)
     if model.hf is not None:
         from ._hf_policy import load_hf_policy
 
@@ -74,8 +79,33 @@ def build_policy(model: ModelSettings, task: Task, *, path: str | None = None) -
         return TinyDecoder(config), tokenizer
 
 
+def save_tiny_policy(
+    model: TinyDecoder,
+    tokenizer: Any,
+    settings: ModelSettings,
+    directory: str,
+    *,
+    name: str = POLICY_FILE,
+) -> None:
+    """``directory/name``: the tiny policy (with its tokenizer when that is a
+    ``CharTokenizer``); a native run (``model.impl="native"``) also writes its Hugging Face
+    folder ``directory/policy``."""
+    char = tokenizer if isinstance(tokenizer, CharTokenizer) else None
+    save_model(os.path.join(directory, name), model, tokenizer=char)
+    if settings.native:
+        from ._native_policy import save_native_export
+
+        assert settings.hf is not None
+        save_native_export(model, settings.hf, directory)
+
+
 def policy_tokenizer(spec: RunSpec, task: Task) -> Any:
     """The tokenizer of a run's policy, without loading the model (for the Driver)."""
+    if spec.model.native:
+        from ._native_policy import native_tokenizer
+
+        assert spec.model.hf is not None
+        return native_tokenizer(spec.model.hf)
     if spec.model.hf is not None:
         from transformers import AutoTokenizer
 
@@ -449,7 +479,7 @@ class Learner:
         """Model (with tokenizer), optimizer state, RNG and ``meta`` (JSON) under ``directory``."""
         os.makedirs(directory, exist_ok=True)
         if isinstance(self.model, TinyDecoder):
-            save_model(os.path.join(directory, POLICY_FILE), self.model, tokenizer=self.tokenizer)
+            save_tiny_policy(self.model, self.tokenizer, self.spec.model, directory)
         else:
             from ._hf_policy import save_hf_policy
 

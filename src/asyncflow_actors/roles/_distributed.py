@@ -153,6 +153,35 @@ class DistributedLearner:
         metrics: dict[str, float] = self._command({"op": "step", "layout": layout}, tensors)
         return metrics
 
+    def step_leased(self, data: Mapping[str, Any]) -> dict[str, float]:
+        """Train on one global batch whose rows each rank fetches from the TQ itself
+        (``_rank_fetch``): ``data`` holds rank 0's small columns and the step's
+        ``RankLeases``. Raises ``StorageUnavailable`` naming the unit a rank could not fetch
+        from (before any forward: the group stays in step, the caller nacks the leases)."""
+        from ..transfer_queue import StorageUnavailable
+        from ._rank_fetch import RANK_FETCH, step_data
+
+        leases = data[RANK_FETCH]
+        header, tensors = step_data(data)
+
+        def local() -> Any:
+            self.host.fetch = leases.fetch
+            try:
+                return self.host.run(header, tensors)
+            finally:
+                self.host.fetch = None
+
+        metrics: dict[str, Any] = self.group.command(header, tensors, local)
+        if "failed" in metrics:
+            leases.on_failure()  # the controller checks its units
+            error = StorageUnavailable(
+                f"storage unit {metrics['failed']!r}: rank {metrics['rank']} could not fetch "
+                "its rows of the step (its log says why)"
+            )
+            error.unit = metrics["failed"]
+            raise error
+        return metrics
+
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's state dict (CPU tensors), gathered on rank 0."""
         state: dict[str, Tensor] = self._command({"op": "state"})

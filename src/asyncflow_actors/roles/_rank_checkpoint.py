@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..models import TinyDecoder, load_safetensors, save_model, save_safetensors
+from ..models import TinyDecoder, load_safetensors, save_safetensors
+from ._compute import save_tiny_policy
 from ._rank_learner import RankLearner, rank, world
 
 RUN_FILE = "run.json"
@@ -98,7 +99,9 @@ def _write(learner: RankLearner, state: dict[str, torch.Tensor], out: str, *, me
     if isinstance(policy, TinyDecoder):
         model = TinyDecoder(policy.config)
         model.load_state_dict(state)
-        save_model(out + ".safetensors", model, tokenizer=learner.tokenizer)
+        head, name = os.path.split(out)
+        save_tiny_policy(model, learner.tokenizer, learner.spec.model, head,
+                         name=name + ".safetensors")  # fmt: skip
         return
     if learner.lora is not None:
         from ._lora import adapter_state, base_model, merged_state

@@ -2,7 +2,7 @@
 
 ``RankHost.run(header, tensors)`` does one command's work on this rank: ``setup`` builds the
 ``RankLearner`` from the run's settings (sent as plain data), ``step`` trains on the global
-batch, ``state`` gathers the full state dict, ``memory`` sums the bytes of the parameters and
+batch, ``step_rows`` on the rows this rank fetches of it (``_rank_fetch``), ``state`` gathers the full state dict, ``memory`` sums the bytes of the parameters and
 the optimizer state over the ranks, ``gather`` all-gathers parameters one at a time
 in the order of a weight sync, ``sync_send`` sends this rank's buckets of one (``_rank_send``), ``save``/``load``/``export`` are the distributed checkpoint.
 A forward station's ranks (``_rank_forward``): ``forward_setup`` builds its shard of the
@@ -82,6 +82,7 @@ class RankHost:
     def __init__(self) -> None:
         self.learner: RankLearner | None = None
         self.forward: RankForward | None = None
+        self.fetch: Any = None  # rank 0's way to its rows of a ``step_rows`` (None: the mesh)
 
     def run(self, header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:
         op = header["op"]
@@ -103,6 +104,10 @@ class RankHost:
             raise RuntimeError(f"command {op!r} before setup")
         if op == "step":
             return learner.step(decode_batch(header["layout"], tensors))
+        if op == "step_rows":  # each rank fetches its rows from the TQ (``_rank_fetch``)
+            from ._rank_fetch import step_rows
+
+            return step_rows(learner, header, tensors, self.fetch)
         if op == "state":
             return learner.full_state_dict()
         if op == "grads":

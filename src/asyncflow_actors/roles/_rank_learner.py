@@ -1,12 +1,15 @@
 """One rank of a data-parallel trainer: its shard of the policy, its share of each update.
 
-Every rank holds the same global batch and takes a length-balanced partition of each
-mini-batch (``partition_lpt``); the loss of each of its micro-batches is scaled by its share of
-the loss's normaliser (its loss tokens, its non-empty sequences, or for
-``seq-mean-token-sum-norm`` its rows times the mini-batch's padded width), the gradients are
-summed over ranks (FSDP2 with ``set_gradient_divide_factor(1.0)``, as torchtitan does;
-``ddp``: replicated parameters, one all-reduce of the flat gradients), and divided by the global normaliser, all-reduced: the update is the
-one a single process would take on the whole mini-batch, whatever the split. Then one clipped
+Every rank draws the same updates of a global batch (``plan``: mini-batches, each cut into
+length-balanced partitions by ``partition_lpt``) and trains on its partition of each, holding
+the whole batch (the ``step`` command) or only the rows it needs (``needed``: ``step_rows``,
+each rank fetching them from the TransferQueue, ``_rank_fetch``). The loss of each of its
+micro-batches is scaled by its share of the loss's normaliser (its loss tokens, its non-empty
+sequences, or for ``seq-mean-token-sum-norm`` its rows times the mini-batch's padded width),
+the gradients are summed over ranks (FSDP2 with ``set_gradient_divide_factor(1.0)``, as
+torchtitan does; ``ddp``: replicated parameters, one all-reduce of the flat gradients), and
+divided by the global normaliser, all-reduced: the update is the one a single process would
+take on the whole mini-batch, whatever the split. Then one clipped
 optimizer step (``clip_grad_norm_`` over the sharded gradients) per mini-batch.
 
 The policy is sharded from outside (``fully_shard`` per block, then the root), with
@@ -87,10 +90,12 @@ def shard(model: nn.Module, parallel: ParallelSettings) -> nn.Module:
     policy = MixedPrecisionPolicy()
     if parallel.dtype == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = blocks(model)
+    units: list[nn.Module | list[nn.Module]] = list(blocks(model))
     if isinstance(model, TinyDecoder):
-        # its log-probs call hidden_states, then lm_head: each its own unit (no weight tying)
-        units.append(model.lm_head)
+        # its log-probs call hidden_states, then lm_head: the head is a unit of its own, or
+        # one with the embedding it is tied to (a shared parameter lives in one FSDP group)
+        tied = model.config.tie_embeddings
+        units.append([model.embed, model.lm_head] if tied else model.lm_head)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -102,6 +107,32 @@ def shard(model: nn.Module, parallel: ParallelSettings) -> nn.Module:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+@attrs.frozen
+class Update:
+    """One optimizer step of a global batch: the mini-batch's rows (``index``: global
+    positions), each rank's of them (``parts``: places in ``index``), the rows of a
+    micro-batch, the passes every rank runs and the mini-batch's response width."""
+
+    index: Tensor
+    parts: list[list[int]]
+    micro: int
+    passes: int
+    width: int
+
+    def rows_of(self, rank: int) -> list[int]:
+        """The global positions ``rank``'s passes read (a void pass reads ``index[0]``)."""
+        mine = [int(self.index[k]) for k in self.parts[rank]]
+        out = []
+        for p in range(self.passes):
+            out += mine[p * self.micro : (p + 1) * self.micro] or [int(self.index[0])]
+        return out
+
+
+def needed(updates: Sequence[Update], rank: int) -> list[int]:
+    """The global positions of the rows ``rank`` trains on in ``updates``, ascending."""
+    return sorted({p for update in updates for p in update.rows_of(rank)})
 
 
 def all_reduce_grads(params: Sequence[nn.Parameter]) -> None:
@@ -163,7 +194,7 @@ class RankLearner:
     def policy(self) -> nn.Module:
         return self.model
 
-    def _columns(self, reuse: bool) -> list[str]:
+    def loss_columns(self, reuse: bool) -> list[str]:
         names = ["advantages", "behaviour_logprobs"]
         return (
             names
@@ -171,63 +202,79 @@ class RankLearner:
             + (["ref_logprobs"] if self.spec.use_ref else [])
         )
 
-    def step(self, data: Mapping[str, Any]) -> dict[str, float]:
-        """Train on one global batch (every rank passes the same one): ``mini_batches``
-        updates, ``epochs`` times, each rank computing its partition. Returns the metrics of
-        this rank's share (``grad_norm`` and ``valid_tokens`` global)."""
+    def plan(self, sizes: Tensor, lengths: Tensor) -> list[Update]:
+        """The updates of one global batch (rows of ``sizes`` tokens, ``lengths`` response
+        tokens): ``mini_batches`` a pass over it, ``epochs`` passes, each mini-batch a
+        random draw of the batch (this rank's generator: every rank draws the same) cut into
+        length-balanced partitions, one a rank."""
         train = self.spec.train
         if self.spec.trainer_forward and not (train.mini_batches == 1 and train.epochs == 1):
             raise SettingsError("a multi-rank trainer_forward needs mini_batches = epochs = 1")
-        reuse = self.spec.trainer_forward
-        responses = data["response_ids"]
-        n = len(responses)
-        rows = MiniBatches(data, self._columns(reuse), self.tokenizer.pad_id)
-        sizes = rows.prompt_lengths + rows.lengths
+        n = len(sizes)
         chunks = max(1, min(train.mini_batches, n))
-        sums: dict[str, float] = {}
-        updates = 0
+        size = world()
+        out = []
         for _ in range(train.epochs):
             order = torch.randperm(n, generator=self.generator)
             for k in range(chunks):
                 index = order[k * n // chunks : (k + 1) * n // chunks]
-                metrics = self._update(rows, index, sizes, reuse)
-                updates += 1
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
-        out = {key: value / updates for key, value in sums.items()}
-        out["updates"] = float(updates)
+                items = [(int(sizes[int(i)]), [j]) for j, i in enumerate(index.tolist())]
+                parts = partition_lpt(items, size, equal_count=True)
+                micro = self.parallel.micro_batch_size or max(len(p) for p in parts) or 1
+                passes = max(1, max(math.ceil(len(p) / micro) for p in parts))
+                width = max(1, int(lengths[index].max()))
+                out.append(Update(index, parts, micro, passes, width))
+        return out
+
+    def step(self, data: Mapping[str, Any]) -> dict[str, float]:
+        """Train on one global batch (every rank passes the same one): ``mini_batches``
+        updates, ``epochs`` times, each rank computing its partition. Returns the metrics of
+        this rank's share (``grad_norm`` and ``valid_tokens`` global)."""
+        rows = MiniBatches(
+            data, self.loss_columns(self.spec.trainer_forward), self.tokenizer.pad_id
+        )
+        return self.train(rows, self.plan(rows.prompt_lengths + rows.lengths, rows.lengths))
+
+    def train(
+        self, rows: MiniBatches, updates: Sequence[Update], local: Tensor | None = None
+    ) -> dict[str, float]:
+        """Run ``updates`` (``plan``) on ``rows``: the global batch, or (``local``: global
+        position -> row of ``rows``) this rank's rows of it (``needed``)."""
+        sums: dict[str, float] = {}
+        for update in updates:
+            metrics = self._update(rows, update, self.spec.trainer_forward, local)
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+        out = {key: value / len(updates) for key, value in sums.items()}
+        out["updates"] = float(len(updates))
         return out
 
     def _update(
-        self, rows: MiniBatches, index: Tensor, sizes: Tensor, reuse: bool
+        self, rows: MiniBatches, update: Update, reuse: bool, local: Tensor | None
     ) -> dict[str, float]:
-        """One optimizer step on the mini-batch ``index`` (global positions)."""
+        """One optimizer step on the mini-batch ``update.index`` (global positions)."""
         size = world()
-        items = [(int(sizes[int(i)]), [k]) for k, i in enumerate(index.tolist())]
-        parts = partition_lpt(items, size, equal_count=True)
-        mine = index[torch.tensor(parts[rank()], dtype=torch.long)]
-        micro = self.parallel.micro_batch_size or max(len(p) for p in parts) or 1
-        passes = max(1, max(math.ceil(len(p) / micro) for p in parts))
-        width = max(1, int(rows.lengths[index].max()))
+        index, micro = update.index, update.micro
+        mine = index[torch.tensor(update.parts[rank()], dtype=torch.long)]
         loss_cfg = self.loss
         if loss_cfg.agg == "seq-mean-token-sum-norm" and loss_cfg.norm_length is None:
-            loss_cfg = attrs.evolve(loss_cfg, norm_length=width)  # the mini-batch's width
+            loss_cfg = attrs.evolve(loss_cfg, norm_length=update.width)  # the mini-batch's width
         self.optimizer.zero_grad(set_to_none=True)
-        local = torch.zeros(1, dtype=torch.float64)
+        local_weight = torch.zeros(1, dtype=torch.float64)
         sums: dict[str, float] = {}
-        for p in range(passes):
+        for p in range(update.passes):
             sub = mine[p * micro : (p + 1) * micro]
             real = len(sub) > 0
             if not real:  # every rank runs as many passes (FSDP's collectives): a void one
                 sub = index[:1]
-            result = self._loss(rows, sub, reuse, loss_cfg)
+            result = self._loss(rows, sub if local is None else local[sub], reuse, loss_cfg)
             weight = self._weight(result.loss_mask, loss_cfg, len(sub)) if real else 0.0
             torch.autograd.backward(result.loss * weight)
-            local += weight
+            local_weight += weight
             if real:
                 for key, value in result.metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value) * weight
-        total = local.clone()
+        total = local_weight.clone()
         if size > 1:
             dist.all_reduce(total, group=control_group())
             if self.parallel.sharding == "ddp":
@@ -241,7 +288,7 @@ class RankLearner:
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        mine_weight = float(local)
+        mine_weight = float(local_weight)
         metrics = {k: v / mine_weight for k, v in sums.items()} if mine_weight > 0 else {}
         metrics["grad_norm"] = float(grad_norm)
         metrics["normaliser"] = norm

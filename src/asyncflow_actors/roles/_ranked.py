@@ -12,22 +12,27 @@ sync finished (the same update: the loss is normalised over the global batch eit
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._compute import PaddedRows
+from ._compute import PaddedRows, pad_rows
 from ._distributed import DistributedLearner
 from ._lora import ADAPTER_DIR
+from ._rank_fetch import RANK_FETCH, RankLeases, plain_reason
 from ._rank_settings import RANKS_DIR, parallel_of
 from ._settings import RunSpec, SettingsError
+
+log = logging.getLogger("asyncflow_actors.roles.ranks")
 
 _COLUMNS = (
     "prompt_ids", "response_ids", "advantages", "old_logprobs", "behaviour_logprobs",
     "ref_logprobs",
 )  # fmt: skip
+_LEASED = ("prompt_ids", "token_versions", "advantages")  # what ``step_leased`` reads of rank 0's
 
 
 class _Piece:
@@ -61,12 +66,33 @@ class RankedLearner:
         self.tokenizer = self.dist.learner.tokenizer
         self.model = self.dist.learner.policy
         self.rng_state = (torch.get_rng_state(), self.dist.learner.generator.get_state())
+        # one rank has no rows to split: it fetches them all in one go, as a trainer does
+        self._plain: str | None = "one rank" if self.dist.group.world_size == 1 else None
+        reason = plain_reason(self.dist.group)
+        if reason is not None:
+            self.broadcast_rows(reason)
 
     def _data(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        if RANK_FETCH in data:
+            names: tuple[str, ...] = (*_LEASED, RANK_FETCH)
+            return {name: data[name] for name in names if name in data}
         return {name: data[name] for name in _COLUMNS if name in data}
 
     def step(self, data: Mapping[str, Any]) -> dict[str, float]:
+        if RANK_FETCH in data:  # each rank fetches its rows (``_rank_fetch``)
+            return self.dist.step_leased(self._data(data))
         return self.dist.step(self._data(data))
+
+    @property
+    def rank_fetch(self) -> bool:
+        """Whether each rank may fetch its own rows of a step (else rank 0 broadcasts them)."""
+        return self._plain is None
+
+    def broadcast_rows(self, reason: str) -> None:
+        """From now on rank 0 fetches every row and broadcasts them (``reason``: logged)."""
+        if self._plain is None:
+            self._plain = reason
+            log.info("train.ranks: rank 0 fetches each step and broadcasts its rows: %s", reason)
 
     def updates(self, data: Mapping[str, Any]) -> Generator[None, None, dict[str, float]]:
         yield  # nothing runs before the sync of the last version is over (module docstring)
@@ -76,8 +102,14 @@ class RankedLearner:
         return _Piece(self._data(data))
 
     def apply(self, pieces: Sequence[Any]) -> dict[str, float]:
-        names = pieces[0].data.keys()
-        data = {name: [row for p in pieces for row in _rows(p.data[name])] for name in names}
+        names = [name for name in pieces[0].data if name != RANK_FETCH]
+        data: dict[str, Any] = {
+            name: [row for p in pieces for row in _rows(p.data[name])] for name in names
+        }
+        if RANK_FETCH in pieces[0].data:
+            data[RANK_FETCH] = RankLeases.join([p.data[RANK_FETCH] for p in pieces])
+            if "advantages" in data:
+                data["advantages"] = PaddedRows(*pad_rows(data["advantages"], torch.float32, 0))
         metrics = self.step(data)
         metrics["pieces"] = float(len(pieces))
         return metrics

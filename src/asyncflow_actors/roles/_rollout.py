@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("asyncflow_actors.roles")
 # how long the engines wait, at a stop, for the work still using them (a weight load) to end
 ENGINE_DRAIN_S = 10.0
+# a vLLM rollout's stop grace besides its engines' close (the system's default)
+STOP_GRACE_S = 5.0
 
 
 class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluate]):
@@ -84,6 +86,17 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
         # the groups scored together reach the writer together; a slow put (a storage unit
         # restarting) holds up no other group's
         self._writer: _Batcher[_ToWrite, tuple[int, ...]] = _Batcher(self._write_many, overlap=True)
+
+    def default_shutdown(self) -> float | None:
+        """With vLLM, a stop's grace covers closing its engines: the work still using them (a
+        weight load: at most ``ENGINE_DRAIN_S``), then vLLM's own shutdown (at most
+        ``VLLM_SHUTDOWN_S``; ~10 s on CPU): within the system's 5 s a vLLM rollout was
+        killed at every run's end. The built-in and HF engines close at once: the default."""
+        if self.spec.rollout.engine != "vllm":
+            return None
+        from ..rollout._vllm_open import VLLM_SHUTDOWN_S
+
+        return STOP_GRACE_S + ENGINE_DRAIN_S + VLLM_SHUTDOWN_S
 
     async def setup(self, ctx: ActorContext[Any]) -> None:
         spec = self.spec
@@ -146,6 +159,8 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
             if resumed is not None:
                 return open_serving_adapter(opened, resumed, spec.start_version)
             return opened
+        from ._native_policy import native_kv_capacity
+
         model, self.tokenizer = await self._model()
         config = rollout.EngineConfig(
             max_batch=spec.engine_rows,
@@ -154,6 +169,7 @@ class Rollout(Station, Actor[GetRoleStats | AdoptVersion | SyncMessage | Evaluat
             max_run_seconds=spec.rollout.max_run_seconds,
             seed=spec.train.seed + i,
             version=spec.start_version,
+            kv_capacity=native_kv_capacity(spec, model) if spec.model.native else None,
         )
         if kind == "hf":
             return rollout.open_hf_engine(model, config)

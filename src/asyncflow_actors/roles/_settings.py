@@ -121,7 +121,9 @@ class ModelSettings:
     loaded from ``init``, a file written by ``models.save_model`` (with its tokenizer); or,
     with ``hf``, a local Hugging Face folder (``AutoModelForCausalLM`` and its tokenizer; the
     ``hf`` extra), on ``device`` in the trainer and forward stations. ``lora``: LoRA
-    adapters on an HF policy (``r > 0``)."""
+    adapters on an HF policy (``r > 0``). ``impl``: how ``hf`` runs: ``"hf"`` (transformers)
+    or ``"native"`` (a Llama folder read into the tiny model and run as the tiny policy;
+    ``roles._native_policy``)."""
 
     d_model: int = attrs.field(default=64, validator=_positive)
     n_layers: int = attrs.field(default=2, validator=_positive)
@@ -132,8 +134,21 @@ class ModelSettings:
     hf: str | None = None
     device: str = attrs.field(default="cpu", validator=_device)
     lora: LoraSettings = attrs.field(factory=LoraSettings, converter=_lora)
+    impl: str = attrs.field(default="hf", validator=_one_of("hf", "native"))
+
+    @property
+    def transformers(self) -> bool:
+        """The policy is a transformers model (``hf`` set, ``impl="hf"``)."""
+        return self.hf is not None and self.impl == "hf"
+
+    @property
+    def native(self) -> bool:
+        """The policy is ``hf``'s folder as the tiny model (``impl="native"``)."""
+        return self.hf is not None and self.impl == "native"
 
     def __attrs_post_init__(self) -> None:
+        if self.impl == "native" and self.hf is None:
+            raise SettingsError("model.impl='native' reads model.hf: set it to the folder")
         if self.d_model % self.n_heads:
             raise SettingsError(
                 f"n_heads: d_model = {self.d_model} does not split into {self.n_heads} heads "

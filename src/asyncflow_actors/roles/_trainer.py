@@ -34,6 +34,7 @@ import trio
 from ..actors import Actor, ActorContext, ActorRef
 from ..checkpoint import CheckpointConfig, CheckpointEngine, PauseMode, SyncFailed
 from ..observe import MetricInfo, clock_ns, get_registry
+from ..transfer_queue import StorageUnavailable
 from . import _schema as S
 from ._advantage import Advantages
 from ._ask_again import ask_again, driver_resuming
@@ -247,8 +248,15 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
                 await previous.wait()  # the sync of the last version finished
                 self._answer_wait = None
             start = clock_ns()
-            async with self._model_lock:  # no sync or checkpoint reads them meanwhile
-                metrics = await in_thread(self._finish, step)
+            try:
+                async with self._model_lock:  # no sync or checkpoint reads them meanwhile
+                    metrics = await in_thread(self._finish, step)
+            except StorageUnavailable as exc:  # a rank could not fetch its rows: none trained
+                log.warning("%s: step %d: %s; its samples go out again", self.worker,
+                            self.version + 1, exc)  # fmt: skip
+                for batch in batches:
+                    await self.client.nack(batch)
+                continue
             self.meter.busy(start)
             indexes = tuple(i for b in batches for i in b.indexes)
             self.meter.track.tracer.record(
@@ -314,14 +322,30 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
             for batch in batches:
                 nursery.start_soon(self.client.ack, batch)
 
+    async def _take(self, count: int, least: int) -> tuple[Any, dict[str, Any]]:
+        """Whole groups, and their columns as the batch holds them (no per-row Python); when
+        each rank fetches its own rows, only the small columns, and the lease for the ranks
+        (``_rank_fetch``)."""
+        fetched = None
+        if getattr(self.learner, "rank_fetch", False):
+            from ._rank_fetch import leased_data, rank_columns  # a rank group: torch is loaded
+
+            text = completions_due(self.spec.report, self.version + 1)
+            fetched = await rank_columns(self.client, self.learner, self.columns, text=text)
+        batch = await self.fetch(
+            self.columns, count, whole_groups=True, min_count=least, fetch=fetched
+        )
+        data = {name: columns(batch, name) for name in fetched or self.columns}
+        if fetched is not None:
+            await leased_data(self.client, batch, data, self.columns, self.learner)
+        return batch, data
+
     async def _whole(self) -> _Step:
         """A global batch in one fetch, its updates run up to their first optimizer step (one
         compute thread: the staleness check, the advantages, the first forward and backward;
         it reads the weights only, as a sync does, and the event loop stays free for it)."""
         size = self.spec.batch_size
-        batch = await self.fetch(self.columns, size, whole_groups=True, min_count=size)
-        # whole columns, no per-row Python: fixed-shape ones are one tensor each
-        data = {name: columns(batch, name) for name in self.columns}
+        batch, data = await self._take(size, size)
         start = clock_ns()
         updates, lags, lengths = await in_thread(self._prepare, batch, data)
         self.meter.busy(start)
@@ -337,9 +361,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._renew, step.batches)
             while left > 0:
-                least = min(left, spec.rollout.group_size)
-                batch = await self.fetch(self.columns, left, whole_groups=True, min_count=least)
-                data = {name: columns(batch, name) for name in self.columns}
+                batch, data = await self._take(left, min(left, spec.rollout.group_size))
                 start = clock_ns()
                 step.started = step.started or start
                 first = not step.batches
@@ -374,7 +396,7 @@ class Trainer(Station, Actor[GetRoleStats | SyncWeights | ResendWeights | SaveCh
     def _checked(self, batch: Any, data: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Each sample's lag (``StalenessViolation`` before any update if one lies outside the
         window) and response length; the advantages (``trainer_advantage``) into ``data``."""
-        lengths = [int(r.shape[0]) for r in data[S.RESPONSE_IDS]]
+        lengths = [int(r.shape[0]) for r in data.get(S.RESPONSE_IDS, data[S.TOKEN_VERSIONS])]
         lags = self._lags(data[S.TOKEN_VERSIONS], batch.versions)
         if self.advantages is not None:
             rows = range(len(batch))

@@ -266,8 +266,10 @@ class Station(Actor[Any]):
         whole_groups: bool,
         min_count: int | None = None,
         topic: str = ROLLOUT,
+        fetch: Sequence[str] | None = None,
     ) -> Batch:
-        """Step 1 (and the availability probe of a data-parallel group)."""
+        """Step 1 (and the availability probe of a data-parallel group). ``fetch``: only
+        these of ``columns`` are fetched (a trainer's ranks fetch the rest)."""
         assert self.client is not None
         start = clock_ns()
         shared = self.dp.size > 1
@@ -286,6 +288,7 @@ class Station(Actor[Any]):
                     min_count=min_count,
                     share_key=f"{self.consumer}:{self._step_no}" if shared else None,
                     share_count=self.dp.size,
+                    fetch=fetch,
                 ),
                 f"{self.role} {self.worker}: get",
                 transient=storage_unavailable,

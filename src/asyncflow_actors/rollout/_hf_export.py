@@ -33,12 +33,12 @@ def llama_config_from_tiny(config: TinyConfig, *, tokenizer: CharTokenizer | Non
         intermediate_size=config.d_ff,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_heads,
+        num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim,
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=config.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
-        tie_word_embeddings=False,
+        tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
         hidden_act="silu",
@@ -55,6 +55,8 @@ def llama_weights_from_tiny(weights: Mapping[str, Tensor], config: TinyConfig) -
     does not have.
     """
     d, ff = config.d_model, config.d_ff
+    kv = config.kv_heads * config.head_dim
+    cuts = {"q_proj": (0, d), "k_proj": (d, d + kv), "v_proj": (d + kv, d + 2 * kv)}
     out: dict[str, Tensor] = {}
     for name, tensor in weights.items():
         if name == "embed.weight":
@@ -71,8 +73,8 @@ def llama_weights_from_tiny(weights: Mapping[str, Tensor], config: TinyConfig) -
             elif rest == "mlp_norm.weight":
                 out[prefix + "post_attention_layernorm.weight"] = tensor
             elif rest == "attn.wqkv.weight":
-                for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                    out[prefix + f"self_attn.{part}.weight"] = tensor[i * d : (i + 1) * d]
+                for part, (begin, end) in cuts.items():
+                    out[prefix + f"self_attn.{part}.weight"] = tensor[begin:end]
             elif rest == "attn.wo.weight":
                 out[prefix + "self_attn.o_proj.weight"] = tensor
             elif rest == "mlp.w_gate_up.weight":

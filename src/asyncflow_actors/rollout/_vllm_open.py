@@ -15,7 +15,10 @@ from ._asyncio_bridge import AsyncioThread
 from ._vllm_engine import VLLMEngine, WeightTransfer
 from ._vllm_lora import VLLMLora
 
-__all__ = ["close_vllm_engine", "open_vllm_engine", "start_vllm_engine"]
+__all__ = ["VLLM_SHUTDOWN_S", "close_vllm_engine", "open_vllm_engine", "start_vllm_engine"]
+
+# how long vLLM may take to shut down (its own bound: its workers take ~10 s to exit on CPU)
+VLLM_SHUTDOWN_S = 10.0
 
 _WORKER_EXTENSION = "asyncflow_actors.rollout._vllm_worker.WorkerExtension"
 _AUTO: Any = object()  # eos_id: the model config's
@@ -101,7 +104,7 @@ def start_vllm_engine(
         )
     except BaseException:
         if llm is not None:
-            llm.shutdown(timeout=10)
+            llm.shutdown(timeout=VLLM_SHUTDOWN_S)
         bridge.stop()
         raise
 
@@ -133,7 +136,7 @@ def close_vllm_engine(engine: VLLMEngine) -> None:
     engine._closed = True
     engine._resumed.set()
     try:
-        engine.llm.shutdown(timeout=10)
+        engine.llm.shutdown(timeout=VLLM_SHUTDOWN_S)
     finally:
         engine._bridge.stop()
         engine.segments.close()

@@ -115,8 +115,10 @@ class StorageUnavailable(TransferQueueError):
 
     A failed ``put`` stored nothing (its samples were discarded): put again. A failed ``get``
     returned its lease (the samples that survive go out again; the lost ones are reported as a
-    ``lost`` event).
+    ``lost`` event). ``unit``: the unit that failed, where the raiser knows it.
     """
+
+    unit: str | None = None
 
 
 class ControllerUnavailable(TransferQueueError):

@@ -7,3 +7,6 @@ knows neither's internals.
 from ._batch import Batch as Batch
 from ._client import TransferQueueClient as TransferQueueClient
 from ._client import TransferQueueStatistics as TransferQueueStatistics
+from ._rows import LeaseView as LeaseView
+from ._rows import fetch_rows as fetch_rows
+from ._unit_io import UnitIO as UnitIO

@@ -47,12 +47,16 @@ class Batch:
     value}``: sent once per group; ``expand(column)`` repeats it per sample. Tensors that came
     through shared memory are copy-on-write views of the storage unit's pages: valid at least
     until the batch is acked (and as long as they are referenced), and writing to them only
-    changes this process's copy.
+    changes this process's copy. ``incarnations`` and ``located``: the lease's units'
+    incarnations and located parts (``Leased``), for readers that fetch rows of it themselves
+    (the ranks of a trainer, ``fetch_rows``).
     """
 
     lease: Lease
     data: dict[str, Any]
     shared: dict[str, dict[int, Any]]
+    incarnations: dict[str, str] = attrs.field(factory=dict, eq=False)
+    located: dict[str, Any] = attrs.field(factory=dict, eq=False)
 
     @property
     def indexes(self) -> tuple[int, ...]:

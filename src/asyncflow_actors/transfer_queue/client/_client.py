@@ -386,10 +386,13 @@ class TransferQueueClient:
         share_key: Hashable | None = None,
         share_count: int = 1,
         wait: bool = True,
+        fetch: Sequence[str] | None = None,
     ) -> Batch | None:
         """Lease and fetch ``count`` samples ready for ``columns``, unconsumed by ``consumer``,
         fresh. Waits until enough qualify (``wait=False``: returns ``None`` instead); bound the
-        wait with ``trio.fail_after``. The batch must be ``ack``ed (or ``nack``ed).
+        wait with ``trio.fail_after``. The batch must be ``ack``ed (or ``nack``ed). ``fetch``:
+        only these of ``columns`` are fetched (the others are read by whoever the lease's
+        rows go to: ``fetch_rows``).
 
         Raises ``StorageUnavailable`` if a unit holding some of the samples fails (the lease is
         returned first), ``ControllerUnavailable``, and the controller's typed errors.
@@ -398,6 +401,10 @@ class TransferQueueClient:
         for name in columns:
             if name not in spec.columns:
                 raise UnknownColumn(f"topic {topic!r} has no column {name!r}")
+        if fetch is not None and not set(fetch) <= set(columns):
+            raise InvalidArgument(
+                f"fetch names columns not claimed: {sorted(set(fetch) - set(columns))}"
+            )
         claim_id = next(_request_ids)
         claim = M.Claim(
             topic, consumer, tuple(columns), count, self.holder, claim_id, sampler,
@@ -408,7 +415,7 @@ class TransferQueueClient:
             return None
         self.incarnations.update(leased.incarnations)
         try:
-            return await self._fetch(spec, leased, columns)
+            return await self._fetch(spec, leased, columns if fetch is None else fetch)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 try:
@@ -449,7 +456,7 @@ class TransferQueueClient:
             for gid, blobs in fetched[unit].shared.items():
                 for column, value in blobs.items():
                     shared[column][gid] = materialize(value)
-        return Batch(lease, data, shared)
+        return Batch(lease, data, shared, dict(leased.incarnations), dict(leased.located))
 
     async def ack(self, batch: Batch | Lease) -> tuple[int, ...]:
         """Complete the lease; returns indexes that had gone missing meanwhile (lost, discarded).
