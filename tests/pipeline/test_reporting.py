@@ -11,7 +11,7 @@ from asyncflow_actors.actors.remote import open_actor_system
 from asyncflow_actors.observe import get_registry
 from asyncflow_actors.pipeline import open_pipeline, run_pipeline
 from asyncflow_actors.pipeline._report import HF_BARS
-from asyncflow_actors.pipeline._run import role_statistics
+from asyncflow_actors.pipeline._steps import role_statistics
 
 from .kit import tiny
 

@@ -36,7 +36,7 @@ async def test_a_resume_continues_the_steps_and_drops_those_after_its_checkpoint
 ) -> None:
     """Resumed from step 1 of a 3-step run: steps.jsonl holds steps 1, 2, 3 once each (the
     interrupted run's 2 and 3 replaced), numbered on, in time order; the plot covers them."""
-    from asyncflow_actors.pipeline import _run
+    from asyncflow_actors.pipeline import _steps as step_records
 
     plotted: list[list[int]] = []
 
@@ -44,7 +44,7 @@ async def test_a_resume_continues_the_steps_and_drops_those_after_its_checkpoint
         plotted.append([r.step for r in records])
         return True
 
-    monkeypatch.setattr(_run, "plot_run", plot)
+    monkeypatch.setattr(step_records, "plot_run", plot)
     config = tiny("sync", run_dir=str(tmp_path), plot=True,
                   train={"steps": 3, "checkpoint_every": 1})  # fmt: skip
     await run_pipeline(config)

@@ -21,24 +21,21 @@ A run that makes no step for ``watchdog.fail_s`` fails with ``RunStalled`` and a
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from ..actors import ActorRef, ActorSystem, Restart
+from ..actors import ActorRef, ActorSystem
 from ..actors.remote import Node, NodeSystem, open_actor_system
 from ..observe import GraphEdge, ObserveConfig, Observer, open_observer
 from ..roles._ask_again import ask_again, driver_resuming
 from ..roles._driver_state import DriverState
 from ..roles._messages import (
-    GetRoleStats,
-    RoleStatistics,
     StepDone,
     Stopped,
     StopRun,
@@ -51,29 +48,26 @@ from ..roles._warmup import WarmedUp
 from ..roles._worker import wait_for_threads
 from ..transfer_queue import (
     TransferQueue,
-    TransferQueueClient,
     TransferQueueConfig,
     open_transfer_queue,
 )
 from ._config import PipelineConfig, PipelineConfigError
-from ._driver_resumer import DriverResumer, spawn_driver
+from ._driver_resumer import DriverResumer
 from ._placement import Placement, Watcher
-from ._plot import plot_run
 from ._preflight import check_paths
 from ._report import (
     Progress,
     StepRecord,
-    idle_ratios,
-    read_steps,
     third_party_bars_off,
 )
 from ._reports import Reports, open_reports
 from ._resume import Resume, TrainerResumer
-from ._role_classes import ROLE_MODULES, role_class
 from ._rundir import clear_run_dir, trim_steps
+from ._spawn import role_modules, spawn_roles, watch
 from ._start import open_nodes_beside_checks
-from ._warmup import roles_spec, warm_up
-from ._watchdog import RunStalled, Watchdog, gather_diagnosis
+from ._steps import OnStep, plot_whole_run, report_steps, write_config
+from ._warmup import warm_up
+from ._watchdog import Watchdog
 
 if TYPE_CHECKING:  # the roles' modules import torch: loaded in a thread as the nodes start
     from ..roles._driver import DriverHooks
@@ -129,9 +123,6 @@ class PipelineResult:
         """Mean batch reward of the ``last`` steps."""
         tail = self.records[-last:]
         return sum(r.reward_mean for r in tail) / len(tail) if tail else math.nan
-
-
-OnStep = Callable[[StepRecord], Awaitable[None] | None]
 
 
 async def run_pipeline(
@@ -293,7 +284,7 @@ async def open_pipeline(
     )
     place = Placement(system, config, spec.run_id[:8])
     async with (
-        open_nodes_beside_checks(place, config, resume, _role_modules(), checked=checked),
+        open_nodes_beside_checks(place, config, resume, role_modules(), checked=checked),
         _open_run(system, config, spec, place, (resume, state), overwrite, on_step) as run,
     ):
         yield run
@@ -319,7 +310,7 @@ async def _open_run(
             await trio.to_thread.run_sync(clear_run_dir, config.run_dir)
         if state is not None:
             earlier = await trio.to_thread.run_sync(trim_steps, config.run_dir, state.version)
-        await trio.to_thread.run_sync(_write_config, config)
+        await trio.to_thread.run_sync(write_config, config)
     progress = Progress(config.progress, config.train.steps, start=spec.start_version)
     run = Pipeline(config, progress)
     run.version = run.watchdog.version = spec.start_version
@@ -366,7 +357,7 @@ async def _open_run(
 
                     run.hooks.on_step = step_done
                     run.warmup = await warm_up(place, config, spec, progress)
-                    await _spawn_roles(place, spec, queue.controller, run, spawned)
+                    await spawn_roles(place, spec, queue.controller, run, spawned)
                     run.nodes = place.nodes  # every node is up: a role of each was spawned
                     watched = dict(run.refs)
                     if config.train.auto_resume and run.trainer is not None:
@@ -381,9 +372,9 @@ async def _open_run(
                     spawned.insert(0, watcher)
                     run.started = trio.current_time()
                     nursery.start_soon(
-                        _report_steps, run, receive, client, total, steps_jsonl, on_step
+                        report_steps, run, receive, client, total, steps_jsonl, on_step
                     )
-                    nursery.start_soon(_watch, run, queue.controller)
+                    nursery.start_soon(watch, run, queue.controller)
                     if total <= 0:
                         run._recorded.set()
                     yield run
@@ -402,7 +393,7 @@ async def _open_run(
             if config.run_dir and config.plot and run.records:
                 title = f"{config.mode} (staleness {config.effective_staleness})"
                 path = os.path.join(config.run_dir, "curves.png")
-                await trio.to_thread.run_sync(_plot, run.records, steps_jsonl, path, title)
+                await trio.to_thread.run_sync(plot_whole_run, run.records, steps_jsonl, path, title)
 
 
 @asynccontextmanager
@@ -415,189 +406,5 @@ async def _observer(system: ActorSystem, config: PipelineConfig) -> AsyncIterato
         yield observer
 
 
-def _role_modules() -> dict[str, str]:
-    """The module of each role's class (what a node hosting it preloads)."""
-    return dict(ROLE_MODULES)
-
-
-async def _spawn_roles(
-    place: Placement,
-    spec: Any,
-    controller: ActorRef[Any],
-    run: Pipeline,
-    spawned: list[ActorRef[Any]],
-) -> None:
-    from ..roles._driver import Driver
-
-    config = place.config
-    resume = DriverState.read(spec.resume_from) if spec.resume_from else None
-    hooks = run.hooks
-    # The Driver keeps the run's own [model] (what a checkpoint records, a resume compares);
-    # the roles start from the warmed-up policy of a run that warms up.
-    driver_spec, spec = spec, roles_spec(config, spec)
-    driver, stop, run.driver_resumer = await spawn_driver(
-        place, lambda previous: Driver(driver_spec, controller, hooks, resume, previous), hooks
-    )
-    spawned.append(stop)
-    run.refs["driver"] = driver
-    reward: ActorRef[Any] | None = None
-    targets: list[ActorRef[Any]] = []
-    for role, worker in config.instances():
-        common = {"spec": spec, "worker": worker}
-        cls: Any = role_class(role)
-        if role == "reward":
-            kwargs: dict[str, Any] = common
-        elif role == "trainer":
-            kwargs = {
-                **common,
-                "controller": controller,
-                "driver": driver,
-                "targets": tuple(targets),
-            }
-        elif role == "rollout":
-            kwargs = {**common, "controller": controller, "reward": reward, "driver": driver}
-        else:
-            kwargs = {**common, "controller": controller}
-        restart = Restart.TEMPORARY if role == "trainer" else Restart.PERMANENT
-        ref = await place.spawn(cls, role=role, worker=worker, kwargs=kwargs, restart=restart)
-        spawned.append(ref)
-        run.refs[worker] = ref
-        if role == "reward":
-            reward = ref
-        if role in ("rollout", "actor_fwd"):
-            targets.append(ref)
-        if role == "trainer":
-            hooks.trainer = ref
-            run.trainer = (worker, kwargs)
-        if role == "rollout":
-            hooks.rollouts.append(ref)
-
-
-async def _watch(run: Pipeline, controller: ActorRef[Any]) -> None:
-    """The run's watchdog: its diagnosis from the queue, the roles and the Driver's hooks; a
-    stall fails the run as a role's termination does (``wait`` raises it)."""
-
-    async def gather(stalled_s: float) -> Any:
-        return await gather_diagnosis(
-            stalled_s,
-            step=run.watchdog.version,
-            answer_s=run.config.watchdog.answer_s,
-            controller=controller,
-            roles=run.refs,
-            hooks=run.hooks,
-        )
-
-    def fail(error: RunStalled) -> None:
-        run.errors.append(error)
-        run.failed.set()
-
-    await run.watchdog.run(gather, fail)
-
-
-async def role_statistics(refs: dict[str, ActorRef[Any]]) -> list[RoleStatistics]:
-    """Every role's statistics (those that answer within 2 s)."""
-    out: list[RoleStatistics] = []
-
-    async def one(ref: ActorRef[Any]) -> None:
-        with trio.move_on_after(2):
-            try:
-                out.append(await ref.ask(GetRoleStats()))
-            except Exception:
-                pass  # restarting or gone: skip it this step
-
-    async with trio.open_nursery() as nursery:
-        for name, ref in refs.items():
-            if name != "reward-0":
-                nursery.start_soon(one, ref)
-    return out
-
-
-async def _report_steps(
-    run: Pipeline,
-    receive: trio.MemoryReceiveChannel[tuple[StepDone, SyncReport, float]],
-    client: TransferQueueClient,
-    total: int,
-    path: str | None,
-    on_step: OnStep | None,
-) -> None:
-    previous = await role_statistics(run.refs)
-    last = run.started
-    count = 0
-    total_before = run.config.train.steps - total
-    async for msg, report, _ in receive:
-        now = trio.current_time()
-        stats = await role_statistics(run.refs)
-        queues: dict[str, int] = {}
-        with trio.move_on_after(2):
-            tq = await client.statistics()
-            for topic in tq.controller.state.topics:
-                if topic.topic == "rollout":
-                    queues = {view.consumer: view.ready for view in topic.views}
-        driver = next((s for s in stats if s.role == "driver"), None)
-        count += 1
-        wall = now - last
-        record = StepRecord(
-            step=total_before + count,  # continuous over a resume
-            version=msg.version,
-            seconds=run.seconds_before + now - run.started,
-            step_seconds=wall,
-            samples=msg.samples,
-            samples_per_s=msg.samples / wall if wall > 0 else 0.0,
-            tokens_per_s=msg.tokens / wall if wall > 0 else 0.0,
-            reward_mean=float(msg.metrics.get("reward_mean", 0.0)),
-            staleness=msg.staleness,
-            offpolicy_samples=sum(msg.staleness[1:]),
-            in_flight_slots=int(driver.extra.get("in_flight_slots", 0)) if driver else 0,
-            reinjected=run.hooks.reinjected,
-            metrics=msg.metrics,
-            sync=report.metrics,
-            idle=idle_ratios(previous, [s for s in stats if s.role != "driver"], wall),
-            queues=queues,
-        )
-        previous, last = stats, now
-        if path is not None:
-            line = json.dumps(record.to_json()) + "\n"
-            async with await trio.open_file(path, "a", encoding="utf-8") as f:
-                await f.write(line)
-        run.progress.update(record)
-        if run.reports is not None:
-            await run.reports.step(record, msg.completions)
-        # recorded once reported everywhere: a stop waiting for this step ends the run only
-        # then (its line in steps.jsonl, its trackers' scalars)
-        run.records.append(record)
-        run.version = msg.version
-        run._record_added.set()
-        run._record_added = trio.Event()
-        if on_step is not None:
-            maybe = on_step(record)
-            if maybe is not None:
-                await maybe
-        if msg.version >= run.hooks.end_version:  # later by the steps a resume lost
-            run._recorded.set()
-
-
-def _plot(records: list[StepRecord], steps: str | None, path: str, title: str) -> None:
-    """The whole run's curves: every record of ``steps.jsonl`` (a resumed run's earlier steps
-    too), else this run's."""
-    if steps is not None and os.path.exists(steps):
-        records = read_steps(steps)
-    plot_run(records, path, title)
-
-
 def _absolute(path: str | None) -> str | None:
     return os.path.abspath(path) if path else None
-
-
-def _write_config(config: PipelineConfig) -> None:
-    assert config.run_dir is not None
-    os.makedirs(config.run_dir, exist_ok=True)
-    with open(os.path.join(config.run_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(_plain(attrs.asdict(config)), f, indent=1)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
