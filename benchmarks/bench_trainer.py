@@ -21,7 +21,10 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
   and ``trainer_sync_node_s_{2,4}ranks``, ``trainer_sync_node_send_s_{2,4}ranks``: the same to
   a receiver on a node process of its own (as a rollout engine is), each against 1 rank;
   ``trainer_sync_node_cpu_s_{2,4}ranks``: rank 0's CPU seconds (every thread of its process)
-  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load).
+  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load);
+  ``trainer_sync_node_ready_s_{2,4}ranks``: from a sync's start until the node's receiver has
+  loaded the weights (the sync, then its load at the next 5 ms boundary, which puts the
+  tensors split across the ranks' buckets together; polled every 10 ms), against 1 rank.
 - ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
   which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
   one rank holds).
@@ -128,6 +131,7 @@ class Sync(NamedTuple):
     shard: int  # bytes of the parameters rank 0 holds
     send: float = 0.0  # median of the measured syncs' broadcast phases (the bytes' sending)
     cpu: float = 0.0  # median CPU seconds of rank 0's process (every thread) a sync
+    ready: float = 0.0  # median seconds from a sync's start until the receiver has loaded it
 
 
 def _status(field: str) -> int:
@@ -185,7 +189,7 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                 ref = await system.spawn(lambda: BenchReceiver(specs), name="receiver")
             cfg = CheckpointConfig(bucket_bytes=64 << 20, **config)
             engine = ShardedSyncEngine(learner, [ref], cfg)
-            times, sends, cpu, payload = [], [], [], 0
+            times, sends, cpu, ready, payload = [], [], [], [], 0
             for version in range(STEPS + 1):
                 t0, c0 = time.perf_counter(), time.process_time()
                 result = await engine.sync(version)
@@ -198,8 +202,10 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                 # step would, so that the next sync's pause does not wait for this load
                 while (await ref.ask(GetReceiverStatistics())).pending_version is not None:
                     await trio.sleep(0.01)
+                ready.append(time.perf_counter() - t0)
             return Sync(statistics.median(times), payload, shard_bytes(learner),
-                        statistics.median(sends), statistics.median(cpu))  # fmt: skip
+                        statistics.median(sends), statistics.median(cpu),
+                        statistics.median(ready[1:]))  # fmt: skip
 
     return trio.run(run)
 
@@ -268,6 +274,8 @@ def sync_only() -> None:
             emit(f"trainer_{figure}_send_s_{n}ranks", runs[n].send, "s", runs[1].send)
     for n in (2, 4):  # rank 0's share of the work, whatever the load (its receiver elsewhere)
         emit(f"trainer_sync_node_cpu_s_{n}ranks", node[n].cpu, "s", node[1].cpu)
+    for n in (2, 4):  # the sync and the receiver's load after it (10 ms polls)
+        emit(f"trainer_sync_node_ready_s_{n}ranks", node[n].ready, "s", node[1].ready)
     print(f"# load average at the start {load_start}, at the end {os.getloadavg()}; "
           f"1 rank: {local[1].seconds:.3f} s here, {node[1].seconds:.3f} s to a node",
           file=sys.stderr)  # fmt: skip
