@@ -8,6 +8,8 @@ What it promises:
 
 - Received bytes land in a host cache (copies and checksums in worker threads: the hosting
   process's event loop keeps running); the target's weights are untouched until the commit.
+  The pieces of a tensor split across buckets it owns are checksummed on arrival and copied
+  together only after the commit, before the load (``_assembly``).
 - A target switches whole or not at all: ``load_weights`` gets every tensor of a verified
   version at once. Before the sender's commit nothing changes; a dropped sync leaves the old
   weights in place.
@@ -37,7 +39,7 @@ import attrs
 import trio
 
 from ..actors import Actor, ActorContext, Reply
-from ._assembly import Assembling
+from ._assembly import Assembling, Assembly
 from ._buckets import PROCESS_TOKEN, HostCache
 from ._errors import ManifestError, StaleSync
 from ._manifest import TensorSpec, spec_of
@@ -280,15 +282,14 @@ class WeightReceiver:
         """Verify every bucket (the receiver's vote); the verified tensors wait for the commit."""
         await sync.digests.wait()
 
-        def verified() -> dict[str, torch.Tensor]:
+        def verified() -> tuple[dict[str, torch.Tensor], Assembly | None]:
             cache.verify(checksums)
-            tensors, assembly = cache.staged()
-            if assembly is not None:  # pieces in buckets we keep: copied after the commit
-                sync.assembling = Assembling(assembly, self.offload)
-            return tensors
+            return cache.staged()  # pieces in buckets we keep: copied after the commit
 
         total = cache.manifest.bucket_total
-        sync.verified = await run_sync(offloads(self.offload, total), verified)
+        tensors, assembly = await run_sync(offloads(self.offload, total), verified)
+        sync.verified = tensors
+        sync.assembling = Assembling(assembly, self.offload) if assembly is not None else None
         sync.cache = None
         return cache.bytes
 
