@@ -6,7 +6,8 @@ batch: 16 rows of a 16-token prompt and a 48-token response, token-mean loss, Ad
 runs one torch thread (on a 2-core host, 2 ranks use both cores, 1 rank one; 4 ranks share the
 2 cores, so their sync time measures the scheduler as much as the sync: it is the figure issue
 31 asks for all the same, and the byte figures below do not depend on the load). Times are
-medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSON lines:
+medians of ``STEPS`` measured steps after one warm-up step (syncs likewise; ``--sync``: of
+``SYNCS``). JSON lines:
 
 - ``trainer_step_2ranks`` (s per global batch, FSDP2 over 2 ranks); baseline: 1 rank; the
   ratio is the scaling (2 cores: ideal 0.5).
@@ -21,7 +22,10 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
   and ``trainer_sync_node_s_{2,4}ranks``, ``trainer_sync_node_send_s_{2,4}ranks``: the same to
   a receiver on a node process of its own (as a rollout engine is), each against 1 rank;
   ``trainer_sync_node_cpu_s_{2,4}ranks``: rank 0's CPU seconds (every thread of its process)
-  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load).
+  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load);
+  ``trainer_sync_node_ready_s_{2,4}ranks``: from a sync's start until the node's receiver has
+  loaded the weights (the sync, then its load at its next 5 ms boundary, which puts the
+  tensors split across the ranks' buckets together; polled every 10 ms), against 1 rank.
 - ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
   which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
   one rank holds).
@@ -83,6 +87,7 @@ from asyncflow_actors.roles import (
 from asyncflow_actors.rollout import export_hf
 
 STEPS = 3
+SYNCS = 7  # ``--sync``: syncs a figure (their median), the sync figures alone
 MEMORY_BUCKET = 8 << 20  # the memory figures' buckets: well below the model's 101 MB
 ROWS, PROMPT, RESPONSE = 16, 16, 48
 
@@ -135,6 +140,7 @@ class Sync(NamedTuple):
     shard: int  # bytes of the parameters rank 0 holds
     send: float = 0.0  # median of the measured syncs' broadcast phases (the bytes' sending)
     cpu: float = 0.0  # median CPU seconds of rank 0's process (every thread) a sync
+    ready: float = 0.0  # median seconds from a sync's start until the receiver has loaded it
 
 
 def _status(field: str) -> int:
@@ -168,10 +174,12 @@ def shard_bytes(learner: DistributedLearner) -> int:
     return total
 
 
-def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> Sync:
-    """A whole sync to one receiver (in rank 0's process, or with ``node`` on a node process
-    of its own, as a rollout engine would be): its median seconds, payload, and rank 0's
-    shard."""
+def sync(
+    learner: DistributedLearner, *, node: bool = False, syncs: int = STEPS, **config: Any
+) -> Sync:
+    """``syncs`` whole syncs to one receiver (in rank 0's process, or with ``node`` on a node
+    process of its own, as a rollout engine would be), after one more to warm up: their
+    median seconds, payload, and rank 0's shard."""
     from sync_targets import BenchReceiver
 
     async def run() -> Sync:
@@ -192,8 +200,8 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                 ref = await system.spawn(lambda: BenchReceiver(specs), name="receiver")
             cfg = CheckpointConfig(bucket_bytes=64 << 20, **config)
             engine = ShardedSyncEngine(learner, [ref], cfg)
-            times, sends, cpu, payload = [], [], [], 0
-            for version in range(STEPS + 1):
+            times, sends, cpu, ready, payload = [], [], [], [], 0
+            for version in range(syncs + 1):
                 t0, c0 = time.perf_counter(), time.process_time()
                 result = await engine.sync(version)
                 if version:  # the first one warms up
@@ -202,11 +210,14 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                     sends.append(result.broadcast_s)
                 payload = result.payload_bytes
                 # the receiver loads at its next boundary (on its loop): let it, as a trainer's
-                # step would, so that the next sync's pause does not wait for this load
-                while (await ref.ask(GetReceiverStatistics())).pending_version is not None:
+                # step would, so that the next sync's pause does not wait for this load (its
+                # pending version clears when the load starts: wait for the target's version)
+                while (await ref.ask(GetReceiverStatistics())).version != version:
                     await trio.sleep(0.01)
+                ready.append(time.perf_counter() - t0)
             return Sync(statistics.median(times), payload, shard_bytes(learner),
-                        statistics.median(sends), statistics.median(cpu))  # fmt: skip
+                        statistics.median(sends), statistics.median(cpu),
+                        statistics.median(ready[1:]))  # fmt: skip
 
     return trio.run(run)
 
@@ -266,8 +277,8 @@ def sync_only() -> None:
         local, node = {}, {}
         for ranks in (1, 2, 4):
             with DistributedLearner.open(spec(folder), ParallelSettings(ranks=ranks)) as group:
-                local[ranks] = sync(group)
-                node[ranks] = sync(group, node=True)
+                local[ranks] = sync(group, syncs=SYNCS)
+                node[ranks] = sync(group, node=True, syncs=SYNCS)
     for figure, runs in (("sync", local), ("sync_node", node)):
         for n in (2, 4):
             emit(f"trainer_{figure}_s_{n}ranks", runs[n].seconds, "s", runs[1].seconds)
@@ -275,6 +286,8 @@ def sync_only() -> None:
             emit(f"trainer_{figure}_send_s_{n}ranks", runs[n].send, "s", runs[1].send)
     for n in (2, 4):  # rank 0's share of the work, whatever the load (its receiver elsewhere)
         emit(f"trainer_sync_node_cpu_s_{n}ranks", node[n].cpu, "s", node[1].cpu)
+    for n in (2, 4):  # the sync and the receiver's load after it (10 ms polls)
+        emit(f"trainer_sync_node_ready_s_{n}ranks", node[n].ready, "s", node[1].ready)
     print(f"# load average at the start {load_start}, at the end {os.getloadavg()}; "
           f"1 rank: {local[1].seconds:.3f} s here, {node[1].seconds:.3f} s to a node",
           file=sys.stderr)  # fmt: skip
