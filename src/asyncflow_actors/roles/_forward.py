@@ -9,8 +9,9 @@ lazily, at the station's next batch boundary. RefForward holds the initial polic
 syncs. With ``RunSpec.fused_advantage`` (``placement.roles.advantage = "actor_fwd"``)
 ActorForward takes whole groups and also computes their advantages: one fetch, one write back
 and one ack for both columns. With ``train.forward_ranks`` > 1 each station's model is sharded
-over that many ranks (``ForwardGroup``; this process is rank 0): a forward splits the batch's
-rows over the ranks and a weight load keeps each rank's shard.
+over that many ranks (``ForwardGroup``; this process is rank 0): each rank fetches its own
+rows of the batch from the TQ (``_forward_fetch``; a unit a rank cannot reach: the lease is
+nacked, nothing written) and a weight load keeps each rank's shard.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Rank 0 is the station's own process; ranks 1..N-1 start through the same ``RankGroup`` as the
 trainer's (child processes, or Ray actors with ``train.rank_launcher = "ray"``). A forward
-broadcasts the batch's rows, every rank computes its partition and rank 0 gathers the rows back
-in order (``_rank_forward``); a weight load broadcasts the full tensors and each rank keeps its
+has each rank fetch its own rows of the batch's lease from the TQ (``logprobs_leased``,
+``_forward_fetch``), or, where the ranks cannot (``broadcast_rows``), broadcasts the rows
+(``logprobs``); every rank computes its partition and rank 0 gathers the log-probs back in
+order (``_rank_forward``); a weight load broadcasts the full tensors and each rank keeps its
 shard. Every call is synchronous and long (run it in a worker thread) and raises ``RankFailed``
 naming a rank that died, within the collective timeout.
 """
