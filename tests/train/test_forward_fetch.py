@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import trio
 
 from asyncflow_actors.roles import _schema as S
@@ -64,9 +63,7 @@ async def test_ranks_fetching_their_rows_give_the_log_probs_of_the_broadcast(
 ) -> None:
     data = global_batch(n)
     expected = await trio.to_thread.run_sync(
-        lambda: group.logprobs(
-            data["prompt_ids"], data["response_ids"], pad_id=0, temperature=1.0
-        )
+        lambda: group.logprobs(data["prompt_ids"], data["response_ids"], pad_id=0, temperature=1.0)
     )
     async with queue_of(data) as client:
         _, got, fetched = await leased(client, group, n)
@@ -99,3 +96,45 @@ async def test_a_rank_that_cannot_reach_a_unit_fails_the_forward_naming_it(
         assert failure.value.unit == "unit-1" and not trigger.exists()
         _, rows, _ = await leased(client, group, 8)  # the nacked rows, again
     assert [int(r.shape[0]) for r in rows] == [int(r.shape[0]) for r in data["response_ids"]]
+
+
+def test_forward_ranks_that_may_run_on_other_hosts_keep_the_broadcast(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ranks started by torchrun / SLURM (not children of rank 0) or by Ray get the rows
+    broadcast by rank 0, said once."""
+    from types import SimpleNamespace
+
+    with caplog.at_level("INFO", logger="asyncflow_actors.roles.ranks"):
+        torchrun = ForwardGroup(SimpleNamespace(world_size=2, children=[]))  # type: ignore[arg-type]
+        ray = ForwardGroup(SimpleNamespace(world_size=2, children=[object()]))  # type: ignore[arg-type]
+    assert not torchrun.rank_fetch and not ray.rank_fetch
+    said = [r.getMessage() for r in caplog.records if "broadcasts its rows" in r.getMessage()]
+    assert len(said) == 2 and "torchrun" in said[0] and "Ray" in said[1]
+
+
+@pytest.mark.parametrize(("workers", "reason"), [(1, "CURVE"), (2, "share each lease")])
+async def test_a_station_whose_ranks_cannot_fetch_switches_to_the_broadcast(
+    workers: int, reason: str
+) -> None:
+    """Units no other process can address (no mesh; a mesh under CURVE), or a lease shared by
+    the station's workers: the station fetches every column, from then on, and says why once."""
+    from types import SimpleNamespace
+
+    from asyncflow_actors.roles._forward import ActorForward
+
+    reasons: list[str] = []
+    model = SimpleNamespace(rank_fetch=True)
+
+    def broadcast_rows(why: str) -> None:
+        reasons.append(why)
+        model.rank_fetch = False
+
+    model.broadcast_rows = broadcast_rows
+    station = SimpleNamespace(
+        spec=SPEC, model=model, columns=CLAIMED, dp=SimpleNamespace(size=workers),
+        client=SimpleNamespace(units={"unit-0": object()}),
+    )  # fmt: skip
+    assert await ActorForward.rank_columns(station) is None  # type: ignore[arg-type]
+    assert await ActorForward.rank_columns(station) is None  # type: ignore[arg-type]
+    assert len(reasons) == 1 and reason in reasons[0]
