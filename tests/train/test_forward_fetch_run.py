@@ -11,14 +11,22 @@ from asyncflow_actors.pipeline import check_samples, read_samples, run_pipeline
 from tests.pipeline.kit import tiny
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(
+    ("mode", "placement"),
+    [
+        ("async", {}),
+        ("sync", {}),
+        ("sync", {"roles": {"advantage": "actor_fwd"}}),  # the station fetches the rewards
+        ("async", {"tq_placement": "process", "tq_units": 2}),  # units on node processes
+    ],
+)
 async def test_a_run_whose_forward_ranks_fetch_their_rows_keeps_the_ledger_exact(
-    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, mode: str, placement: dict[str, object], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every admitted prompt is trained once or reported; the ranks fetched (no fallback to
     the broadcast was logged)."""
     config = tiny(mode, train={"forward_ranks": 2, "collective_timeout": 60},
-                  run_dir=str(tmp_path))  # fmt: skip
+                  placement=placement, run_dir=str(tmp_path))  # fmt: skip
     with caplog.at_level("INFO", logger="asyncflow_actors.roles.ranks"):
         result = await run_pipeline(config)
     assert not [r for r in caplog.records if "broadcasts its rows" in r.getMessage()]
