@@ -46,6 +46,12 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise; ``--
   end of the update; baseline: the same with rank 0 fetching and broadcasting every row. The
   two alternate, step by step, on one group and one queue (units on node processes, shared
   memory); ``--rank-fetch`` takes these figures alone.
+- ``forward_rank_bytes_2ranks`` (bytes): what rank 1 of a forward station
+  (``train.forward_ranks = 2``) receives for a batch of 16 rows when each rank fetches its own
+  rows (the ``forward_rows`` command, and the most bytes of rows a rank fetched); baseline: the
+  ``forward`` command broadcasting every row. ``forward_rank_fetch_s_2ranks`` (s): such a
+  batch, from the claim of its lease to the log-probs on rank 0; baseline: the broadcast.
+  Alternated batch by batch on one group and one queue; ``--forward-fetch`` takes these alone.
 
 A ``#`` line on stderr gives the load average at the start and the end, rank 0's resident
 memory before each memory figure's sync and its rise, and ``DistributedLearner.memory()`` of
@@ -67,6 +73,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 import trio
 from common import emit
@@ -380,6 +387,93 @@ def rank_fetch_only(folder: Path | None = None) -> None:
           file=sys.stderr)  # fmt: skip
 
 
+async def forward_fetch_batches(group: Any, topic: Any) -> dict[str, list[float]]:
+    """A forward station's batches alternately broadcast by rank 0 and fetched by each rank
+    from a queue (``forward_rank_*``): each kind's seconds and bytes rank 1 receives."""
+    from asyncflow_actors.roles import _schema as S
+    from asyncflow_actors.roles._forward_fetch import header_of
+    from asyncflow_actors.roles._rank_fetch import rank_leases
+    from asyncflow_actors.roles._rank_host import encode_batch
+    from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
+
+    config = TransferQueueConfig(topics=(topic,), units=2, placement="process")
+    data = batch()
+    claimed = [S.PROMPT_IDS, S.RESPONSE_IDS]
+    out: dict[str, list[float]] = {"broadcast": [], "fetch": [], "broadcast_bytes": [],
+                                   "fetch_bytes": []}  # fmt: skip
+    options = {"pad_id": 0, "temperature": 1.0}
+    async with afa.open_actor_system() as system, open_transfer_queue(system, config) as queue:
+        client = await queue.client()
+
+        async def put() -> None:
+            slots = await client.open_groups(
+                S.ROLLOUT, [1] * ROWS, [{S.PROMPT_IDS: p} for p in data["prompt_ids"]]
+            )
+            await client.put(S.ROLLOUT, {S.RESPONSE_IDS: data[S.RESPONSE_IDS]}, version=0,
+                             group=list(slots))  # fmt: skip
+
+        async def broadcast() -> tuple[float, int]:
+            await put()
+            t0 = time.perf_counter()
+            got = await client.get(S.ROLLOUT, "actor_fwd", claimed, ROWS)
+            rows = {S.PROMPT_IDS: got.expand(S.PROMPT_IDS), S.RESPONSE_IDS: got[S.RESPONSE_IDS]}
+            rows = {c: list(v) for c, v in rows.items()}
+            await trio.to_thread.run_sync(
+                lambda: group.logprobs(rows[S.PROMPT_IDS], rows[S.RESPONSE_IDS], **options)
+            )
+            seconds = time.perf_counter() - t0
+            await client.ack(got)
+            layout, tensors = encode_batch(rows)
+            return seconds, command_bytes({"op": "forward", "layout": layout, **options},
+                                          tensors)  # fmt: skip
+
+        async def fetch() -> tuple[float, int]:
+            await put()
+            t0 = time.perf_counter()
+            got = await client.get(S.ROLLOUT, "actor_fwd", claimed, ROWS, fetch=[])
+            leases = await rank_leases(client, topic, got)
+            assert leases is not None
+            _, fetched = await trio.to_thread.run_sync(
+                lambda: group.logprobs_leased(leases, range(ROWS), **options)
+            )
+            seconds = time.perf_counter() - t0
+            await client.ack(got)
+            header = header_of(leases, range(ROWS), **options)
+            return seconds, command_bytes(header, []) + int(fetched)
+
+        await broadcast()  # warm-up, both ways
+        await fetch()
+        for _ in range(STEPS):
+            for kind, take in (("broadcast", broadcast), ("fetch", fetch)):
+                seconds, nbytes = await take()
+                out[kind].append(seconds)
+                out[f"{kind}_bytes"].append(nbytes)
+    return out
+
+
+def forward_fetch_only(folder: Path | None = None) -> None:
+    """``--forward-fetch``: the ``forward_rank_*`` figures alone."""
+    from asyncflow_actors.roles import _schema as S
+    from asyncflow_actors.roles._forward_ranks import ForwardGroup
+
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        if folder is None:
+            folder = Path(tmp) / "model"
+            build_model(folder)
+        run = spec(folder)
+        run = attrs.evolve(run, train=attrs.evolve(run.train, forward_ranks=2))
+        with ForwardGroup.open(run) as group:
+            runs = trio.run(forward_fetch_batches, group, S.topic_specs(run)[1])
+    emit("forward_rank_bytes_2ranks", statistics.median(runs["fetch_bytes"]), "bytes",
+         statistics.median(runs["broadcast_bytes"]))  # fmt: skip
+    emit("forward_rank_fetch_s_2ranks", statistics.median(runs["fetch"]), "s",
+         statistics.median(runs["broadcast"]))  # fmt: skip
+    print(f"# forward fetch: load average at the start {load_start}, at the end "
+          f"{os.getloadavg()}; batches (s) broadcast {runs['broadcast']}, fetch {runs['fetch']}",
+          file=sys.stderr)  # fmt: skip
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
 
@@ -425,6 +519,7 @@ def main() -> None:
              full_memory["optimizer_bytes"])  # fmt: skip
         emit("trainer_bf16_step", step_bf16, "s", step_2)
         rank_fetch_only(folder)
+        forward_fetch_only(folder)
     memory = ", ".join(
         [f"{n} rank(s) {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in rises.items()]
         + [f"funnel {n} ranks {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in funnels.items()]
@@ -440,6 +535,8 @@ if __name__ == "__main__":
         sys.exit(sync_only())
     if sys.argv[1:2] == ["--rank-fetch"]:
         sys.exit(rank_fetch_only())
+    if sys.argv[1:2] == ["--forward-fetch"]:
+        sys.exit(forward_fetch_only())
     if sys.argv[1:2] == ["--sync-memory"]:
         ranks, funnel, folder = sys.argv[2:5]
         print(json.dumps(sync_memory(int(ranks), bool(int(funnel)), Path(folder))))
