@@ -165,7 +165,13 @@ def bench_peer_trl(session: nox.Session) -> None:
     session.run("python", "benchmarks/peer_trl.py", *session.posargs)
     # the seconds to the first step, ours (both placements) against TRL, fresh processes
     rounds = "1" if "--quick" in session.posargs else "5"
-    session.run("python", "benchmarks/peer_first_step.py", "--rounds", rounds)
+    posargs = list(session.posargs)
+    impl = (
+        posargs[posargs.index("--impl") : posargs.index("--impl") + 2]
+        if "--impl" in posargs
+        else []
+    )
+    session.run("python", "benchmarks/peer_first_step.py", "--rounds", rounds, "--", *impl)
 
 
 @nox.session

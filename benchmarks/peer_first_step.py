@@ -9,7 +9,8 @@ fresh process of each side (``peer_trl.py --child ... --steps 3``), the order ro
 round to round; a side's figure is the median over the rounds of the time its first step was
 reported, counted from just before its launch (the interpreter, imports, model load, the first
 generation, update and, for ours, the node processes' start). TRL runs on its best torch
-thread count (measured first, as ``peer_trl`` does).
+thread count (measured first, as ``peer_trl`` does). Our side runs ``peer_trl``'s defaults
+(``model.impl = "native"``, staleness 1); ``-- --impl hf`` runs transformers' model instead.
 
 JSON lines: ``peer_trl_first_step_process`` and ``peer_trl_first_step_local`` (``value`` ours,
 s; ``baseline`` TRL, s; ``ratio``); a ``#`` line with every run's seconds and the load average.
