@@ -177,8 +177,8 @@ def test_ranks_that_may_run_on_other_hosts_keep_the_broadcast() -> None:
 
 
 async def test_units_the_ranks_cannot_reach_switch_the_trainer_to_the_broadcast() -> None:
-    """A unit ref that names no address another process could use (no mesh; a mesh under
-    CURVE): rank 0 fetches every column, from then on, and says why once."""
+    """A unit ref that names no address another process could use (no mesh): rank 0 fetches
+    every column, from then on, and says why once."""
     from types import SimpleNamespace
 
     from asyncflow_actors.roles._rank_fetch import rank_columns
@@ -187,4 +187,4 @@ async def test_units_the_ranks_cannot_reach_switch_the_trainer_to_the_broadcast(
     learner = SimpleNamespace(broadcast_rows=reasons.append)
     client = SimpleNamespace(units={"unit-0": object()})
     assert await rank_columns(client, learner, CLAIMED, text=False) is None
-    assert len(reasons) == 1 and "CURVE" in reasons[0]
+    assert len(reasons) == 1 and "no mesh" in reasons[0]

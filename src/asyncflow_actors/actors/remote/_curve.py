@@ -268,5 +268,8 @@ class KeyBindings:
 
     def _refresh(self) -> None:
         if self.zap is not None:
-            admitted = self.authorized | self.supervisors | set(self.bound.values())
+            # our own key too: only this system and the processes it handed its key to (a
+            # trainer's ranks, ``roles/_rank_keys``) can prove it
+            admitted = self.authorized | self.supervisors | {self.keypair.public}
+            admitted |= set(self.bound.values())
             self.zap.allow(self.domain, list(admitted))

@@ -91,6 +91,15 @@ class MeshStatistics:
         return own + sum(link.sent_bytes + link.received_bytes for link in self.links)
 
 
+_CURVE_MESHES: list[Mesh] = []  # this process's systems listening with CURVE, oldest first
+
+
+def curve_mesh() -> Mesh | None:
+    """This process's (first) system listening with CURVE, if any: whose keypair a process
+    this one starts to act under its authority gets (a trainer's ranks, ``roles/_rank_keys``)."""
+    return _CURVE_MESHES[0] if _CURVE_MESHES else None
+
+
 class Mesh:
     """One system's place in the run (see the module docstring)."""
 
@@ -148,6 +157,8 @@ class Mesh:
                         peer.link.close(P.NodeLost(f"system {self.name!r} closed"))
                 nursery.cancel_scope.cancel()
                 self._nursery = None
+                if self in _CURVE_MESHES:
+                    _CURVE_MESHES.remove(self)
                 if self._tmpdir is not None:
                     shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -205,6 +216,7 @@ class Mesh:
                 zap=auth,
             )
             self.curve = CurveClient(curve.keypair.public, curve.keypair)
+            _CURVE_MESHES.append(self)
         options: dict[int, int | bytes | str] = {zmq.ROUTER_MANDATORY: 1}
         options.update(heartbeat_options(self.options))
         options[zmq.MAXMSGSIZE] = max_message_bytes
