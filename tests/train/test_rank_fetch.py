@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,18 @@ def ranks(trigger: Path) -> Iterator[DistributedLearner]:
 
 
 @asynccontextmanager
-async def queue_of(data: dict[str, Any], io_timeout: float = 60.0) -> AsyncIterator[Any]:
-    """A queue (2 units in this process) holding ``data``'s rows, one group a row;
-    ``io_timeout``: the bound on each request of a client to a unit."""
+async def queue_of(
+    data: dict[str, Any], io_timeout: float = 60.0, system: Any = None
+) -> AsyncIterator[Any]:
+    """A queue (2 units in this process: on ``system``, else a system of its own) holding
+    ``data``'s rows, one group a row; ``io_timeout``: the bound on each request of a client to
+    a unit."""
     spec = run_spec()
     config = TransferQueueConfig(topics=(S.topic_specs(spec)[1],), io_timeout=io_timeout)
-    async with afa.open_actor_system() as system, open_transfer_queue(system, config) as tq:
+    async with AsyncExitStack() as stack:
+        if system is None:
+            system = await stack.enter_async_context(afa.open_actor_system())
+        tq = await stack.enter_async_context(open_transfer_queue(system, config))
         client = await tq.client()
         n = len(data["response_ids"])
         slots = await client.open_groups(

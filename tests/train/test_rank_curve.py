@@ -1,0 +1,119 @@
+"""A trainer's ranks in a CURVE mesh (issue #31): they present the key of the process that
+started them (``roles/_rank_keys``), handed in their environment, so under CURVE, in both key
+models, every rank sends its own buckets of a weight sync to a receiver on another node and
+fetches its own rows from the TransferQueue (no fallback to rank 0); the key is on no rank's
+command line, and a connection without it is refused as before. Real processes and sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+import asyncflow_actors as afa
+from asyncflow_actors.actors.remote import CurveClient, CurveServer, curve_keypair
+from asyncflow_actors.actors.remote import _protocol as P
+from asyncflow_actors.checkpoint import CheckpointConfig
+from asyncflow_actors.roles._distributed import DistributedLearner
+from asyncflow_actors.roles._rank_fetch import _addresses
+from asyncflow_actors.roles._rank_keys import RANK_KEYS_ENV, rank_key_env
+from asyncflow_actors.roles._rank_send import RankTransport
+from asyncflow_actors.roles._rank_settings import ParallelSettings
+from asyncflow_actors.roles._rank_sync import ShardedSyncEngine
+from tests.checkpoint.doubles import GetWeights
+from tests.remote.curve_actors import speak
+
+from .conftest import global_batch, run_spec
+from .test_rank_fetch import leased, queue_of, relative
+from .test_rank_sync import FAST, NODE, specs_of
+
+TWO = ParallelSettings(ranks=2)
+
+
+@asynccontextmanager
+async def open_curve_system(model: str) -> AsyncIterator[afa.NodeSystem]:
+    """The trainer's system, listening with CURVE in ``model`` (its nodes get their keys)."""
+    key = curve_keypair()
+    async with afa.open_actor_system() as system:
+        if model == "node":
+            await system.listen("tcp://127.0.0.1:*", curve=CurveServer(key), key_model="node")
+        else:
+            await system.listen(
+                "tcp://127.0.0.1:*", curve=CurveServer(key), authorized_keys=[key.public]
+            )
+        yield system
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.parametrize("model", ["node", "cluster"])
+async def test_ranks_sync_and_fetch_themselves_under_curve(model: str) -> None:
+    async with open_curve_system(model) as system:
+        assert system.mesh.keys is not None
+        own = system.mesh.keys.keypair
+        handed = rank_key_env()[RANK_KEYS_ENV]
+        assert handed == f"{model} {own.public.decode()} {own.secret.decode()}"
+        learner = await trio.to_thread.run_sync(lambda: DistributedLearner.open(run_spec(), TWO))
+        try:
+            for child in learner.group.children:  # the key is on no command line
+                line = _cmdline(child.pid)
+                assert own.secret not in line and own.public not in line
+            await _sync_to_a_node(system, learner, model)
+            await _fetch_own_rows(system, learner)
+        finally:
+            await trio.to_thread.run_sync(learner.close)
+
+
+async def _sync_to_a_node(system: afa.NodeSystem, learner: DistributedLearner, model: str) -> None:
+    """Both ranks send their buckets to a receiver on a node process (a key of its own in the
+    node model): bit-exact; a connection without the key, or with another, is refused."""
+    learner.step(global_batch())
+    full = await trio.to_thread.run_sync(learner.full_state_dict)
+    node = await system.start_node("rx", allow=["tests.checkpoint"], options=NODE)
+    kwargs = {"index": 1, "specs": specs_of(full), "tick": 0, "load": "eager"}
+    rx = await node.spawn("tests.checkpoint.doubles:DoubleActor", name="rx", kwargs=kwargs)
+    engine = ShardedSyncEngine(learner, [rx], CheckpointConfig(deadlines=FAST, bucket_bytes=4096))
+    result = await engine.sync(3)
+    assert isinstance(engine.transport, RankTransport)
+    shards = engine._shards
+    assert shards is not None and shards[1] is not None, "rank 0 gathered: a CURVE fallback"
+    assert set(shards[1].senders) == {0, 1} and result.buckets == len(shards[1].senders)
+    held = await rx.ask(GetWeights())
+    assert all(torch.equal(held[k], v) for k, v in full.items())
+    # the node knows no key but the driver's, its own and the trainer's (bound): others fail
+    assert node.key and (model == "cluster") == (
+        node.key == system.mesh.keys.keypair.public.decode()
+    )  # type: ignore[union-attr]
+    hello = P.Hello("stranger", 1, (), "s")
+    for curve in (CurveClient(node.key, curve_keypair()), None):
+        with pytest.raises(trio.TooSlowError):
+            await speak(node.address, curve, [(P.HELLO, hello)], within=0.5)
+
+
+async def _fetch_own_rows(system: afa.NodeSystem, learner: DistributedLearner) -> None:
+    """Each rank fetches its own rows from the queue's units (on the trainer's CURVE system,
+    which lets its ranks in with its own key): the update the broadcast of every row makes."""
+    data = global_batch(8)
+    learner.setup(run_spec(), TWO)
+    expected = await trio.to_thread.run_sync(learner.step, data)
+    grads = learner.gradients()
+    state = learner.full_state_dict()
+    learner.setup(run_spec(), TWO)  # the same initial state again
+    async with queue_of(data, system=system) as client:
+        assert await _addresses(client) is not None  # reachable from the ranks
+        batch, step = await leased(client, 8)
+        metrics = await trio.to_thread.run_sync(learner.step_leased, step)
+        await client.ack(batch)
+    assert metrics["normaliser"] == expected["normaliser"]
+    assert 0 < metrics["rows_fetched"] <= 4  # its share, fetched by rank 0 itself
+    got, after = learner.gradients(), learner.full_state_dict()
+    for name, grad in grads.items():
+        assert relative(got[name], grad) <= 1e-5, name
+        assert relative(after[name], state[name]) <= 1e-5, name
