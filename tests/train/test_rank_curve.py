@@ -87,14 +87,17 @@ async def _sync_to_a_node(system: afa.NodeSystem, learner: DistributedLearner, m
     assert set(shards[1].senders) == {0, 1} and result.buckets == len(shards[1].senders)
     held = await rx.ask(GetWeights())
     assert all(torch.equal(held[k], v) for k, v in full.items())
-    # the node knows no key but the driver's, its own and the trainer's (bound): others fail
-    assert node.key and (model == "cluster") == (
-        node.key == system.mesh.keys.keypair.public.decode()
-    )  # type: ignore[union-attr]
+    # another key, or none, gets no answer from the node nor the trainer's system (as before)
+    keys = system.mesh.keys
+    assert keys is not None and node.key  # the cluster model: the one key; else its own
+    own = keys.keypair.public.decode()
+    assert (node.key == own) == (model == "cluster")
+    here = next(e for e in system.mesh.endpoints if e.startswith("tcp://"))
     hello = P.Hello("stranger", 1, (), "s")
-    for curve in (CurveClient(node.key, curve_keypair()), None):
-        with pytest.raises(trio.TooSlowError):
-            await speak(node.address, curve, [(P.HELLO, hello)], within=0.5)
+    for address, key in [(node.address, node.key), (here, own)]:
+        for curve in (CurveClient(key, curve_keypair()), None):
+            with pytest.raises(trio.TooSlowError):
+                await speak(address, curve, [(P.HELLO, hello)], within=0.5)
 
 
 async def _fetch_own_rows(system: afa.NodeSystem, learner: DistributedLearner) -> None:
