@@ -1,8 +1,9 @@
 """A trainer's ranks in a CURVE mesh (issue #31): they present the key of the process that
 started them (``roles/_rank_keys``), handed in their environment, so under CURVE, in both key
-models, every rank sends its own buckets of a weight sync to a receiver on another node and
-fetches its own rows from the TransferQueue (no fallback to rank 0); the key is on no rank's
-command line, and a connection without it is refused as before. Real processes and sockets.
+models, every rank sends its own buckets of a weight sync to a receiver on another node (from a
+trainer here, and from one on a node process of its own) and fetches its own rows from the
+TransferQueue (no fallback to rank 0); the key is on no rank's command line, and a connection
+without it is refused as before. Real processes and sockets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from asyncflow_actors.roles._rank_settings import ParallelSettings
 from asyncflow_actors.roles._rank_sync import ShardedSyncEngine
 from tests.checkpoint.doubles import GetWeights
 from tests.remote.curve_actors import speak
+from tests.train.curve_trainer import OpenRanks, SyncTo
 
 from .conftest import global_batch, run_spec
 from .test_rank_fetch import leased, queue_of, relative
@@ -120,3 +122,24 @@ async def _fetch_own_rows(system: afa.NodeSystem, learner: DistributedLearner) -
     for name, grad in grads.items():
         assert relative(got[name], grad) <= 1e-5, name
         assert relative(after[name], state[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("model", ["node", "cluster"])
+async def test_a_trainer_node_s_ranks_sync_to_another_node_under_curve(model: str) -> None:
+    """The deployed shape: the trainer on a node process of its own (its own key in the node
+    model, bound by the driver), its ranks children of that process, the receiver on another
+    node: both ranks send, bit-exact, and the key is on no rank's command line."""
+    async with open_curve_system(model) as system:
+        allow = ["tests.train", "tests.checkpoint"]
+        trainer = await system.start_node("trainer", allow=allow, options=NODE)
+        rx_node = await system.start_node("rx", allow=allow, options=NODE)
+        ranks = await trainer.spawn("tests.train.curve_trainer:RankTrainer", name="ranks")
+        specs, exposed = await ranks.ask(OpenRanks())
+        assert not exposed
+        kwargs = {"index": 1, "specs": specs, "tick": 0, "load": "eager"}
+        rx = await rx_node.spawn("tests.checkpoint.doubles:DoubleActor", name="rx", kwargs=kwargs)
+        senders, full = await ranks.ask(SyncTo(rx))
+        assert senders == [0, 1], "rank 0 gathered: a CURVE fallback"
+        held = await rx.ask(GetWeights())
+        assert set(held) == set(full) and all(torch.equal(held[k], v) for k, v in full.items())
+        await ranks.stop()
