@@ -68,7 +68,8 @@ async def test_ranks_sync_and_fetch_themselves_under_curve(model: str) -> None:
                 line = _cmdline(child.pid)
                 assert own.secret not in line and own.public not in line
             await _sync_to_a_node(system, learner, model)
-            await _fetch_own_rows(system, learner)
+            await _fetch_own_rows(system, learner, "local")
+            await _fetch_own_rows(system, learner, "process")
         finally:
             await trio.to_thread.run_sync(learner.close)
 
@@ -102,17 +103,21 @@ async def _sync_to_a_node(system: afa.NodeSystem, learner: DistributedLearner, m
                 await speak(address, curve, [(P.HELLO, hello)], within=0.5)
 
 
-async def _fetch_own_rows(system: afa.NodeSystem, learner: DistributedLearner) -> None:
-    """Each rank fetches its own rows from the queue's units (on the trainer's CURVE system,
-    which lets its ranks in with its own key): the update the broadcast of every row makes."""
+async def _fetch_own_rows(
+    system: afa.NodeSystem, learner: DistributedLearner, placement: str
+) -> None:
+    """Each rank fetches its own rows from the queue's units (``local``: on the trainer's CURVE
+    system, which lets its ranks in with its own key; ``process``: on node processes, keys of
+    their own in the node model): the update the broadcast of every row makes."""
     data = global_batch(8)
     learner.setup(run_spec(), TWO)
     expected = await trio.to_thread.run_sync(learner.step, data)
     grads = learner.gradients()
     state = learner.full_state_dict()
     learner.setup(run_spec(), TWO)  # the same initial state again
-    async with queue_of(data, system=system) as client:
-        assert await _addresses(client) is not None  # reachable from the ranks
+    async with queue_of(data, system=system, placement=placement) as client:
+        addresses = await _addresses(client)  # reachable from the ranks, keys with them
+        assert addresses is not None and all(entry[4] for entry in addresses.values())
         batch, step = await leased(client, 8)
         metrics = await trio.to_thread.run_sync(learner.step_leased, step)
         await client.ack(batch)

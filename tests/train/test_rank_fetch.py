@@ -52,13 +52,13 @@ def ranks(trigger: Path) -> Iterator[DistributedLearner]:
 
 @asynccontextmanager
 async def queue_of(
-    data: dict[str, Any], io_timeout: float = 60.0, system: Any = None
+    data: dict[str, Any], io_timeout: float = 60.0, system: Any = None, **extra: Any
 ) -> AsyncIterator[Any]:
-    """A queue (2 units in this process: on ``system``, else a system of its own) holding
-    ``data``'s rows, one group a row; ``io_timeout``: the bound on each request of a client to
-    a unit."""
+    """A queue (2 units in this process: on ``system``, else a system of its own; ``extra``:
+    more of its config) holding ``data``'s rows, one group a row; ``io_timeout``: the bound on
+    each request of a client to a unit."""
     spec = run_spec()
-    config = TransferQueueConfig(topics=(S.topic_specs(spec)[1],), io_timeout=io_timeout)
+    config = TransferQueueConfig(topics=(S.topic_specs(spec)[1],), io_timeout=io_timeout, **extra)
     async with AsyncExitStack() as stack:
         if system is None:
             system = await stack.enter_async_context(afa.open_actor_system())
