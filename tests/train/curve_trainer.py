@@ -10,7 +10,7 @@ import attrs
 import trio
 
 import asyncflow_actors as afa
-from asyncflow_actors.actors.remote._mesh import curve_mesh
+from asyncflow_actors.actors.remote._curve import process_keys
 from asyncflow_actors.checkpoint import CheckpointConfig, PhaseDeadlines
 from asyncflow_actors.roles._distributed import DistributedLearner
 from asyncflow_actors.roles._rank_settings import ParallelSettings
@@ -49,9 +49,9 @@ class RankTrainer(afa.Actor[OpenRanks | SyncTo]):
             specs = {
                 k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in full.items()
             }
-            mesh = curve_mesh()
-            assert mesh is not None and mesh.keys is not None
-            pair = mesh.keys.keypair
+            keys = process_keys()
+            assert keys is not None
+            pair = keys.keypair
             lines = [Path(f"/proc/{c.pid}/cmdline").read_bytes() for c in learner.group.children]
             exposed = any(pair.secret in line or pair.public in line for line in lines)
             return [specs, exposed]

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..actors.remote import ActorAddress, CurveClient, CurveKeypair, KeyBindings
-from ..actors.remote._mesh import Mesh, curve_mesh
+from ..actors.remote._curve import process_keys
+from ..actors.remote._mesh import Mesh
 
 RANK_KEYS_ENV = "AFA_RANK_CURVE_KEYS"
 
@@ -29,8 +30,7 @@ RANK_KEYS_ENV = "AFA_RANK_CURVE_KEYS"
 def rank_key_env() -> dict[str, str]:
     """The environment that hands this process's CURVE identity to the ranks it starts (empty
     where no system of this process listens with CURVE)."""
-    mesh = curve_mesh()
-    keys = mesh.keys if mesh is not None else None
+    keys = process_keys()
     if keys is None:
         return {}
     pair = keys.keypair

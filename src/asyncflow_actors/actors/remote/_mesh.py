@@ -35,6 +35,7 @@ from .._system import default_system_name
 from . import _protocol as P
 from ._address import ActorAddress
 from ._curve import (
+    PROCESS_KEYS,
     CurveClient,
     CurveServer,
     KeyBindings,
@@ -89,15 +90,6 @@ class MeshStatistics:
         server = self.server
         own = server.received_bytes + server.sent_bytes if server is not None else 0
         return own + sum(link.sent_bytes + link.received_bytes for link in self.links)
-
-
-_CURVE_MESHES: list[Mesh] = []  # this process's systems listening with CURVE, oldest first
-
-
-def curve_mesh() -> Mesh | None:
-    """This process's (first) system listening with CURVE, if any: whose keypair a process
-    this one starts to act under its authority gets (a trainer's ranks, ``roles/_rank_keys``)."""
-    return _CURVE_MESHES[0] if _CURVE_MESHES else None
 
 
 class Mesh:
@@ -157,8 +149,8 @@ class Mesh:
                         peer.link.close(P.NodeLost(f"system {self.name!r} closed"))
                 nursery.cancel_scope.cancel()
                 self._nursery = None
-                if self in _CURVE_MESHES:
-                    _CURVE_MESHES.remove(self)
+                if self.keys in PROCESS_KEYS:
+                    PROCESS_KEYS.remove(self.keys)
                 if self._tmpdir is not None:
                     shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -216,7 +208,7 @@ class Mesh:
                 zap=auth,
             )
             self.curve = CurveClient(curve.keypair.public, curve.keypair)
-            _CURVE_MESHES.append(self)
+            PROCESS_KEYS.append(self.keys)
         options: dict[int, int | bytes | str] = {zmq.ROUTER_MANDATORY: 1}
         options.update(heartbeat_options(self.options))
         options[zmq.MAXMSGSIZE] = max_message_bytes
