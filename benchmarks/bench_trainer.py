@@ -6,7 +6,8 @@ batch: 16 rows of a 16-token prompt and a 48-token response, token-mean loss, Ad
 runs one torch thread (on a 2-core host, 2 ranks use both cores, 1 rank one; 4 ranks share the
 2 cores, so their sync time measures the scheduler as much as the sync: it is the figure issue
 31 asks for all the same, and the byte figures below do not depend on the load). Times are
-medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSON lines:
+medians of ``STEPS`` measured steps after one warm-up step (syncs likewise; ``--sync``: of
+``SYNCS``). JSON lines:
 
 - ``trainer_step_2ranks`` (s per global batch, FSDP2 over 2 ranks); baseline: 1 rank; the
   ratio is the scaling (2 cores: ideal 0.5).
@@ -21,7 +22,10 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
   and ``trainer_sync_node_s_{2,4}ranks``, ``trainer_sync_node_send_s_{2,4}ranks``: the same to
   a receiver on a node process of its own (as a rollout engine is), each against 1 rank;
   ``trainer_sync_node_cpu_s_{2,4}ranks``: rank 0's CPU seconds (every thread of its process)
-  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load).
+  a sync to the node's receiver, against 1 rank (its share of the work, whatever the load);
+  ``trainer_sync_node_ready_s_{2,4}ranks``: from a sync's start until the node's receiver has
+  loaded the weights (the sync, then its load at its next 5 ms boundary, which puts the
+  tensors split across the ranks' buckets together; polled every 10 ms), against 1 rank.
 - ``trainer_sync_shard_bytes_2ranks``, ``..._4ranks`` (bytes): the parameters rank 0 holds,
   which is what each rank puts into the sync's all-gathers; baseline: the whole model (what
   one rank holds).
@@ -42,6 +46,12 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise). JSO
   end of the update; baseline: the same with rank 0 fetching and broadcasting every row. The
   two alternate, step by step, on one group and one queue (units on node processes, shared
   memory); ``--rank-fetch`` takes these figures alone.
+- ``forward_rank_bytes_2ranks`` (bytes): what rank 1 of a forward station
+  (``train.forward_ranks = 2``) receives for a batch of 16 rows when each rank fetches its own
+  rows (the ``forward_rows`` command, and the most bytes of rows a rank fetched); baseline: the
+  ``forward`` command broadcasting every row. ``forward_rank_fetch_s_2ranks`` (s): such a
+  batch, from the claim of its lease to the log-probs on rank 0; baseline: the broadcast.
+  Alternated batch by batch on one group and one queue; ``--forward-fetch`` takes these alone.
 
 A ``#`` line on stderr gives the load average at the start and the end, rank 0's resident
 memory before each memory figure's sync and its rise, and ``DistributedLearner.memory()`` of
@@ -63,6 +73,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 import trio
 from common import emit
@@ -83,6 +94,7 @@ from asyncflow_actors.roles import (
 from asyncflow_actors.rollout import export_hf
 
 STEPS = 3
+SYNCS = 7  # ``--sync``: syncs a figure (their median), the sync figures alone
 MEMORY_BUCKET = 8 << 20  # the memory figures' buckets: well below the model's 101 MB
 ROWS, PROMPT, RESPONSE = 16, 16, 48
 
@@ -135,6 +147,7 @@ class Sync(NamedTuple):
     shard: int  # bytes of the parameters rank 0 holds
     send: float = 0.0  # median of the measured syncs' broadcast phases (the bytes' sending)
     cpu: float = 0.0  # median CPU seconds of rank 0's process (every thread) a sync
+    ready: float = 0.0  # median seconds from a sync's start until the receiver has loaded it
 
 
 def _status(field: str) -> int:
@@ -168,10 +181,12 @@ def shard_bytes(learner: DistributedLearner) -> int:
     return total
 
 
-def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> Sync:
-    """A whole sync to one receiver (in rank 0's process, or with ``node`` on a node process
-    of its own, as a rollout engine would be): its median seconds, payload, and rank 0's
-    shard."""
+def sync(
+    learner: DistributedLearner, *, node: bool = False, syncs: int = STEPS, **config: Any
+) -> Sync:
+    """``syncs`` whole syncs to one receiver (in rank 0's process, or with ``node`` on a node
+    process of its own, as a rollout engine would be), after one more to warm up: their
+    median seconds, payload, and rank 0's shard."""
     from sync_targets import BenchReceiver
 
     async def run() -> Sync:
@@ -192,8 +207,8 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                 ref = await system.spawn(lambda: BenchReceiver(specs), name="receiver")
             cfg = CheckpointConfig(bucket_bytes=64 << 20, **config)
             engine = ShardedSyncEngine(learner, [ref], cfg)
-            times, sends, cpu, payload = [], [], [], 0
-            for version in range(STEPS + 1):
+            times, sends, cpu, ready, payload = [], [], [], [], 0
+            for version in range(syncs + 1):
                 t0, c0 = time.perf_counter(), time.process_time()
                 result = await engine.sync(version)
                 if version:  # the first one warms up
@@ -202,11 +217,14 @@ def sync(learner: DistributedLearner, *, node: bool = False, **config: Any) -> S
                     sends.append(result.broadcast_s)
                 payload = result.payload_bytes
                 # the receiver loads at its next boundary (on its loop): let it, as a trainer's
-                # step would, so that the next sync's pause does not wait for this load
-                while (await ref.ask(GetReceiverStatistics())).pending_version is not None:
+                # step would, so that the next sync's pause does not wait for this load (its
+                # pending version clears when the load starts: wait for the target's version)
+                while (await ref.ask(GetReceiverStatistics())).version != version:
                     await trio.sleep(0.01)
+                ready.append(time.perf_counter() - t0)
             return Sync(statistics.median(times), payload, shard_bytes(learner),
-                        statistics.median(sends), statistics.median(cpu))  # fmt: skip
+                        statistics.median(sends), statistics.median(cpu),
+                        statistics.median(ready[1:]))  # fmt: skip
 
     return trio.run(run)
 
@@ -266,8 +284,8 @@ def sync_only() -> None:
         local, node = {}, {}
         for ranks in (1, 2, 4):
             with DistributedLearner.open(spec(folder), ParallelSettings(ranks=ranks)) as group:
-                local[ranks] = sync(group)
-                node[ranks] = sync(group, node=True)
+                local[ranks] = sync(group, syncs=SYNCS)
+                node[ranks] = sync(group, node=True, syncs=SYNCS)
     for figure, runs in (("sync", local), ("sync_node", node)):
         for n in (2, 4):
             emit(f"trainer_{figure}_s_{n}ranks", runs[n].seconds, "s", runs[1].seconds)
@@ -275,6 +293,8 @@ def sync_only() -> None:
             emit(f"trainer_{figure}_send_s_{n}ranks", runs[n].send, "s", runs[1].send)
     for n in (2, 4):  # rank 0's share of the work, whatever the load (its receiver elsewhere)
         emit(f"trainer_sync_node_cpu_s_{n}ranks", node[n].cpu, "s", node[1].cpu)
+    for n in (2, 4):  # the sync and the receiver's load after it (10 ms polls)
+        emit(f"trainer_sync_node_ready_s_{n}ranks", node[n].ready, "s", node[1].ready)
     print(f"# load average at the start {load_start}, at the end {os.getloadavg()}; "
           f"1 rank: {local[1].seconds:.3f} s here, {node[1].seconds:.3f} s to a node",
           file=sys.stderr)  # fmt: skip
@@ -367,6 +387,93 @@ def rank_fetch_only(folder: Path | None = None) -> None:
           file=sys.stderr)  # fmt: skip
 
 
+async def forward_fetch_batches(group: Any, topic: Any) -> dict[str, list[float]]:
+    """A forward station's batches alternately broadcast by rank 0 and fetched by each rank
+    from a queue (``forward_rank_*``): each kind's seconds and bytes rank 1 receives."""
+    from asyncflow_actors.roles import _schema as S
+    from asyncflow_actors.roles._forward_fetch import header_of
+    from asyncflow_actors.roles._rank_fetch import rank_leases
+    from asyncflow_actors.roles._rank_host import encode_batch
+    from asyncflow_actors.transfer_queue import TransferQueueConfig, open_transfer_queue
+
+    config = TransferQueueConfig(topics=(topic,), units=2, placement="process")
+    data = batch()
+    claimed = [S.PROMPT_IDS, S.RESPONSE_IDS]
+    out: dict[str, list[float]] = {"broadcast": [], "fetch": [], "broadcast_bytes": [],
+                                   "fetch_bytes": []}  # fmt: skip
+    options = {"pad_id": 0, "temperature": 1.0}
+    async with afa.open_actor_system() as system, open_transfer_queue(system, config) as queue:
+        client = await queue.client()
+
+        async def put() -> None:
+            slots = await client.open_groups(
+                S.ROLLOUT, [1] * ROWS, [{S.PROMPT_IDS: p} for p in data["prompt_ids"]]
+            )
+            await client.put(S.ROLLOUT, {S.RESPONSE_IDS: data[S.RESPONSE_IDS]}, version=0,
+                             group=list(slots))  # fmt: skip
+
+        async def broadcast() -> tuple[float, int]:
+            await put()
+            t0 = time.perf_counter()
+            got = await client.get(S.ROLLOUT, "actor_fwd", claimed, ROWS)
+            rows = {S.PROMPT_IDS: got.expand(S.PROMPT_IDS), S.RESPONSE_IDS: got[S.RESPONSE_IDS]}
+            rows = {c: list(v) for c, v in rows.items()}
+            await trio.to_thread.run_sync(
+                lambda: group.logprobs(rows[S.PROMPT_IDS], rows[S.RESPONSE_IDS], **options)
+            )
+            seconds = time.perf_counter() - t0
+            await client.ack(got)
+            layout, tensors = encode_batch(rows)
+            return seconds, command_bytes({"op": "forward", "layout": layout, **options},
+                                          tensors)  # fmt: skip
+
+        async def fetch() -> tuple[float, int]:
+            await put()
+            t0 = time.perf_counter()
+            got = await client.get(S.ROLLOUT, "actor_fwd", claimed, ROWS, fetch=[])
+            leases = await rank_leases(client, topic, got)
+            assert leases is not None
+            _, fetched = await trio.to_thread.run_sync(
+                lambda: group.logprobs_leased(leases, range(ROWS), **options)
+            )
+            seconds = time.perf_counter() - t0
+            await client.ack(got)
+            header = header_of(leases, range(ROWS), **options)
+            return seconds, command_bytes(header, []) + int(fetched)
+
+        await broadcast()  # warm-up, both ways
+        await fetch()
+        for _ in range(STEPS):
+            for kind, take in (("broadcast", broadcast), ("fetch", fetch)):
+                seconds, nbytes = await take()
+                out[kind].append(seconds)
+                out[f"{kind}_bytes"].append(nbytes)
+    return out
+
+
+def forward_fetch_only(folder: Path | None = None) -> None:
+    """``--forward-fetch``: the ``forward_rank_*`` figures alone."""
+    from asyncflow_actors.roles import _schema as S
+    from asyncflow_actors.roles._forward_ranks import ForwardGroup
+
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        if folder is None:
+            folder = Path(tmp) / "model"
+            build_model(folder)
+        run = spec(folder)
+        run = attrs.evolve(run, train=attrs.evolve(run.train, forward_ranks=2))
+        with ForwardGroup.open(run) as group:
+            runs = trio.run(forward_fetch_batches, group, S.topic_specs(run)[1])
+    emit("forward_rank_bytes_2ranks", statistics.median(runs["fetch_bytes"]), "bytes",
+         statistics.median(runs["broadcast_bytes"]))  # fmt: skip
+    emit("forward_rank_fetch_s_2ranks", statistics.median(runs["fetch"]), "s",
+         statistics.median(runs["broadcast"]))  # fmt: skip
+    print(f"# forward fetch: load average at the start {load_start}, at the end "
+          f"{os.getloadavg()}; batches (s) broadcast {runs['broadcast']}, fetch {runs['fetch']}",
+          file=sys.stderr)  # fmt: skip
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
 
@@ -412,6 +519,7 @@ def main() -> None:
              full_memory["optimizer_bytes"])  # fmt: skip
         emit("trainer_bf16_step", step_bf16, "s", step_2)
         rank_fetch_only(folder)
+        forward_fetch_only(folder)
     memory = ", ".join(
         [f"{n} rank(s) {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in rises.items()]
         + [f"funnel {n} ranks {_mb(m['rss'])} + {_mb(m['rise'])}" for n, m in funnels.items()]
@@ -427,6 +535,8 @@ if __name__ == "__main__":
         sys.exit(sync_only())
     if sys.argv[1:2] == ["--rank-fetch"]:
         sys.exit(rank_fetch_only())
+    if sys.argv[1:2] == ["--forward-fetch"]:
+        sys.exit(forward_fetch_only())
     if sys.argv[1:2] == ["--sync-memory"]:
         ranks, funnel, folder = sys.argv[2:5]
         print(json.dumps(sync_memory(int(ranks), bool(int(funnel)), Path(folder))))

@@ -78,3 +78,52 @@ async def test_a_checkpoint_keeps_the_prompts_whose_groups_are_being_opened(
                 # capacity (staleness + 1) x batch = 16 prompts taken, none trained
                 assert state.cursor == 16
                 assert set(state.pending) == set(range(16))
+
+
+class StoppedMidSave(afa.Actor[Any]):
+    """A Trainer that is stopped (the run's stop) while a ``SaveCheckpoint`` is under way."""
+
+    def __init__(self, received: trio.Event) -> None:
+        self.received = received
+
+    def default_shutdown(self) -> float:
+        return 0.1  # the save never ends: the stop kills it at once
+
+    async def receive(self, msg: Any, ctx: afa.ActorContext[Any]) -> Any:
+        assert isinstance(msg, SaveCheckpoint)
+        self.received.set()
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+async def test_a_checkpoint_the_runs_stop_cuts_short_is_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stopping: bool
+) -> None:
+    """The run's stop ends the Trainer while the Driver still saves a step it reported after
+    the stop began (Ctrl-C between two steps): no checkpoint, and no warning beside the one
+    line naming the resume command; a Trainer that dies otherwise is still warned about."""
+    spec = attrs.evolve(SPEC, run_dir=str(tmp_path))
+    tq = TransferQueueConfig(topics=topic_specs(spec), units=1)
+    async with afa.open_actor_system() as system, open_transfer_queue(system, tq) as queue:
+        with trio.fail_after(30):
+            received = trio.Event()
+            trainer = await system.spawn(lambda: StoppedMidSave(received), name="trainer")
+            driver = Driver(spec, queue.controller, DriverHooks(trainer=trainer))
+            await system.spawn(lambda: driver, name="driver")
+            driver.stopping = stopping
+            saved: list[str | None] = []
+
+            async def save() -> None:
+                saved.append(await driver.save_checkpoint(trainer, final=True))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(save)
+                await received.wait()  # the save is under way in the Trainer
+                await trainer.stop()
+    assert saved == [None]
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "no checkpoint" in r.getMessage()
+    ]
+    assert bool(warned) is not stopping, warned

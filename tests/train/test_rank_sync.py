@@ -30,6 +30,7 @@ from asyncflow_actors.roles._rank_send import (
     ShardSendFailed,
     local_parts,
     plan_shards,
+    rank_bucket_bytes,
     rows_of,
 )
 from asyncflow_actors.roles._rank_settings import ParallelSettings
@@ -82,6 +83,20 @@ def test_each_rank_packs_its_rows_and_the_buckets_rebuild_every_tensor(world: in
     got = cache.tensors()
     for name, param in params.items():
         assert torch.equal(got[f"sent.{name}"], param), name
+
+
+def test_each_rank_sends_its_share_in_two_buckets_at_least() -> None:
+    """So that a rank packs its second bucket while its first is on its way."""
+    mib = 1 << 20
+    assert rank_bucket_bytes(101 * mib, 1, 64 * mib) == 64 * mib  # one rank: as configured
+    assert rank_bucket_bytes(101 * mib, 2, 64 * mib) == -(-101 * mib // 4)
+    assert rank_bucket_bytes(101 * mib, 4, 16 * mib) == -(-101 * mib // 8)
+    assert rank_bucket_bytes(101 * mib, 2, 8 * mib) == 8 * mib  # never above the setting
+    assert rank_bucket_bytes(3 * mib, 4, 64 * mib) == mib  # nor below 1 MiB
+    assert rank_bucket_bytes(3 * mib, 4, 256) == 256
+    weight = torch.zeros(1 << 20)  # 4 MiB: each of 2 ranks sends 2 MiB, in 2 buckets
+    plan = plan_shards([("w", "w", weight)], 2, 64 * mib)
+    assert plan is not None and plan.senders == (0, 0, 1, 1)
 
 
 def test_a_shard_that_is_not_the_planned_rows_is_refused() -> None:

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from ._assembly import Assembly, Part
 from ._errors import ChecksumMismatch, IncompleteSync, ManifestError, UnknownChecksum
 from ._manifest import Manifest, dtype_of, tensor_bytes
 
@@ -232,6 +233,11 @@ class HostCache:
     ``copy``: the bucket tensors handed in belong to someone else (same process as the sender):
     copy what is kept before acknowledging. ``algorithm``: the checksum the sender named
     (``""``: none), computed on arrival; ``UnknownChecksum`` for one this process lacks.
+
+    A tensor split across buckets needs its pieces copied into one allocation. From a bucket
+    it owns, the cache only checksums them on arrival and keeps the bucket; ``staged`` then
+    returns that copy as an ``Assembly`` to run after the commit (``_assembly``). From a
+    bucket it must copy before acknowledging, it copies them into place at once.
     """
 
     def __init__(self, manifest: Manifest, *, copy: bool, algorithm: str) -> None:
@@ -248,12 +254,15 @@ class HostCache:
         self.received: list[bool] = [False] * n
         self.crcs: list[int] = [0] * n  # each bucket's digest (``algorithm``)
         self.whole: dict[str, torch.Tensor] = {}  # tensors staged whole (the file transport)
-        # tensors split across buckets are assembled in their own memory, piece by piece
-        self.assembled = {
-            i: torch.empty(manifest.tensors[i].nbytes, dtype=torch.uint8)
-            for i, pieces in enumerate(self.pieces)
-            if len(pieces) > 1
-        }
+        # tensors split across buckets, put together in their own memory, piece by piece
+        self.split = {i for i, pieces in enumerate(self.pieces) if len(pieces) > 1}
+        # pieces copied on arrival (from buckets that are not ours) go here at once
+        self.assembled: dict[int, torch.Tensor] = {}
+        if copy:
+            self.assembled = {
+                i: torch.empty(manifest.tensors[i].nbytes, dtype=torch.uint8) for i in self.split
+            }
+        self.later: list[bool] = [False] * n  # a kept bucket whose split pieces wait (staged)
         self.bytes = 0
 
     @property
@@ -293,7 +302,8 @@ class HostCache:
         ours = not self.copy or owned
         if data.device.type != "cpu":
             data, ours = data.cpu(), True
-        keep = any(p.tensor not in self.assembled for p in spec.pieces)
+        later = ours and any(p.tensor in self.split for p in spec.pieces)
+        keep = later or any(p.tensor not in self.split for p in spec.pieces)
         kept = data if ours or not keep else torch.empty_like(data)
         digest = hasher(self.algorithm) if self.algorithm else None
         src = data.numpy()
@@ -305,18 +315,21 @@ class HostCache:
                     src[end : piece.start], None if dst is None else dst[end : piece.start], digest
                 )
             whole = src[piece.start : piece.start + piece.nbytes]
-            dest = self.assembled.get(piece.tensor)
             out: np.ndarray[Any, Any] | None
-            if dest is not None:  # a split tensor's piece: into its own memory
-                out = dest.numpy()[piece.offset : piece.offset + piece.nbytes]
-            else:  # a whole tensor: kept in the bucket, viewed later
+            if piece.tensor not in self.split:  # a whole tensor: kept in the bucket, viewed later
                 out = None if dst is None else dst[piece.start : piece.start + piece.nbytes]
+            elif later:  # a split tensor's piece in a bucket we keep: copied after the commit
+                out = None
+            else:  # a split tensor's piece, not ours: into its own memory now
+                dest = self.assembled[piece.tensor]
+                out = dest.numpy()[piece.offset : piece.offset + piece.nbytes]
             _span(whole, out, digest)
             end = piece.start + piece.nbytes
         if end < spec.nbytes:
             _span(src[end:], None if dst is None else dst[end:], digest)
         self.crcs[index] = int(digest.intdigest()) if digest is not None else 0
         self.buckets[index] = kept if keep else None
+        self.later[index] = later
         return spec.nbytes
 
     def stage_bucket(self, index: int, data: torch.Tensor) -> int:
@@ -378,10 +391,21 @@ class HostCache:
                 )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The named tensors (call after ``verify``): views into kept buckets where aligned."""
+        """The named tensors (call after ``verify``): views into kept buckets where aligned,
+        split tensors put together here (``staged`` leaves that to the caller)."""
+        tensors, assembly = self.staged()
+        if assembly is None:
+            return tensors
+        tensors.update(assembly.run())
+        return {spec.name: tensors[spec.name] for spec in self.manifest.tensors}
+
+    def staged(self) -> tuple[dict[str, torch.Tensor], Assembly | None]:
+        """The named tensors that need no more copying (call after ``verify``), and the
+        ``Assembly`` of the split tensors whose pieces wait in kept buckets (None if none)."""
         import torch
 
         out: dict[str, torch.Tensor] = {}
+        parts: list[Part] = []
         for i, spec in enumerate(self.manifest.tensors):
             dtype = dtype_of(spec.dtype)
             if spec.name in self.whole:
@@ -391,8 +415,19 @@ class HostCache:
             if not pieces:
                 out[spec.name] = torch.empty(spec.shape, dtype=dtype)
                 continue
-            if i in self.assembled:
-                raw = self.assembled[i]
+            if i in self.split:
+                copies = []
+                for bucket_index, piece in pieces:
+                    bucket = self.buckets[bucket_index]
+                    if self.later[bucket_index] and bucket is not None:
+                        copies.append(
+                            (bucket[piece.start : piece.start + piece.nbytes], piece.offset)
+                        )
+                dest = self.assembled.get(i)
+                if copies or dest is None:
+                    parts.append(Part(spec, dest, copies))
+                    continue
+                raw = dest
             else:
                 bucket_index, piece = pieces[0]
                 bucket = self.buckets[bucket_index]
@@ -401,4 +436,4 @@ class HostCache:
                 if raw.data_ptr() % dtype.itemsize:
                     raw = raw.clone()  # a misaligned frame: torch kernels want aligned data
             out[spec.name] = raw.view(dtype).reshape(spec.shape)
-        return out
+        return out, Assembly(parts) if parts else None

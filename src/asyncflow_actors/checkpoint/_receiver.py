@@ -8,6 +8,8 @@ What it promises:
 
 - Received bytes land in a host cache (copies and checksums in worker threads: the hosting
   process's event loop keeps running); the target's weights are untouched until the commit.
+  The pieces of a tensor split across buckets it owns are checksummed on arrival and copied
+  together only after the commit, before the load (``_assembly``).
 - A target switches whole or not at all: ``load_weights`` gets every tensor of a verified
   version at once. Before the sender's commit nothing changes; a dropped sync leaves the old
   weights in place.
@@ -37,6 +39,7 @@ import attrs
 import trio
 
 from ..actors import Actor, ActorContext, Reply
+from ._assembly import Assembling, Assembly
 from ._buckets import PROCESS_TOKEN, HostCache
 from ._errors import ManifestError, StaleSync
 from ._manifest import TensorSpec, spec_of
@@ -97,6 +100,7 @@ class _Sync:
     version: int = -1
     cache: HostCache | None = None
     verified: dict[str, torch.Tensor] | None = None
+    assembling: Assembling | None = None  # its split tensors, put together after the commit
     group: Group | None = None
     scopes: list[trio.CancelScope] = attrs.Factory(list)  # lease, broadcast receive
     digests: _Digests = attrs.Factory(_Digests)
@@ -148,6 +152,7 @@ class WeightReceiver:
         self._voted: _Sync | None = None
         self._pending: dict[str, torch.Tensor] | None = None
         self._pending_version: int | None = None
+        self._assembling: list[Assembling] = []  # the pending weights' split tensors
         self._loading: int | None = None  # the version a load under way brings
         self._load_lock = trio.Lock()
         self._loaded = trio.Event()  # set when the load under way ends (replaced per load)
@@ -188,10 +193,13 @@ class WeightReceiver:
             weights, version = self._pending, self._pending_version
             if weights is None or version is None:
                 return None
+            assembling, self._assembling = self._assembling, []
             self._pending = self._pending_version = None
             self._loading = version
             started = time.perf_counter()
             try:
+                for job in assembling:  # split tensors: their copies, started at the commit
+                    weights.update(await job.result())
                 await self.target.load_weights(weights, version)
             except BaseException:
                 self._load_errors += 1
@@ -237,7 +245,7 @@ class WeightReceiver:
         if isinstance(msg, SyncPause):
             return await self._pause(msg, ctx)
         if isinstance(msg, SyncResume):
-            return await self._resume(msg)
+            return await self._resume(msg, ctx)
         if isinstance(msg, SyncFused):
             return await self._fused(msg, ctx)
         if isinstance(msg, GetReceiverStatistics):
@@ -274,12 +282,14 @@ class WeightReceiver:
         """Verify every bucket (the receiver's vote); the verified tensors wait for the commit."""
         await sync.digests.wait()
 
-        def verified() -> dict[str, torch.Tensor]:
+        def verified() -> tuple[dict[str, torch.Tensor], Assembly | None]:
             cache.verify(checksums)
-            return cache.tensors()
+            return cache.staged()  # pieces in buckets we keep: copied after the commit
 
         total = cache.manifest.bucket_total
-        sync.verified = await run_sync(offloads(self.offload, total), verified)
+        tensors, assembly = await run_sync(offloads(self.offload, total), verified)
+        sync.verified = tensors
+        sync.assembling = Assembling(assembly, self.offload) if assembly is not None else None
         sync.cache = None
         return cache.bytes
 
@@ -457,13 +467,13 @@ class WeightReceiver:
 
         ctx.start_soon(run)
 
-    async def _resume(self, msg: SyncResume) -> Resumed:
+    async def _resume(self, msg: SyncResume, ctx: ActorContext[Any]) -> Resumed:
         sync, voted = self._sync, self._voted
         if sync is not None and sync.sync_id == msg.sync_id:
-            await self._end(sync, commit=msg.commit, eager=msg.eager)
+            await self._end(sync, commit=msg.commit, eager=msg.eager, ctx=ctx)
         elif voted is not None and voted.sync_id == msg.sync_id:
             self._voted = None  # the sender's word on weights voted for before the lease ran out
-            await self._end(voted, commit=msg.commit, eager=msg.eager, resumed=True)
+            await self._end(voted, commit=msg.commit, eager=msg.eager, resumed=True, ctx=ctx)
         else:
             await trio.lowlevel.checkpoint()  # a repeated or stale resume: nothing to do
         # What it holds or will: pending weights, or those a load under way brings (the host
@@ -471,35 +481,63 @@ class WeightReceiver:
         pending = self._pending_version if self._pending_version is not None else self._loading
         return Resumed(self.target.version, pending)
 
+    def _commit(
+        self, weights: dict[str, torch.Tensor], assembling: Assembling | None, version: int
+    ) -> None:
+        """Make ``version`` the pending weights, merged with any still pending (a newer
+        tensor replaces an older one, whole or still to be put together)."""
+        names = set(weights)
+        if assembling is not None:
+            names |= assembling.assembly.names
+            for part in assembling.assembly.parts:
+                self._known.setdefault(part.spec.name, part.spec)
+        merged = {k: v for k, v in (self._pending or {}).items() if k not in names}
+        merged.update(weights)
+        for job in self._assembling:
+            job.assembly.discard(names)
+        self._assembling = [j for j in self._assembling if j.assembly.names]
+        if assembling is not None:
+            self._assembling.append(assembling)
+        self._pending, self._pending_version = merged, version
+        for name, tensor in weights.items():
+            self._known.setdefault(name, spec_of(name, tensor))
+        self._committed += 1
+
     def _drop(self, sync: _Sync, *, count: bool) -> None:
         for scope in sync.scopes:
             scope.cancel()
         if sync.group is not None:
             sync.group.close()
             sync.group = None
-        sync.cache = sync.verified = None
+        sync.cache = sync.verified = sync.assembling = None
         if count:
             self._aborted += 1
 
-    async def _end(self, sync: _Sync, *, commit: bool, eager: bool, resumed: bool = False) -> None:
+    async def _end(
+        self,
+        sync: _Sync,
+        *,
+        commit: bool,
+        eager: bool,
+        resumed: bool = False,
+        ctx: ActorContext[Any] | None = None,
+    ) -> None:
         """Commit (or drop) the staged weights, then resume the target whatever happens.
 
         ``resumed``: the target runs already (a voted sync whose lease ran out): an eager load
-        pauses it for the load only."""
+        pauses it for the load only. ``ctx``: where the split tensors' copies start at once
+        (else ``apply_pending`` runs them)."""
         if self._sync is sync:
             self._sync = None
-        weights = sync.verified
+        weights, assembling = sync.verified, sync.assembling
         self._drop(sync, count=not commit)
         try:
             if commit:
                 if weights is None:
                     raise StaleSync(f"{self._who()}: sync {sync.sync_id} was never verified")
-                merged = dict(self._pending or {})
-                merged.update(weights)
-                self._pending, self._pending_version = merged, sync.version
-                for name, tensor in weights.items():
-                    self._known.setdefault(name, spec_of(name, tensor))
-                self._committed += 1
+                self._commit(weights, assembling, sync.version)
+                if assembling is not None and ctx is not None:
+                    ctx.start_soon(assembling.start)  # in a worker thread, the host running
                 if eager or self.load == "eager":
                     if not self.pause or resumed:  # an eager load of a running target
                         await self.target.pause(sync.mode)  # pauses for the load only

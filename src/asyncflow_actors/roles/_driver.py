@@ -501,6 +501,9 @@ class Driver(Actor[_Msg]):
             if not await trainer.ask(SaveCheckpoint(target, expect)):
                 return None
         except (ActorCrashed, NodeLost) as exc:
+            if self.stopping:  # the run's stop ends the Trainer: the stop names what it saved
+                log.debug("no checkpoint at version %d: the run's stop ended the Trainer", version)
+                return None
             if not self.spec.train.auto_resume:
                 raise
             log.warning("no checkpoint at version %d: the Trainer died (%r)", version, exc)

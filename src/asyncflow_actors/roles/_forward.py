@@ -9,12 +9,14 @@ lazily, at the station's next batch boundary. RefForward holds the initial polic
 syncs. With ``RunSpec.fused_advantage`` (``placement.roles.advantage = "actor_fwd"``)
 ActorForward takes whole groups and also computes their advantages: one fetch, one write back
 and one ack for both columns. With ``train.forward_ranks`` > 1 each station's model is sharded
-over that many ranks (``ForwardGroup``; this process is rank 0): a forward splits the batch's
-rows over the ranks and a weight load keeps each rank's shard.
+over that many ranks (``ForwardGroup``; this process is rank 0): each rank fetches its own
+rows of the batch from the TQ (``_forward_fetch``; a unit a rank cannot reach: the lease is
+nacked, nothing written) and a weight load keeps each rank's shard.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -24,11 +26,14 @@ import trio
 from ..actors import Actor, ActorContext
 from ..checkpoint import SYNC_MESSAGES, PauseAck, PauseMode, SyncMessage, WeightReceiver
 from ..observe import clock_ns
+from ..transfer_queue import StorageUnavailable
 from . import _schema as S
 from ._advantage import Advantages
 from ._messages import AdoptVersion, GetRoleStats
 from ._shared import load_policy
 from ._worker import Station, in_thread, take
+
+log = logging.getLogger("asyncflow_actors.roles")
 
 if TYPE_CHECKING:
     import torch
@@ -146,11 +151,13 @@ class _Forward(Station):
         spec = self.spec
         n = spec.rollout.group_size
         while True:
+            fetched = await self.rank_columns()
             batch = await self.fetch(
                 self.columns,
                 spec.fetch_size,
                 whole_groups=spec.stage_barrier or self.advantages is not None,
                 min_count=spec.fetch_size if spec.stage_barrier else n,
+                fetch=fetched,
             )
             await self.boundary()
             rows = self.dp.rows(batch)
@@ -158,21 +165,69 @@ class _Forward(Station):
             if not rows:  # whole groups: fewer groups than ranks left this rank none
                 await self.client.ack(batch)
                 continue
-            prompts = take(batch, rows, S.PROMPT_IDS)
-            responses = take(batch, rows, S.RESPONSE_IDS)
             with self.meter.track.span(self.role, samples=batch.indexes, version=self.copy.version):
                 start = clock_ns()
-                async with self.copy.lock:
-                    logprobs = await in_thread(self.logprobs, prompts, responses)
+                try:
+                    async with self.copy.lock:
+                        logprobs = await self.batch_logprobs(batch, rows, fetched is not None)
+                except StorageUnavailable as exc:  # a forward rank could not fetch its rows
+                    log.warning("%s %s: %s; its samples go out again", self.role, self.worker, exc)
+                    await self.client.nack(batch)
+                    continue
+                lengths = [int(r.shape[0]) for r in logprobs]
                 data = {self.column: logprobs}
                 if self.advantages is not None:
-                    lengths = [int(r.shape[0]) for r in responses]
                     data[S.ADVANTAGES] = await self.advantages(batch, rows, lengths)
                 self.meter.busy(start)
                 if not await self.write_back(batch, rows, data):
                     continue  # its samples left the lease: returned, not acked
             await self.client.ack(batch)
-            self.meter.done(len(rows), sum(int(r.shape[0]) for r in responses))
+            self.meter.done(len(rows), sum(lengths))
+
+    async def rank_columns(self) -> list[str] | None:
+        """The columns this station fetches itself when its ranks fetch the prompts and
+        responses (``_forward_fetch``), or None (all: this process computes, or rank 0
+        broadcasts the rows: ranks the units cannot be reached from, a lease shared with the
+        station's other workers)."""
+        if self.spec.train.forward_ranks <= 1 or not self.model.rank_fetch:
+            return None
+        from ._forward_fetch import ROWS
+        from ._rank_fetch import _addresses
+
+        assert self.client is not None
+        if self.dp.size > 1:
+            self.model.broadcast_rows("the station's workers share each lease")
+        elif await _addresses(self.client) is None:
+            self.model.broadcast_rows(
+                "the queue's units cannot be reached from another process (no mesh)"
+            )
+        return [c for c in self.columns if c not in ROWS] if self.model.rank_fetch else None
+
+    async def batch_logprobs(self, batch: Any, rows: list[int], leased: bool) -> list[Any]:
+        """The log-probs of ``batch``'s ``rows``: fetched by the ranks (``leased``), else
+        computed on the rows this process fetched."""
+        assert self.client is not None
+        if leased:
+            from ._forward_fetch import ROWS, leased_rows
+            from ._rank_fetch import rank_leases
+
+            topic = self.client.specs[batch.lease.topic]
+            leases = await rank_leases(self.client, topic, batch)
+            if leases is not None:
+                options = {"pad_id": self.tokenizer.pad_id,
+                           "temperature": self.spec.rollout.temperature}  # fmt: skip
+                out, fetched = await in_thread(
+                    lambda: self.model.logprobs_leased(leases, rows, **options)
+                )
+                self.meter.extra["fetched_bytes"] = fetched
+                return list(out)
+            self.model.broadcast_rows("the queue's units became unreachable from the ranks")
+            prompts, responses = await leased_rows(self.client, topic, batch, rows, ROWS)
+        else:
+            prompts = take(batch, rows, S.PROMPT_IDS)
+            responses = take(batch, rows, S.RESPONSE_IDS)
+        result: list[Any] = await in_thread(self.logprobs, prompts, responses)
+        return result
 
 
 class ActorForward(_Forward, Actor[GetRoleStats | AdoptVersion | SyncMessage]):

@@ -2,8 +2,10 @@
 
 Rank 0 is the station's own process; ranks 1..N-1 start through the same ``RankGroup`` as the
 trainer's (child processes, or Ray actors with ``train.rank_launcher = "ray"``). A forward
-broadcasts the batch's rows, every rank computes its partition and rank 0 gathers the rows back
-in order (``_rank_forward``); a weight load broadcasts the full tensors and each rank keeps its
+has each rank fetch its own rows of the batch's lease from the TQ (``logprobs_leased``,
+``_forward_fetch``), or, where the ranks cannot (``broadcast_rows``), broadcasts the rows
+(``logprobs``); every rank computes its partition and rank 0 gathers the log-probs back in
+order (``_rank_forward``); a weight load broadcasts the full tensors and each rank keeps its
 shard. Every call is synchronous and long (run it in a worker thread) and raises ``RankFailed``
 naming a rank that died, within the collective timeout.
 """
@@ -11,6 +13,7 @@ naming a rank that died, within the collective timeout.
 from __future__ import annotations
 
 import atexit
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,10 +22,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._distributed import open_group
+from ._rank_fetch import RankLeases, plain_reason
 from ._rank_forward import RankForward, forward_parallel
 from ._rank_host import RankHost, encode_batch, spec_to_wire
 from ._ranks import RankGroup
 from ._settings import RunSpec, SettingsError
+
+log = logging.getLogger("asyncflow_actors.roles.ranks")
 
 
 class ForwardGroup:
@@ -31,6 +37,24 @@ class ForwardGroup:
     def __init__(self, group: RankGroup) -> None:
         self.group = group
         self.host = RankHost()
+        self._plain: str | None = None  # why rank 0 broadcasts the rows (None: ranks fetch)
+        reason = plain_reason(group)
+        if reason is not None:
+            self.broadcast_rows(reason)
+
+    @property
+    def rank_fetch(self) -> bool:
+        """Whether each rank may fetch its own rows of a batch (else rank 0 broadcasts them)."""
+        return self._plain is None
+
+    def broadcast_rows(self, reason: str) -> None:
+        """From now on rank 0 fetches every row and broadcasts them (``reason``: logged)."""
+        if self._plain is None:
+            self._plain = reason
+            log.info(
+                "train.forward_ranks: rank 0 fetches each batch and broadcasts its rows: %s",
+                reason,
+            )
 
     @classmethod
     def open(
@@ -87,6 +111,30 @@ class ForwardGroup:
         header = {"op": "forward", "layout": layout, "pad_id": pad_id, "temperature": temperature}
         rows: list[Tensor] = self._command(header, tensors)
         return rows
+
+    def logprobs_leased(
+        self, leases: RankLeases, positions: Sequence[int], *, pad_id: int, temperature: float
+    ) -> tuple[list[Tensor], float]:
+        """The log-probs of the lease's rows at ``positions``, each rank fetching its own
+        (``_forward_fetch``), and the most bytes a rank fetched. Raises ``StorageUnavailable``
+        naming the unit a rank could not fetch from (before any forward: the group stays in
+        step; the caller nacks the lease)."""
+        from ._forward_fetch import failure, header_of
+
+        header = header_of(leases, positions, pad_id=pad_id, temperature=temperature)
+
+        def local() -> Any:
+            self.host.fetch = leases.fetch
+            try:
+                return self.host.run(header, [])
+            finally:
+                self.host.fetch = None
+
+        result: dict[str, Any] = self.group.command(header, [], local)
+        if "failed" in result:
+            leases.on_failure()  # the controller checks its units
+            raise failure(result)
+        return result["rows"], result["fetched_bytes"]
 
     def load(self, weights: Mapping[str, Tensor]) -> None:
         """Load full tensors into the sharded model (names not given keep their values)."""

@@ -47,6 +47,7 @@ class RankForward:
     """This rank's shard of a forward station's policy (module docstring)."""
 
     def __init__(self, spec: RunSpec, parallel: ParallelSettings, *, path: str | None) -> None:
+        self.spec = spec
         model, self.tokenizer = build_policy(spec.model, spec.task.build(), path=path)
         self.device = torch.device(spec.model.device)
         if self.device.type != "cpu":
@@ -73,11 +74,31 @@ class RankForward:
         ]
         parts = partition_lpt(items, size, equal_count=True)
         mine = parts[rank()]
-        rows = mine or [0]  # a void forward: FSDP2's collectives match on every rank
-        batch = pack_batch(
-            [prompts[k].tolist() for k in rows], [responses[k].tolist() for k in rows],
-            pad_id=pad_id,
+        return self.part_logprobs(
+            parts, lengths, [prompts[k] for k in mine], [responses[k] for k in mine],
+            pad_id=pad_id, temperature=temperature,
         )  # fmt: skip
+
+    def part_logprobs(
+        self,
+        parts: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        prompts: Sequence[Tensor],
+        responses: Sequence[Tensor],
+        *,
+        pad_id: int,
+        temperature: float,
+    ) -> list[Tensor]:
+        """This rank's rows (``prompts``, ``responses``: the rows ``parts[rank]`` names, in
+        order) forwarded, and every row's log-probs gathered to rank 0 in the batch's order
+        (``lengths``: every row's response length, known to every rank; others get [])."""
+        size = world()
+        mine = parts[rank()]
+        if mine:
+            batch = pack_batch([p.tolist() for p in prompts], [r.tolist() for r in responses],
+                               pad_id=pad_id)  # fmt: skip
+        else:  # a void forward: FSDP2's collectives match on every rank
+            batch = pack_batch([[pad_id]], [[pad_id]], pad_id=pad_id)
         if self.device.type != "cpu":
             batch = attrs.evolve(batch, **{
                 name: getattr(batch, name).to(self.device)
@@ -98,7 +119,7 @@ class RankForward:
             dist.all_gather(every, local, group=control_group())
         if rank() != 0:
             return []
-        out: list[Tensor] = [torch.empty(0)] * len(responses)
+        out: list[Tensor] = [torch.empty(0)] * len(lengths)
         for part, flat in zip(parts, every, strict=True):
             offset = 0
             for k in part:

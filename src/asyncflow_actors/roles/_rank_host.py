@@ -6,7 +6,8 @@ batch, ``step_rows`` on the rows this rank fetches of it (``_rank_fetch``), ``st
 the optimizer state over the ranks, ``gather`` all-gathers parameters one at a time
 in the order of a weight sync, ``sync_send`` sends this rank's buckets of one (``_rank_send``), ``save``/``load``/``export`` are the distributed checkpoint.
 A forward station's ranks (``_rank_forward``): ``forward_setup`` builds its shard of the
-policy, ``forward`` computes a batch's log-probs, ``forward_load`` loads full weights.
+policy, ``forward`` computes a batch's log-probs (``forward_rows``: of the rows each rank
+fetches, ``_forward_fetch``), ``forward_load`` loads full weights.
 ``serve`` is the loop of ranks > 0: receive a command, run it, until ``stop``.
 """
 
@@ -159,6 +160,10 @@ class RankHost:
                 rows["prompt_ids"], rows["response_ids"],
                 pad_id=header["pad_id"], temperature=header["temperature"],
             )  # fmt: skip
+        if op == "forward_rows":  # each rank fetches its rows from the TQ (``_forward_fetch``)
+            from ._forward_fetch import forward_rows
+
+            return forward_rows(forward, header, self.fetch)
         if op == "forward_load":
             return forward.load(dict(zip(header["names"], tensors, strict=True)))
         raise RuntimeError(f"unknown rank command {op!r}")
@@ -201,7 +206,7 @@ def _fault_hook(host: RankHost) -> None:  # pragma: no cover - a test hook
         once = os.environ.get("AFA_RANK_KILL_ONCE")  # a file: only the rank that creates it dies
 
         def run_forward(header: Mapping[str, Any], tensors: Sequence[Tensor]) -> Any:
-            if header["op"] == "forward" and (once is None or _first(once)):
+            if header["op"] in ("forward", "forward_rows") and (once is None or _first(once)):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original_run(header, tensors)
 

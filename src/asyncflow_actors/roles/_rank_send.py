@@ -46,7 +46,7 @@ from ..checkpoint import (
     PutBucket,
     TensorSpec,
 )
-from ..checkpoint._manifest import plan_segments, spec_of
+from ..checkpoint._manifest import ALIGNMENT, plan_segments, spec_of
 from ..checkpoint._transport import DoubleBuffer, SyncSession, ask_all, pipelined
 
 if TYPE_CHECKING:
@@ -103,11 +103,29 @@ class ShardPlan:
         return [b for b in self.manifest.buckets if self.senders[b.index] == rank]
 
 
+#: A rank's buckets are never made smaller than this to fill two (``rank_bucket_bytes``).
+SMALLEST_BUCKET = 1 << 20
+
+
+def rank_bucket_bytes(total: int, world: int, bucket_bytes: int) -> int:
+    """The bucket size of a sync of ``total`` bytes from ``world`` ranks: at most
+    ``bucket_bytes``, and from several ranks small enough that each rank's share fills two
+    buckets (its double buffer then packs one while the other is on its way: with one bucket
+    a rank would pack its whole share before its first byte left), but not below
+    ``SMALLEST_BUCKET``."""
+    if world == 1:
+        return bucket_bytes
+    half = -(-total // (2 * world))
+    half = -(-half // ALIGNMENT) * ALIGNMENT
+    return min(bucket_bytes, max(half, SMALLEST_BUCKET))
+
+
 def plan_shards(
     named: Sequence[tuple[str, str, torch.Tensor]], world: int, bucket_bytes: int
 ) -> ShardPlan | None:
     """The layout of a sync of ``named`` (``(sent name, parameter name, parameter)``) from
-    ``world`` ranks; None if a parameter is sharded another way than by rows."""
+    ``world`` ranks, in buckets of ``rank_bucket_bytes``; None if a parameter is sharded
+    another way than by rows."""
     specs: list[TensorSpec] = []
     segments: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
     for index, (name, _, param) in enumerate(named):
@@ -123,7 +141,10 @@ def plan_shards(
         for rank in range(world):
             start, end = rows_of(rows, world, rank)
             segments[rank].append((index, start * row_bytes, (end - start) * row_bytes))
-    manifest, senders = plan_segments(specs, segments, bucket_bytes)
+    total = sum(spec.nbytes for spec in specs)
+    manifest, senders = plan_segments(
+        specs, segments, rank_bucket_bytes(total, world, bucket_bytes)
+    )
     return ShardPlan(world, manifest, senders, tuple(source for _, source, _ in named))
 
 
