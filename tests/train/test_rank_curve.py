@@ -2,8 +2,9 @@
 started them (``roles/_rank_keys``), handed in their environment, so under CURVE, in both key
 models, every rank sends its own buckets of a weight sync to a receiver on another node (from a
 trainer here, and from one on a node process of its own) and fetches its own rows from the
-TransferQueue (no fallback to rank 0); the key is on no rank's command line, and a connection
-without it is refused as before. Real processes and sockets.
+TransferQueue (no fallback to rank 0), as a forward station's ranks do; the key is on no
+rank's command line, and a connection without it is refused as before. Real processes and
+sockets.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from asyncflow_actors.actors.remote import CurveClient, CurveServer, curve_keypa
 from asyncflow_actors.actors.remote import _protocol as P
 from asyncflow_actors.checkpoint import CheckpointConfig
 from asyncflow_actors.roles._distributed import DistributedLearner
+from asyncflow_actors.roles._forward_ranks import ForwardGroup
 from asyncflow_actors.roles._rank_fetch import _addresses
 from asyncflow_actors.roles._rank_keys import RANK_KEYS_ENV, rank_key_env
 from asyncflow_actors.roles._rank_send import RankTransport
@@ -31,10 +33,12 @@ from tests.remote.curve_actors import speak
 from tests.train.curve_trainer import OpenRanks, SyncTo
 
 from .conftest import global_batch, run_spec
+from .test_forward_fetch import leased as forward_leased
 from .test_rank_fetch import leased, queue_of, relative
 from .test_rank_sync import FAST, NODE, specs_of
 
 TWO = ParallelSettings(ranks=2)
+FORWARD = run_spec(forward_ranks=2, collective_timeout=60)
 
 
 @asynccontextmanager
@@ -148,3 +152,25 @@ async def test_a_trainer_node_s_ranks_sync_to_another_node_under_curve(model: st
         held = await rx.ask(GetWeights())
         assert set(held) == set(full) and all(torch.equal(held[k], v) for k, v in full.items())
         await ranks.stop()
+
+
+async def test_a_forward_station_s_ranks_fetch_their_rows_under_curve() -> None:
+    """A forward station's 2 ranks (node key model) fetch their own rows from units on node
+    processes: the log-probs the broadcast gives."""
+    async with open_curve_system("node") as system:
+        group = await trio.to_thread.run_sync(lambda: ForwardGroup.open(FORWARD))
+        try:
+            assert group.rank_fetch
+            data = global_batch(8)
+            expected = await trio.to_thread.run_sync(
+                lambda: group.logprobs(
+                    data["prompt_ids"], data["response_ids"], pad_id=0, temperature=1.0
+                )
+            )
+            async with queue_of(data, system=system, placement="process") as client:
+                _, got, fetched = await forward_leased(client, group, 8)
+            assert group.rank_fetch and fetched > 0  # no fallback to the broadcast
+            for g, e in zip(got, expected, strict=True):
+                assert float((g - e).abs().max()) <= 1e-6
+        finally:
+            await trio.to_thread.run_sync(group.close)
