@@ -113,12 +113,12 @@ def test_forward_ranks_that_may_run_on_other_hosts_keep_the_broadcast(
     assert len(said) == 2 and "torchrun" in said[0] and "Ray" in said[1]
 
 
-@pytest.mark.parametrize(("workers", "reason"), [(1, "CURVE"), (2, "share each lease")])
+@pytest.mark.parametrize(("workers", "reason"), [(1, "no mesh"), (2, "share each lease")])
 async def test_a_station_whose_ranks_cannot_fetch_switches_to_the_broadcast(
     workers: int, reason: str
 ) -> None:
-    """Units no other process can address (no mesh; a mesh under CURVE), or a lease shared by
-    the station's workers: the station fetches every column, from then on, and says why once."""
+    """Units no other process can address (no mesh), or a lease shared by the station's
+    workers: the station fetches every column, from then on, and says why once."""
     from types import SimpleNamespace
 
     from asyncflow_actors.roles._forward import ActorForward

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,18 @@ def ranks(trigger: Path) -> Iterator[DistributedLearner]:
 
 
 @asynccontextmanager
-async def queue_of(data: dict[str, Any], io_timeout: float = 60.0) -> AsyncIterator[Any]:
-    """A queue (2 units in this process) holding ``data``'s rows, one group a row;
-    ``io_timeout``: the bound on each request of a client to a unit."""
+async def queue_of(
+    data: dict[str, Any], io_timeout: float = 60.0, system: Any = None, **extra: Any
+) -> AsyncIterator[Any]:
+    """A queue (2 units in this process: on ``system``, else a system of its own; ``extra``:
+    more of its config) holding ``data``'s rows, one group a row; ``io_timeout``: the bound on
+    each request of a client to a unit."""
     spec = run_spec()
-    config = TransferQueueConfig(topics=(S.topic_specs(spec)[1],), io_timeout=io_timeout)
-    async with afa.open_actor_system() as system, open_transfer_queue(system, config) as tq:
+    config = TransferQueueConfig(topics=(S.topic_specs(spec)[1],), io_timeout=io_timeout, **extra)
+    async with AsyncExitStack() as stack:
+        if system is None:
+            system = await stack.enter_async_context(afa.open_actor_system())
+        tq = await stack.enter_async_context(open_transfer_queue(system, config))
         client = await tq.client()
         n = len(data["response_ids"])
         slots = await client.open_groups(
@@ -177,8 +183,8 @@ def test_ranks_that_may_run_on_other_hosts_keep_the_broadcast() -> None:
 
 
 async def test_units_the_ranks_cannot_reach_switch_the_trainer_to_the_broadcast() -> None:
-    """A unit ref that names no address another process could use (no mesh; a mesh under
-    CURVE): rank 0 fetches every column, from then on, and says why once."""
+    """A unit ref that names no address another process could use (no mesh): rank 0 fetches
+    every column, from then on, and says why once."""
     from types import SimpleNamespace
 
     from asyncflow_actors.roles._rank_fetch import rank_columns
@@ -187,4 +193,4 @@ async def test_units_the_ranks_cannot_reach_switch_the_trainer_to_the_broadcast(
     learner = SimpleNamespace(broadcast_rows=reasons.append)
     client = SimpleNamespace(units={"unit-0": object()})
     assert await rank_columns(client, learner, CLAIMED, text=False) is None
-    assert len(reasons) == 1 and "CURVE" in reasons[0]
+    assert len(reasons) == 1 and "no mesh" in reasons[0]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._rank_host import RankHost, encode_batch, spec_to_wire
+from ._rank_keys import rank_key_env
 from ._rank_learner import RankLearner
 from ._rank_settings import LoraSettings, ParallelSettings
 from ._ranks import RankGroup, backend_for
@@ -47,6 +48,8 @@ def open_group(
     """Start ``parallel.ranks`` ranks (this process is rank 0; the others child processes or,
     with ``parallel.launcher == "ray"``, Ray actors) on the backend of the run's device."""
     placement = ray_ranks(parallel)
+    if placement is None:  # child processes: under CURVE they present this node's key
+        env = {**rank_key_env(), **(env or {})}
     return RankGroup.open(
         parallel.ranks,
         host="127.0.0.1" if placement is None else ray_host(placement),

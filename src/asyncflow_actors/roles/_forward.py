@@ -199,8 +199,7 @@ class _Forward(Station):
             self.model.broadcast_rows("the station's workers share each lease")
         elif await _addresses(self.client) is None:
             self.model.broadcast_rows(
-                "the queue's units cannot be reached from another process (a mesh under "
-                "CURVE: the ranks hold no key; or no mesh)"
+                "the queue's units cannot be reached from another process (no mesh)"
             )
         return [c for c in self.columns if c not in ROWS] if self.model.rank_fetch else None
 

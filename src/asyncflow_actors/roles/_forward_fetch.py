@@ -13,9 +13,9 @@ If a rank could not fetch, every rank returns before any forward and the station
 again). Else each rank forwards its rows and the log-probs are gathered to rank 0, which
 writes them as before.
 
-Where the ranks cannot reach the units (a mesh under CURVE, ranks started by Ray or torchrun)
-or the lease is shared with other workers of the station, rank 0 fetches the rows and
-broadcasts them, as before (logged once).
+Where the ranks cannot reach the units (ranks started by Ray or torchrun, units of a system
+without a mesh; under CURVE they can: ``_rank_keys``) or the lease is shared with other workers
+of the station, rank 0 fetches the rows and broadcasts them, as before (logged once).
 """
 
 from __future__ import annotations

@@ -15,10 +15,11 @@ rank 0 raises ``StorageUnavailable`` naming the unit (the Trainer nacks the leas
 again). Else the ranks train on their
 rows with the global normaliser, as with the broadcast, and rank 0 acks the leases.
 
-A rank > 0 reaches the units from its own actor system (``_rank_mesh``); rank 0 from the
-Trainer's event loop, with the Trainer's client. Where the ranks cannot reach the units (a mesh
-under CURVE: they hold no key; ranks started by Ray or torchrun: maybe on other hosts), rank 0
-fetches every column and broadcasts the rows, as before (``plain_reason`` says why; logged once).
+A rank > 0 reaches the units from its own actor system (``_rank_mesh``; under CURVE with its
+trainer node's key, ``_rank_keys``); rank 0 from the Trainer's event loop, with the Trainer's
+client. Where the ranks cannot reach the units (ranks started by Ray or torchrun: maybe on
+other hosts; units of a system without a mesh), rank 0 fetches every column and broadcasts the
+rows, as before (``plain_reason`` says why; logged once).
 """
 
 from __future__ import annotations
@@ -54,10 +55,7 @@ async def rank_columns(
     some), or None (all) when the ranks cannot reach the queue's units (then never again:
     ``learner.broadcast_rows``)."""
     if await _addresses(client) is None:
-        learner.broadcast_rows(
-            "the queue's units cannot be reached from another process (a mesh under CURVE: "
-            "the ranks hold no key; or no mesh)"
-        )
+        learner.broadcast_rows("the queue's units cannot be reached from another process (no mesh)")
         return None
     return [c for c in columns if c in SMALL or (text and c == S.RESPONSE_IDS)]
 
@@ -157,8 +155,8 @@ class RankLeases:
 
 async def rank_leases(client: Any, topic: Any, batch: Any) -> RankLeases | None:
     """``batch``'s lease as the ranks fetch it (on the Trainer's loop, with its ``client``;
-    ``topic``: the rollout topic's spec); None if the ranks cannot reach the queue's units (a
-    mesh under CURVE, no mesh)."""
+    ``topic``: the rollout topic's spec); None if the ranks cannot reach the queue's units (no
+    mesh)."""
     addresses = await _addresses(client)
     if addresses is None:
         return None
@@ -356,14 +354,12 @@ async def _fetch_from(
     columns: Sequence[str],
     shared: Sequence[str],
 ) -> dict[str, Any]:
-    from ..actors.remote import ActorAddress, mesh_of
+    from ..actors.remote import mesh_of
+    from ._rank_keys import resolve_entry
 
-    resolve = mesh_of(mesh.system).resolve
-    refs = {
-        name: resolve(ActorAddress(node, path, tuple(endpoints), incarnation))
-        for name, (node, path, endpoints, incarnation) in header["units"].items()
-    }
-    _unreachable(refs, resolve)
+    own = mesh_of(mesh.system)
+    refs = {name: resolve_entry(own, entry) for name, entry in header["units"].items()}
+    _unreachable(refs, own.resolve)
     io = UnitIO(refs, shm_min_bytes=header["shm_min_bytes"], timeout=header["timeout"],
                 on_failure=lambda: None)  # fmt: skip
     return await fetch_step(io, topic, views, positions, columns, shared)

@@ -5,7 +5,8 @@ A rank > 0 is a process (or a Ray actor) running a synchronous ``torch.distribut
 weight sync straight to the receivers (``_rank_send``), it opens one when first needed: an
 ``open_actor_system`` running in a daemon thread of the process, a member of the run's mesh
 like any other system (it resolves the receivers' addresses and opens links to their
-processes on first use; on loopback that needs nothing more). The rank's command loop calls
+processes on first use; on loopback that needs nothing more; under CURVE it presents the
+key of the process that started it, ``_rank_keys``). The rank's command loop calls
 into it with ``RankMesh.run`` and waits; ``close`` stops it (at the end of ``serve``).
 """
 
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import trio
 
 from ..actors.remote import NodeSystem, open_actor_system
+from ._rank_keys import join_curve
 
 T = TypeVar("T")
 
@@ -53,6 +55,7 @@ class RankMesh:
 
     async def _serve(self) -> None:
         async with open_actor_system(name=self.name, handle_signals=False) as system:
+            join_curve(system.mesh)  # under CURVE: its trainer node's key (``_rank_keys``)
             self.system = system
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()

@@ -35,7 +35,7 @@ import torch
 import trio
 
 from ..actors import ActorRef
-from ..actors.remote import ActorAddress, RemoteActorRef, mesh_of
+from ..actors.remote import RemoteActorRef, mesh_of
 from ..checkpoint import (
     ActorTransport,
     BucketSource,
@@ -202,9 +202,11 @@ def manifest_from_wire(data: dict[str, Any]) -> Manifest:
 
 
 async def addresses_of(refs: Sequence[ActorRef[Any]]) -> list[list[Any]] | None:
-    """The receivers' addresses as plain data (without their stop tokens: the ranks only send
-    buckets), or None if one cannot be reached from another process (a system without a mesh,
-    a link under CURVE: the ranks hold no key)."""
+    """The receivers' addresses as plain data (``_rank_keys.address_entry``: with their
+    nodes' CURVE keys, without their stop tokens: the ranks only send buckets), or None if one
+    cannot be reached from another process (a system without a mesh)."""
+    from ._rank_keys import address_entry
+
     out: list[list[Any]] = []
     for ref in refs:
         cell = getattr(ref, "cell", None)  # a ref to an actor of this process
@@ -218,10 +220,7 @@ async def addresses_of(refs: Sequence[ActorRef[Any]]) -> list[list[Any]] | None:
             mesh = ref.mesh
         else:
             return None
-        if mesh.curve is not None:
-            return None
-        address = mesh.address_of(ref)
-        out.append([address.node, address.path, list(address.endpoints), address.incarnation])
+        out.append(address_entry(mesh, mesh.address_of(ref)))
     await trio.lowlevel.checkpoint()
     return out
 
@@ -269,11 +268,10 @@ async def _send(
     """Pack and send ``mine``, double-buffered, under the sync's deadline; their checksums."""
     system = mesh.system
     assert system is not None
-    resolve = mesh_of(system).resolve
-    refs = tuple(
-        resolve(ActorAddress(node, path, tuple(endpoints), incarnation))
-        for node, path, endpoints, incarnation in header["receivers"]
-    )
+    from ._rank_keys import resolve_entry
+
+    own = mesh_of(system)
+    refs = tuple(resolve_entry(own, entry) for entry in header["receivers"])
     sync_id = header["sync_id"]
     config = CheckpointConfig(bucket_bytes=source.manifest.bucket_bytes)
     session = SyncSession(sync_id, header["version"], source.manifest, refs, config, source)

@@ -268,5 +268,19 @@ class KeyBindings:
 
     def _refresh(self) -> None:
         if self.zap is not None:
-            admitted = self.authorized | self.supervisors | set(self.bound.values())
+            # our own key too: only this system and the processes it handed its key to (a
+            # trainer's ranks, ``roles/_rank_keys``) can prove it
+            admitted = self.authorized | self.supervisors | {self.keypair.public}
+            admitted |= set(self.bound.values())
             self.zap.allow(self.domain, list(admitted))
+
+
+PROCESS_KEYS: list[KeyBindings] = []
+"""The keys of this process's systems listening with CURVE, oldest first (``Mesh.listen``)."""
+
+
+def process_keys() -> KeyBindings | None:
+    """The keys of this process's (first) system listening with CURVE, if any: the identity a
+    process this one starts to act under its authority gets (a trainer's ranks,
+    ``roles/_rank_keys``)."""
+    return PROCESS_KEYS[0] if PROCESS_KEYS else None

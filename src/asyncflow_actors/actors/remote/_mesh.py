@@ -35,6 +35,7 @@ from .._system import default_system_name
 from . import _protocol as P
 from ._address import ActorAddress
 from ._curve import (
+    PROCESS_KEYS,
     CurveClient,
     CurveServer,
     KeyBindings,
@@ -148,6 +149,8 @@ class Mesh:
                         peer.link.close(P.NodeLost(f"system {self.name!r} closed"))
                 nursery.cancel_scope.cancel()
                 self._nursery = None
+                if self.keys in PROCESS_KEYS:
+                    PROCESS_KEYS.remove(self.keys)
                 if self._tmpdir is not None:
                     shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -205,6 +208,7 @@ class Mesh:
                 zap=auth,
             )
             self.curve = CurveClient(curve.keypair.public, curve.keypair)
+            PROCESS_KEYS.append(self.keys)
         options: dict[int, int | bytes | str] = {zmq.ROUTER_MANDATORY: 1}
         options.update(heartbeat_options(self.options))
         options[zmq.MAXMSGSIZE] = max_message_bytes
