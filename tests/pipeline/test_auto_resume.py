@@ -179,8 +179,8 @@ async def test_a_trainer_that_raises_resumes_from_the_start_without_checkpoints(
 
 def _kill_while_starting(run: Pipeline, killed: list[int], times: int) -> list[int]:
     """After the first kill, SIGKILL the Trainer's node ``times`` more times while a resumed
-    Trainer starts there (0.2 s into each spawn, once the node runs a new process: in its
-    ``on_start`` or just after); the pids killed there."""
+    Trainer starts there (0.2 s into each spawn once the node runs a new process, or as the
+    spawn returns if sooner: in its ``on_start`` or just after); the pids killed there."""
     assert run.resumer is not None
     place = run.resumer.place
     spawn = place.spawn
@@ -197,8 +197,13 @@ def _kill_while_starting(run: Pipeline, killed: list[int], times: int) -> list[i
         with trio.fail_after(60):
             pid = await new_pid()
 
+        spawned = trio.Event()
+
         async def kill() -> None:
-            await trio.sleep(0.2)
+            # 0.2 s in, or as the spawn returns if sooner (a Trainer that starts quickly
+            # would otherwise have finished the run before the kill): never after it
+            with trio.move_on_after(0.2):
+                await spawned.wait()
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             again.append(pid)
@@ -209,6 +214,8 @@ def _kill_while_starting(run: Pipeline, killed: list[int], times: int) -> list[i
                 return await spawn(cls, role=role, **kwargs)
             except Exception as exc:
                 error = exc
+            finally:
+                spawned.set()
         raise error
 
     place.spawn = spawning  # type: ignore[method-assign]

@@ -148,13 +148,14 @@ from tests.pipeline.kit import tiny
 config = tiny("async", run_dir={str(tmp_path / "run")!r}, train={{"steps": 2, "checkpoint_every": 2}},
               model={{"hf": {str(folder)!r}, "impl": "native"}})
 result = trio.run(run_pipeline, config)
-print(len(result.records), "transformers" in sys.modules)
+print(len(result.records), "transformers" in sys.modules, "torch._dynamo" in sys.modules)
 """
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env, cwd=root)  # fmt: skip
-    assert out.stdout.split() == ["2", "False"]
+    # neither transformers nor torch's compiler (torch.optim's wrappers import it: ``_adamw``)
+    assert out.stdout.split() == ["2", "False", "False"]
     assert (tmp_path / "run" / "final" / "policy" / "model.safetensors").exists()
 
 

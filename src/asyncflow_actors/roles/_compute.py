@@ -40,6 +40,7 @@ from ..rl import (
     policy_loss,
     rloo_advantages,
 )
+from ._adamw import DirectAdamW
 from ._settings import AlgorithmSettings, ModelSettings, RunSpec
 
 POLICY_FILE = "policy.safetensors"
@@ -334,7 +335,9 @@ class Learner:
         path = os.path.join(resume, POLICY_FILE) if resume else None
         self.model, self.tokenizer = shared or build_policy(spec.model, task, path=path)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
+        # torch's AdamW update without torch.optim's wrappers (their torch._dynamo import
+        # was a third of a small run's first step): ``_adamw``
+        self.optimizer = DirectAdamW(
             self.model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay
         )
         self.loss = loss_config(spec.algorithm, spec.staleness)
@@ -500,7 +503,7 @@ def finish(updates: Generator[None, None, dict[str, float]]) -> dict[str, float]
 
 
 def save_optimizer(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | DirectAdamW,
     rng: tuple[Tensor, Tensor],
     path: str,
     meta: Mapping[str, Any],
@@ -525,7 +528,7 @@ def save_optimizer(
 
 
 def load_optimizer(
-    optimizer: torch.optim.Optimizer, generator: torch.Generator, path: str
+    optimizer: torch.optim.Optimizer | DirectAdamW, generator: torch.Generator, path: str
 ) -> dict[str, Any]:
     """Restore what ``save_optimizer`` wrote; returns its ``meta``."""
     content = load_safetensors(path)
