@@ -235,7 +235,7 @@ def test_collect_refuses_bad_weights() -> None:
 def test_copy_bytes_copies_exactly_below_and_above_the_small_copy_size(n: int) -> None:
     import warnings
 
-    from asyncflow_actors.checkpoint._buckets import copy_bytes
+    from asyncflow_actors.checkpoint._copies import copy_bytes
 
     raw = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).tolist())
     with warnings.catch_warnings():

@@ -503,9 +503,9 @@ async def test_copies_and_checksums_run_off_the_event_loop_unless_small(
 ) -> None:
     """With ``offload``, buckets of ``INLINE_BYTES`` or more are packed and digested in worker
     threads; smaller ones inline (a thread hop would cost more than the copy)."""
-    from asyncflow_actors.checkpoint import _transport
+    from asyncflow_actors.checkpoint import _copies
 
-    monkeypatch.setattr(_transport, "INLINE_BYTES", inline_bytes)
+    monkeypatch.setattr(_copies, "INLINE_BYTES", inline_bytes)
     threads: list[str] = []
     digest, pack = HostCache.digest, BucketSource.pack
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from ._copies import copy_bytes, offloads, run_sync
 from ._manifest import TensorSpec, dtype_of
 
 if TYPE_CHECKING:
@@ -56,8 +57,6 @@ class Assembly:
         """Copy every piece into its tensor; the tensors by name (manifest order)."""
         import torch
 
-        from ._buckets import copy_bytes
-
         out: dict[str, torch.Tensor] = {}
         parts, self.parts = self.parts, []
         for part in parts:
@@ -85,8 +84,6 @@ class Assembling:
         """Run the assembly (in a worker thread with ``offload``); a second call returns at
         once. Errors are kept for ``result``. Shielded: a bounded copy, and its waiters must
         never wait for one abandoned halfway."""
-        from ._transport import offloads, run_sync
-
         if self.started:
             await trio.lowlevel.checkpoint()
             return

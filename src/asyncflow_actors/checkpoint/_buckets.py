@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from ._assembly import Assembly, Part
+from ._copies import copy_bytes
 from ._errors import ChecksumMismatch, IncompleteSync, ManifestError, UnknownChecksum
 from ._manifest import Manifest, dtype_of, tensor_bytes
 
@@ -39,24 +40,11 @@ except ImportError:  # pragma: no cover - a core dependency; CRC-32 without it
 PROCESS_TOKEN: Final = secrets.token_hex(8)
 
 
-#: CPU copies of fewer bytes go through numpy (one thread, a memcpy): torch splits copies of
-#: 32 Ki elements and more across its intra-op threads, and on a busy machine each such copy then
-#: waits for a thread to be scheduled: a millisecond apiece for the pieces of a small bucket.
-SMALL_COPY: Final = 1 << 20
-
 #: Copied and hashed a chunk at a time: the hash reads the chunk just written, from cache.
 CHUNK: Final = 1 << 20
 
 #: The checksum algorithms a sync may name, and how messages call them.
 ALGORITHMS: Final = {"xxh3": "XXH3-64", "crc32": "CRC-32"}
-
-
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for flat uint8 tensors of the same size (numpy when small, on CPU)."""
-    if dst.numel() < SMALL_COPY and dst.device.type == "cpu" and src.device.type == "cpu":
-        dst.numpy()[:] = src.numpy()
-    else:
-        dst.copy_(src)
 
 
 def resolve_checksum(setting: str) -> str:

@@ -148,7 +148,7 @@ async def receive_broadcast(group: Group, cache: HostCache, offload: bool) -> in
     bucket *k* into the cache while bucket *k+1* arrives. Returns the bytes staged."""
     import torch
 
-    from ._transport import run_sync
+    from ._copies import run_sync
 
     received = 0
     async with trio.open_nursery() as nursery:

@@ -28,10 +28,11 @@ import trio
 # models is a leaf (pure torch, no library imports): its safetensors codec is shared here.
 from ..models import deserialize_safetensors, serialize_safetensors
 from ._buckets import ALGORITHMS, CHUNK, hasher, resolve_checksum
+from ._copies import run_sync
 from ._errors import ChecksumMismatch, ManifestError
 from ._manifest import Manifest, dtype_of
 from ._messages import ReadShard
-from ._transport import SyncSession, ask_all, run_sync
+from ._transport import SyncSession, ask_all
 
 if TYPE_CHECKING:
     import torch

@@ -41,6 +41,7 @@ import trio
 from ..actors import Actor, ActorContext, Reply
 from ._assembly import Assembling, Assembly
 from ._buckets import PROCESS_TOKEN, HostCache
+from ._copies import offloads, run_sync
 from ._errors import ManifestError, StaleSync
 from ._manifest import TensorSpec, spec_of
 from ._messages import (
@@ -60,7 +61,6 @@ from ._messages import (
     SyncResume,
 )
 from ._target import PauseAck, PauseMode, SyncTarget
-from ._transport import offloads, run_sync
 
 if TYPE_CHECKING:
     import torch

@@ -32,6 +32,7 @@ import trio
 from ..actors import ActorRef, Request
 from ._buckets import BucketSource, checksum
 from ._config import CheckpointConfig
+from ._copies import offloads, run_sync
 from ._manifest import BucketSpec, Manifest
 from ._messages import PutBucket
 
@@ -79,27 +80,6 @@ async def ask_all(
         for i in range(len(refs)):
             nursery.start_soon(one, i)
     return results
-
-
-# Copies and checksums of fewer bytes run inline even with ``offload``: they take well under a
-# millisecond, while a hop to a worker thread and back waits for the GIL, up to a switch
-# interval (5 ms) each way when a compute thread of the process holds it (a rollout generating).
-INLINE_BYTES = 1 << 20
-
-
-def offloads(offload: bool, nbytes: int) -> bool:
-    """Whether work on ``nbytes`` goes to a worker thread (``offload`` and not small)."""
-    return offload and nbytes >= INLINE_BYTES
-
-
-async def run_sync(
-    offload: bool, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter | None = None
-) -> T:
-    """Run ``fn(*args)`` in a worker thread (``offload``) or inline; a checkpoint either way."""
-    if offload:
-        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
-    await trio.lowlevel.checkpoint()
-    return fn(*args)
 
 
 @attrs.define(eq=False)
