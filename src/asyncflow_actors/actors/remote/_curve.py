@@ -220,6 +220,7 @@ class KeyBindings:
         self.zap = zap
         self.bound: dict[str, bytes] = {}
         self.heard: dict[str, bytes] = {}
+        self._changed = trio.Event()  # set (and replaced) whenever a key becomes known
         self._refresh()
 
     def directs(self, key: bytes) -> bool:
@@ -247,12 +248,31 @@ class KeyBindings:
         self.bound[name] = value
         self.heard.pop(name, None)
         self._refresh()
+        self._learned()
         return True
 
     def hear(self, name: str, key: bytes) -> None:
         """``name`` proved ``key`` in its own hello; kept only while its name is not bound."""
         if key and name not in self.bound:
             self.heard[name] = key
+            self._learned()
+
+    def _learned(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for_key(self, name: str, deadline: float) -> bool:
+        """Whether the key of ``name`` is known, waiting for it until ``deadline``: a ref to a
+        node (and where it listens) can reach this system before the supervisor's ``PEERS``
+        update binding its key does, as when nodes start together. Always a checkpoint."""
+        await trio.lowlevel.checkpoint()
+        while self.key_of(name) is None:
+            changed = self._changed
+            with trio.move_on_at(deadline):
+                await changed.wait()
+            if not changed.is_set():
+                return False
+        return True
 
     def key_of(self, name: str) -> bytes | None:
         """The server key to expect from ``name`` (the cluster model: the cluster key)."""

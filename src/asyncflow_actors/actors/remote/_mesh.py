@@ -504,6 +504,8 @@ class Mesh:
                             f"{self.options.connect_timeout}s (its process is gone)"
                         )
                     continue
+                if self.keys is not None and not await self.keys.wait_for_key(peer.name, deadline):
+                    raise P.NodeLost(f"the CURVE key of node {peer.name!r} is not known here")
                 if await self._connect_at(peer, address, moved, deadline):
                     return
         except P.NodeLost as exc:

@@ -146,6 +146,13 @@ class NodeActor(Actor[SpawnRemote | GetNode]):
         )
         await mesh.broadcast(update, peer.name)
         peer.attach(link, info, launched.address, authoritative=True)
+        # Nodes starting together miss each other above (a peer mid-start has no link to
+        # tell, nor endpoints to be told about): once attached, this one tells its update
+        # again and hears everyone attached by now; of any two, the later to attach then
+        # finds the other attached, both ways, before its start returns.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mesh.broadcast, update, peer.name)
+            nursery.start_soon(mesh.tell_peers, link, mesh.supervised_updates(peer.name))
 
     async def _spawn_on(self, link: NodeLink, request: P.SpawnRequest) -> RemoteActorRef[Any]:
         register_value_types(link.registry, request.kwargs)
