@@ -11,6 +11,8 @@ medians of ``STEPS`` measured steps after one warm-up step (syncs likewise; ``--
 
 - ``trainer_step_2ranks`` (s per global batch, FSDP2 over 2 ranks); baseline: 1 rank; the
   ratio is the scaling (2 cores: ideal 0.5).
+- ``trainer_step_2ranks_ddp`` (s): the same with ``sharding = "ddp"`` (replicas, one
+  all-reduce of the gradients: the option for a model that fits a rank); baseline: 1 rank.
 - ``trainer_step_cpu_2ranks`` (s): rank 0's CPU time per step with 2 ranks; baseline: 1 rank
   (its share of the work, whatever the host's load; ideal 0.5 plus the collectives).
 - ``trainer_sync_s_2ranks``, ``trainer_sync_s_4ranks`` (s): a whole weight sync
@@ -500,12 +502,15 @@ def main() -> None:
             two.step(batch())  # the adapters' optimizer state
             lora_memory = two.memory()
             lora_sync = sync(two, lora_only=True)
+        with DistributedLearner.open(run, ParallelSettings(ranks=2, sharding="ddp")) as ddp:
+            step_ddp, _ = step_time(ddp)
         with DistributedLearner.open(run, ParallelSettings(ranks=4)) as four:
             sync_4 = sync(four)
         rises = {n: memory_of(n, False, folder) for n in (1, 2, 4)}
         funnels = {n: memory_of(n, True, folder) for n in (2, 4)}
         emit("trainer_step_2ranks", step_2, "s", step_1)
         emit("trainer_step_cpu_2ranks", cpu_2, "s", cpu_1)
+        emit("trainer_step_2ranks_ddp", step_ddp, "s", step_1)
         emit("trainer_sync_s_2ranks", sync_2.seconds, "s", sync_1.seconds)
         emit("trainer_sync_s_4ranks", sync_4.seconds, "s", sync_1.seconds)
         emit("trainer_sync_shard_bytes_2ranks", sync_2.shard, "bytes", sync_1.shard)
