@@ -72,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -361,14 +362,23 @@ async def rank_fetch_steps(group: DistributedLearner) -> dict[str, list[float]]:
             header, tensors = step_data(step)
             return seconds, command_bytes(header, tensors) + int(metrics["fetched_bytes"])
 
-        await broadcast()  # warm-up, both ways
-        await fetch()
-        for _ in range(STEPS):
-            for kind, take in (("broadcast", broadcast), ("fetch", fetch)):
-                seconds, nbytes = await take()
-                out[kind].append(seconds)
-                out[f"{kind}_bytes"].append(nbytes)
+        await _alternate(out, broadcast, fetch)
     return out
+
+
+async def _alternate(
+    out: dict[str, list[float]],
+    broadcast: Callable[[], Awaitable[tuple[float, float]]],
+    fetch: Callable[[], Awaitable[tuple[float, float]]],
+) -> None:
+    """One warm-up of each, then ``STEPS`` of both alternated: seconds and bytes into ``out``."""
+    await broadcast()
+    await fetch()
+    for _ in range(STEPS):
+        for kind, take in (("broadcast", broadcast), ("fetch", fetch)):
+            seconds, nbytes = await take()
+            out[kind].append(seconds)
+            out[f"{kind}_bytes"].append(nbytes)
 
 
 def rank_fetch_only(folder: Path | None = None) -> None:
@@ -443,13 +453,7 @@ async def forward_fetch_batches(group: Any, topic: Any) -> dict[str, list[float]
             header = header_of(leases, range(ROWS), **options)
             return seconds, command_bytes(header, []) + int(fetched)
 
-        await broadcast()  # warm-up, both ways
-        await fetch()
-        for _ in range(STEPS):
-            for kind, take in (("broadcast", broadcast), ("fetch", fetch)):
-                seconds, nbytes = await take()
-                out[kind].append(seconds)
-                out[f"{kind}_bytes"].append(nbytes)
+        await _alternate(out, broadcast, fetch)
     return out
 
 

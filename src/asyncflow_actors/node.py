@@ -17,7 +17,6 @@ those supervisors say where other nodes listen and which key each name is bound 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ import trio
 
 from .actors.remote._curve import CurveKeypair, CurveServer
 from .actors.remote._endpoints import is_loopback
+from .actors.remote._exit import exit_now
 from .actors.remote._launch import CURVE_KEYS_ENV, OWNER_TOKEN_ENV, NodeOptions
 from .actors.remote._server import DEFAULT_MAX_MESSAGE_BYTES
 from .actors.remote._system import serve_node
@@ -151,22 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     trio.run(_main, args)
-    _exit_now(0)
-
-
-def _exit_now(code: int) -> None:
-    """End the process now that the node stopped cleanly (its actors stopped, its sockets
-    closed), skipping the interpreter's teardown of every module and object: with torch
-    loaded it takes seconds, which its owner would wait out at every stop (``multiprocessing``
-    ends its children the same way). Exit handlers still run first (rank groups end their
-    processes there; logging flushes)."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # closed, or its reader is gone: nothing more can reach it
-    os._exit(code)
+    exit_now(0)
 
 
 if __name__ == "__main__":

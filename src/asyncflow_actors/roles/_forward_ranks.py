@@ -13,7 +13,6 @@ naming a rank that died, within the collective timeout.
 from __future__ import annotations
 
 import atexit
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,13 +21,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._distributed import open_group
-from ._rank_fetch import RankLeases, plain_reason
+from ._rank_fetch import RankLeases, RowSource
 from ._rank_forward import RankForward, forward_parallel
 from ._rank_host import RankHost, encode_batch, spec_to_wire
 from ._ranks import RankGroup
 from ._settings import RunSpec, SettingsError
-
-log = logging.getLogger("asyncflow_actors.roles.ranks")
 
 
 class ForwardGroup:
@@ -37,24 +34,16 @@ class ForwardGroup:
     def __init__(self, group: RankGroup) -> None:
         self.group = group
         self.host = RankHost()
-        self._plain: str | None = None  # why rank 0 broadcasts the rows (None: ranks fetch)
-        reason = plain_reason(group)
-        if reason is not None:
-            self.broadcast_rows(reason)
+        self.rows = RowSource(group, "train.forward_ranks: rank 0 fetches each batch")
 
     @property
     def rank_fetch(self) -> bool:
         """Whether each rank may fetch its own rows of a batch (else rank 0 broadcasts them)."""
-        return self._plain is None
+        return self.rows.ranks_fetch
 
     def broadcast_rows(self, reason: str) -> None:
         """From now on rank 0 fetches every row and broadcasts them (``reason``: logged)."""
-        if self._plain is None:
-            self._plain = reason
-            log.info(
-                "train.forward_ranks: rank 0 fetches each batch and broadcasts its rows: %s",
-                reason,
-            )
+        self.rows.broadcast(reason)
 
     @classmethod
     def open(

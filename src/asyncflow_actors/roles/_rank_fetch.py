@@ -241,6 +241,29 @@ def plain_reason(group: Any) -> str | None:
     return None
 
 
+class RowSource:
+    """Whether each rank of a group fetches its own rows or rank 0 broadcasts them: the
+    broadcast from the start where ``plain_reason`` says so (or ``plain``, not logged), and
+    for good once ``broadcast`` is called (its reason logged once, ``what`` naming the role)."""
+
+    def __init__(self, group: Any, what: str, plain: str | None = None) -> None:
+        self.what = what
+        self.plain = plain  # why rank 0 broadcasts the rows (None: the ranks fetch)
+        reason = plain_reason(group)
+        if reason is not None:
+            self.broadcast(reason)
+
+    @property
+    def ranks_fetch(self) -> bool:
+        return self.plain is None
+
+    def broadcast(self, reason: str) -> None:
+        """From now on rank 0 fetches every row and broadcasts them (``reason``: logged)."""
+        if self.plain is None:
+            self.plain = reason
+            log.info("%s and broadcasts its rows: %s", self.what, reason)
+
+
 def encode_advantages(advantages: Any) -> tuple[str, list[Tensor]]:
     """Rank 0's advantages for the ``step_rows`` command: one value a row where each row's
     are all equal (an outcome advantage), else the padded rows."""

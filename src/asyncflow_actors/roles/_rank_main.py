@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
-import atexit
-import os
 import sys
+
+from ..actors.remote._exit import exit_now
 
 
 def main(argv: list[str]) -> int:
@@ -30,19 +30,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """End the process once its rank left the group, skipping the interpreter's teardown of
-    every module and object, as a node does (``asyncflow_actors.node``): with torch loaded it
-    takes about half a second of CPU, which rank 0 waits out at every close of a group. Exit
-    handlers still run first; the streams are flushed."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # closed, or its reader is gone: nothing more can reach it
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit_now(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

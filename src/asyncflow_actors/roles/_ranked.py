@@ -12,7 +12,6 @@ sync finished (the same update: the loss is normalised over the global batch eit
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
@@ -22,11 +21,9 @@ import torch
 from ._compute import PaddedRows, pad_rows
 from ._distributed import DistributedLearner
 from ._lora import ADAPTER_DIR
-from ._rank_fetch import RANK_FETCH, RankLeases, plain_reason
+from ._rank_fetch import RANK_FETCH, RankLeases, RowSource
 from ._rank_settings import RANKS_DIR, parallel_of
 from ._settings import RunSpec, SettingsError
-
-log = logging.getLogger("asyncflow_actors.roles.ranks")
 
 _COLUMNS = (
     "prompt_ids", "response_ids", "advantages", "old_logprobs", "behaviour_logprobs",
@@ -67,10 +64,10 @@ class RankedLearner:
         self.model = self.dist.learner.policy
         self.rng_state = (torch.get_rng_state(), self.dist.learner.generator.get_state())
         # one rank has no rows to split: it fetches them all in one go, as a trainer does
-        self._plain: str | None = "one rank" if self.dist.group.world_size == 1 else None
-        reason = plain_reason(self.dist.group)
-        if reason is not None:
-            self.broadcast_rows(reason)
+        self.rows = RowSource(
+            self.dist.group, "train.ranks: rank 0 fetches each step",
+            plain="one rank" if self.dist.group.world_size == 1 else None,
+        )  # fmt: skip
 
     def _data(self, data: Mapping[str, Any]) -> dict[str, Any]:
         if RANK_FETCH in data:
@@ -86,13 +83,11 @@ class RankedLearner:
     @property
     def rank_fetch(self) -> bool:
         """Whether each rank may fetch its own rows of a step (else rank 0 broadcasts them)."""
-        return self._plain is None
+        return self.rows.ranks_fetch
 
     def broadcast_rows(self, reason: str) -> None:
         """From now on rank 0 fetches every row and broadcasts them (``reason``: logged)."""
-        if self._plain is None:
-            self._plain = reason
-            log.info("train.ranks: rank 0 fetches each step and broadcasts its rows: %s", reason)
+        self.rows.broadcast(reason)
 
     def updates(self, data: Mapping[str, Any]) -> Generator[None, None, dict[str, float]]:
         yield  # nothing runs before the sync of the last version is over (module docstring)

@@ -61,20 +61,14 @@ async def fetch_rows(
             incarnation = view.incarnations.get(unit, "")
             shm = await io._prefix(unit, incarnation) is not None
             parts = view.located.get(unit) if shm and not need.get(unit) else None
-            if parts is not None and mine.get(unit):
-                try:
-                    mapped = _mapped(Fetched(parts, {}), unit)
-                except StorageUnavailable:
-                    pass  # compacted, freed or swept since: the unit knows where the rows are
-                else:
-                    io.direct += 1
-                    where = {i: k for k, i in enumerate(view.placement[unit])}
-                    rows = [where[i] for i in mine[unit]]
-                    return {
-                        c: [take(assemble(spec.columns[c], materialize(mapped.columns[c]), None),
-                                 rows)]
-                        for c in columns
-                    }, {}  # fmt: skip
+            mapped = io.map_located(parts, unit) if parts is not None and mine.get(unit) else None
+            if mapped is not None:
+                where = {i: k for k, i in enumerate(view.placement[unit])}
+                rows = [where[i] for i in mine[unit]]
+                return {
+                    c: [take(assemble(spec.columns[c], materialize(mapped.columns[c]), None), rows)]
+                    for c in columns
+                }, {}  # fmt: skip
             msg = Fetch(
                 view.topic, incarnation, mine.get(unit, []), list(columns),
                 list(need.get(unit, ())) if shared_columns else [], list(shared_columns), shm,

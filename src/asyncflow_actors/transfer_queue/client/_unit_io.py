@@ -126,6 +126,17 @@ class UnitIO:
         except (trio.WouldBlock, ActorCrashed, KeyError):
             pass
 
+    def map_located(self, parts: Any, unit: str) -> Fetched | None:
+        """The rows of a lease's located ``parts`` of ``unit``, mapped from shared memory
+        without asking the unit (counted in ``direct``); ``None`` if a segment was compacted,
+        freed or swept since (the unit knows where the rows are: ask it)."""
+        try:
+            mapped = _mapped(Fetched(parts, {}), unit)
+        except StorageUnavailable:
+            return None
+        self.direct += 1
+        return mapped
+
     async def _prefix(self, unit: str, incarnation: str) -> str | None:
         """The unit incarnation's segment prefix if this process can share its memory."""
         if self.shm_min_bytes is None or not incarnation:
@@ -357,14 +368,9 @@ class UnitIO:
                 incarnation = incarnations.get(unit, "")
                 shm = await self._prefix(unit, incarnation) is not None
                 parts = located.get(unit) if shm and located else None
-                if parts is not None:
-                    try:
-                        mapped = _mapped(Fetched(parts, {}), unit)
-                    except StorageUnavailable:
-                        pass  # compacted, freed or swept since: the unit knows where the rows are
-                    else:
-                        self.direct += 1
-                        return mapped
+                mapped = self.map_located(parts, unit) if parts is not None else None
+                if mapped is not None:
+                    return mapped
                 groups = list(shared_groups.get(unit, ())) if shared_columns else []
                 msg = Fetch(
                     topic, incarnation, list(placement[unit]), columns, groups,
